@@ -1,0 +1,154 @@
+"""Fork launcher for multi-rank tests and demos on one machine.
+
+``launch(fn, world_size, *args)`` forks ``world_size`` processes, each joins a gloo process group
+(the rendezvous store is hosted by the parent on a free port, so concurrent tests never collide),
+runs ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back. A rank that raises,
+dies, or is still running when ``timeout_s`` passes makes ``launch`` kill every rank and raise
+:class:`RankFailure` naming the rank(s) and carrying their tracebacks.
+
+NOTES: never initialise CUDA in the parent before forking (a forked child cannot use it).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = ["launch", "RankFailure"]
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks of a :func:`launch` raised, died or timed out."""
+
+    def __init__(self, message: str, failed_ranks: list[int]):
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+
+def _child(conn, store_port: int, rank: int, world_size: int, backend: str, pg_timeout_s: float,
+           fn: Callable, args: tuple, kwargs: dict, num_threads: int) -> None:
+    status, payload = "ok", None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(num_threads)
+        store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
+                              timeout=timedelta(seconds=pg_timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        payload = fn(rank, world_size, *args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        status = "error"
+        payload = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    try:
+        conn.send_bytes(pickle.dumps((status, payload)))
+    except Exception as exc:  # unpicklable result
+        conn.send_bytes(pickle.dumps(("error", f"result of rank {rank} could not be sent back: {exc}")))
+    conn.close()
+    # Skip interpreter teardown: process-group destructors can block on peers that already left.
+    os._exit(0)
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+           backend: str = "gloo", pg_timeout_s: float | None = None, num_threads: int = 1,
+           **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks.
+
+    Arguments:
+        fn: a module-level or nested function; it runs after ``torch.distributed`` is initialised
+            (``backend`` gloo by default; nccl maps rank ``r`` to GPU ``r % device_count``).
+        timeout_s: wall-clock bound for the whole run; past it the remaining ranks are killed.
+        pg_timeout_s: timeout of the process group's own collectives (default ``timeout_s``).
+        num_threads: torch intra-op threads per rank (1 keeps 8 ranks on 2 cores responsive).
+
+    Returns:
+        the list of the ranks' return values, indexed by rank.
+    """
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("fork")
+    server = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=timeout_s))
+    port = server.port
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(child_conn, port, rank, world_size, backend,
+                                             pg_timeout_s or timeout_s, fn, args, kwargs, num_threads),
+                        daemon=True)
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+
+    results: list[Any] = [None] * world_size
+    done = [False] * world_size
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not all(done):
+            progressed = False
+            for rank in range(world_size):
+                if done[rank]:
+                    continue
+                if conns[rank].poll(0):
+                    try:
+                        status, payload = pickle.loads(conns[rank].recv_bytes())
+                    except EOFError:
+                        procs[rank].join(timeout=5)
+                        status, payload = "error", (f"rank {rank} died (exit code {procs[rank].exitcode}) "
+                                                    f"without a result")
+                    done[rank] = True
+                    progressed = True
+                    if status == "ok":
+                        results[rank] = payload
+                    else:
+                        errors[rank] = payload
+                elif not procs[rank].is_alive() and not conns[rank].poll(0):
+                    done[rank] = True
+                    progressed = True
+                    errors[rank] = f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
+            if errors and not all(done):
+                # Give the others a moment to report their own (often more informative) errors.
+                grace = time.monotonic() + 5.0
+                while time.monotonic() < grace and not all(
+                        done[r] or conns[r].poll(0) or not procs[r].is_alive() for r in range(world_size)):
+                    time.sleep(0.01)
+                if not all(done[r] or conns[r].poll(0) or not procs[r].is_alive() for r in range(world_size)):
+                    for r in range(world_size):
+                        if not done[r]:
+                            errors.setdefault(r, f"rank {r} was still running after rank(s) "
+                                                 f"{sorted(errors)} failed; killed")
+                            done[r] = True
+            if time.monotonic() > deadline:
+                for r in range(world_size):
+                    if not done[r]:
+                        errors[r] = f"rank {r} did not finish within {timeout_s:.1f} s; killed"
+                        done[r] = True
+            if not progressed:
+                time.sleep(0.005)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=5)
+        for c in conns:
+            c.close()
+        del server
+    if errors:
+        ranks = sorted(errors)
+        details = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in ranks)
+        raise RankFailure(f"rank(s) {ranks} failed:\n{details}", ranks)
+    return results
