@@ -32,7 +32,9 @@ def group_scale(amax, ROUND_SCALE: tl.constexpr):
     # NOTES: written as where() rather than maximum() so that NaN propagates the same way on every
     # backend (torch's clamp keeps NaN).
     amax = tl.where(amax < AMAX_MIN, AMAX_MIN, amax)
-    scale = amax / FP8_MAX
+    # NOTES: div_rn, not ``/``: compiled Triton lowers a float32 ``/`` to div.full.f32 (up to 2 ulp
+    # off), which would break bitwise agreement with torch on a GPU. The interpreter is IEEE either way.
+    scale = tl.math.div_rn(amax, FP8_MAX)
     if ROUND_SCALE:
         scale = ceil_pow2(scale)
     return scale
@@ -46,9 +48,10 @@ def e4m3_bits(v):
     """
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000  # exponent all ones, mantissa non-zero
     a = tl.abs(v)
     a = tl.where(a > FP8_MAX, FP8_MAX, a)
-    a = tl.where(a != a, 0.0, a)  # NaN handled at the end; keep the integer paths defined
+    a = tl.where(is_nan, 0.0, a)  # NaN handled at the end; keep the integer paths defined
     abits = a.to(tl.int32, bitcast=True)
     # Step 1: normal range (|v| >= 2^-6): keep 3 mantissa bits, round half to even; a carry
     # into the exponent field is the correct result.
@@ -63,5 +66,5 @@ def e4m3_bits(v):
     up = (frac > 0.5) | ((frac == 0.5) & ((fli & 1) == 1))
     sub = fli + up.to(tl.int32)
     out = tl.where(a < 0.015625, sub, normal)
-    out = tl.where(v != v, 0x7F, out)
+    out = tl.where(is_nan, 0x7F, out)
     return out | sign

@@ -1,0 +1,182 @@
+"""Per-token-group FP8 quantization kernels (1 x GROUP_SIZE groups along the last dim).
+
+One program quantizes a tile of ``BLOCK_M`` rows x ``GROUPS_PER_PROG`` groups of one expert (the
+grid's third axis; 1 for 2D input) and writes the FP8 bytes and the scales straight into the layout
+the consumer reads:
+
+- FP8 out: any strides; ``transpose_out`` is just strides ``(.., 1, T)`` for the `[.., K, T]` tensor.
+- float32 scales `[L, T, G]`: row-major, column-major (T stride 1) or column-major with the column
+  stride padded to a multiple of 4 (TMA): again just strides, so no transpose kernel ever runs.
+- UE8M0 scales `[L, T, ceil(G / 4)]` int32: four biased exponents per word, group ``g`` in bits
+  ``8 * (g % 4)``; the program packs whole words, so ``GROUPS_PER_PROG`` is a multiple of 4 and the
+  padding groups of the last word are zero (like ``moe_ep.fp8.pack_ue8m0``).
+
+Numerics come from :mod:`moe_ep.kernels.fp8_cast` (shared with every quantizing kernel) and equal
+``moe_ep.fp8.per_token_group_quant_fp8_ref`` bitwise: float32 amax (NaN propagates), IEEE division
+for the scale and for ``x / scale``, explicit round-to-nearest-even onto the e4m3 grid.
+
+Masked 3D input: rows at or past ``masked_m[l]`` (clamped to T) are neither loaded nor stored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_cast import e4m3_bits, group_scale
+from .pdl import pdl_launch_kwargs
+
+__all__ = ["choose_config", "launch_per_token_group_quant", "quantize_tile"]
+
+
+@triton.jit
+def quantize_tile(
+    y,  # float32 [BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE]
+    pid_l, pid_g, offs_t, row_ok,  # expert, group block, [BLOCK_M] row indices and their validity
+    G, W,  # groups per row, int32 words per row of UE8M0 scales
+    q_ptr, stride_ql, stride_qt, stride_qk,
+    s_ptr, stride_sl, stride_st, stride_sg,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr,
+):
+    """Quantize one float32 tile and store its e4m3 bytes (``q_ptr`` is a uint8 view) and scales."""
+    offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    offs_c = tl.arange(0, GROUP_SIZE)
+    group_ok = offs_g < G
+    rows64 = offs_t.to(tl.int64)
+    l64 = pid_l.to(tl.int64)
+
+    # Step 1: per-group amax -> scale -> e4m3 bytes.
+    # NOTES: tl.max on floats ignores NaN (maxnum) but the reference's amax keeps it. |y|'s bit
+    # pattern orders like its value as int32, and every NaN sorts above inf, so an integer max keeps
+    # NaN on every backend (and stays a vectorised numpy max in the interpreter, unlike tl.reduce
+    # with a custom combine function, which loops in Python).
+    abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)  # [BLOCK_M, GROUPS_PER_PROG]
+    scale = group_scale(amax, ROUND_SCALE)
+    bits = e4m3_bits(tl.math.div_rn(y, scale[:, :, None]))
+
+    # Step 2: FP8 bytes. Column index k = g * GROUP_SIZE + c; with transpose_out stride_qt is 1.
+    cols = (offs_g[None, :, None] * GROUP_SIZE + offs_c[None, None, :]).to(tl.int64)
+    q_off = l64 * stride_ql + rows64[:, None, None] * stride_qt + cols * stride_qk
+    tl.store(q_ptr + q_off, bits.to(tl.uint8), mask=row_ok[:, None, None] & group_ok[None, :, None])
+
+    # Step 3: scales, in whatever layout the strides describe (row- or column-major, TMA-padded).
+    if USE_UE8M0:
+        # Groups 4w..4w+3 form word w: split the [BLOCK_M, GROUPS_PER_PROG] exponents into four
+        # [BLOCK_M, GROUPS_PER_PROG // 4] planes (j = 2a + b after the reshape) and OR them together.
+        # Padding groups (g >= G) pack as zero bytes, like pack_ue8m0.
+        exps = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        exps = tl.where(group_ok[None, :], exps, 0)
+        exps = tl.reshape(exps, [BLOCK_M, GROUPS_PER_PROG // 4, 2, 2])
+        even, odd = tl.split(exps)  # j in {0, 2}, j in {1, 3}
+        e0, e2 = tl.split(even)
+        e1, e3 = tl.split(odd)
+        words = e0 | (e1 << 8) | (e2 << 16) | (e3 << 24)  # [BLOCK_M, GROUPS_PER_PROG // 4]
+        offs_w = pid_g * (GROUPS_PER_PROG // 4) + tl.arange(0, GROUPS_PER_PROG // 4)
+        s_off = l64 * stride_sl + rows64[:, None] * stride_st + offs_w[None, :] * stride_sg
+        tl.store(s_ptr + s_off, words, mask=row_ok[:, None] & (offs_w < W)[None, :])
+    else:
+        s_off = l64 * stride_sl + rows64[:, None] * stride_st + offs_g[None, :] * stride_sg
+        tl.store(s_ptr + s_off, scale, mask=row_ok[:, None] & group_ok[None, :])
+
+
+@triton.jit
+def _per_token_group_quant_kernel(
+    x_ptr, q_ptr, s_ptr, masked_m_ptr,
+    T, G, W,
+    stride_xl, stride_xt,  # the last dim of x is contiguous (the wrapper guarantees it)
+    stride_ql, stride_qt, stride_qk,
+    stride_sl, stride_st, stride_sg,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, HAS_MASK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_l = tl.program_id(2)
+    if USE_PDL:
+        # NOTES: x and masked_m may be the previous kernel's output: wait before the first read.
+        tl.extra.cuda.gdc_wait()
+
+    # Step 1: which rows of this expert exist.
+    num_rows = T
+    if HAS_MASK:
+        num_rows = tl.minimum(tl.load(masked_m_ptr + pid_l).to(tl.int32), T)
+    offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_t < num_rows
+
+    # Step 2: load the [BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE] tile (rows past masked_m never load).
+    offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    cols = offs_g[None, :, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, None, :]
+    x_off = pid_l.to(tl.int64) * stride_xl + offs_t.to(tl.int64)[:, None, None] * stride_xt + cols
+    mask = row_ok[:, None, None] & (offs_g < G)[None, :, None]
+    y = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+
+    # Step 3: quantize and store.
+    quantize_tile(y, pid_l, pid_g, offs_t, row_ok, G, W,
+                  q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
+                  GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_config(L: int, T: int, G: int, group_size: int, use_ue8m0: bool, transpose_out: bool,
+                  device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_M, GROUPS_PER_PROG, num_warps)`` for a launch over `[L, T, G]` groups."""
+    min_gpp = 4 if use_ue8m0 else 1  # UE8M0 programs pack whole int32 words
+    max_gpp = max(triton.next_power_of_2(G), min_gpp)
+    t_pow2 = triton.next_power_of_2(max(T, 1))
+    if device.type != "cuda":
+        # Interpreter: every program instance costs ~0.6 ms of Python, so use a few big ones.
+        return min(t_pow2, 64), max_gpp, 4
+    # GPU: ~8K elements (16 KB of BF16) per program; 16+ rows so column-major scale stores and
+    # transposed FP8 stores coalesce, several groups per row block for long contiguous loads.
+    if transpose_out:
+        block_m, gpp = 64, min_gpp
+    else:
+        block_m, gpp = 16, max(min_gpp, min(max(4 * 128 // group_size, 1), max_gpp))
+    block_m = max(min(block_m, t_pow2), 4)
+    # Small batches (decode): split finer until the grid covers the GPU twice.
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+    def grid_size(bm: int, gp: int) -> int:
+        return triton.cdiv(T, bm) * triton.cdiv(G, gp) * L
+
+    while gpp > min_gpp and grid_size(block_m, gpp) < target:
+        gpp //= 2
+    while block_m > 4 and not transpose_out and grid_size(block_m, gpp) < target:
+        block_m //= 2
+    num_warps = 8 if block_m * gpp * group_size >= 8192 else 4
+    return block_m, gpp, num_warps
+
+
+def launch_per_token_group_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple[int, int, int],
+                                 scales: torch.Tensor, masked_m: torch.Tensor | None, group_size: int,
+                                 round_scale: bool, use_ue8m0: bool, transpose_out: bool,
+                                 use_pdl: bool) -> None:
+    """Launch on validated 3D views: ``x`` `[L, T, K]` (last dim contiguous), ``q`` the FP8 output
+    (any shape, addressed through ``q_strides`` = element strides of its logical `[L, T, K]`),
+    ``scales`` `[L, T, G]` float32 or `[L, T, ceil(G / 4)]` int32 with any strides."""
+    L, T, K = x.shape
+    G = K // group_size
+    W = scales.shape[-1] if use_ue8m0 else 0
+    block_m, gpp, num_warps = choose_config(L, T, G, group_size, use_ue8m0, transpose_out, x.device)
+    grid = (triton.cdiv(T, block_m), triton.cdiv(G, gpp), L)
+    _per_token_group_quant_kernel[grid](
+        x, q.view(torch.uint8), scales, masked_m if masked_m is not None else x,
+        T, G, W,
+        x.stride(0), x.stride(1),
+        *q_strides,
+        scales.stride(0), scales.stride(1), scales.stride(2),
+        GROUP_SIZE=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=gpp,
+        ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0, HAS_MASK=masked_m is not None,
+        num_warps=num_warps, **pdl_launch_kwargs(use_pdl, x.device),
+    )

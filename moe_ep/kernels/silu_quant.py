@@ -1,0 +1,85 @@
+"""Fused ``SiLU(gate) * up`` + per-token-group FP8 quantization: one pass between the expert GEMMs.
+
+Input `[L, T, 2N]`: ``gate = x[..., :N]``, ``up = x[..., N:]`` (the first GEMM's output). The
+product is formed in float32 and quantized directly (it is never rounded to the input dtype), then
+stored through :func:`moe_ep.kernels.quant.quantize_tile`, so every output layout option of the plain
+quant kernel applies unchanged. Masked rows (``>= masked_m[l]``) are neither read nor written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import pdl_launch_kwargs
+from .quant import choose_config, quantize_tile
+
+__all__ = ["launch_silu_and_mul_quant"]
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr, q_ptr, s_ptr, masked_m_ptr,
+    T, G, W,
+    stride_xl, stride_xt,  # the last dim of x is contiguous (the wrapper guarantees it)
+    stride_ql, stride_qt, stride_qk,
+    stride_sl, stride_st, stride_sg,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, HAS_MASK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_l = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+    # Step 1: which rows of this expert exist.
+    num_rows = T
+    if HAS_MASK:
+        num_rows = tl.minimum(tl.load(masked_m_ptr + pid_l).to(tl.int32), T)
+    offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_t < num_rows
+
+    # Step 2: gate and up tiles [BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE]; up starts N = G * GROUP_SIZE
+    # columns after gate in the same row.
+    offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    cols = offs_g[None, :, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, None, :]
+    x_off = pid_l.to(tl.int64) * stride_xl + offs_t.to(tl.int64)[:, None, None] * stride_xt + cols
+    mask = row_ok[:, None, None] & (offs_g < G)[None, :, None]
+    gate = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + x_off + G * GROUP_SIZE, mask=mask, other=0.0).to(tl.float32)
+
+    # Step 3: SiLU(gate) * up in float32. exp(-gate) overflows to inf for gate < -88, giving -0.0:
+    # the float32 limit of gate * sigmoid(gate).
+    y = gate / (1.0 + tl.exp(-gate)) * up
+
+    # Step 4: quantize and store.
+    quantize_tile(y, pid_l, pid_g, offs_t, row_ok, G, W,
+                  q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
+                  GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def launch_silu_and_mul_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple[int, int, int],
+                              scales: torch.Tensor, masked_m: torch.Tensor | None, group_size: int,
+                              round_scale: bool, use_ue8m0: bool, transpose_out: bool,
+                              use_pdl: bool) -> None:
+    """Launch on validated 3D views: ``x`` `[L, T, 2N]` (last dim contiguous), ``q`` addressed through
+    ``q_strides`` (element strides of its logical `[L, T, N]`), ``scales`` `[L, T, G or ceil(G / 4)]`."""
+    L, T, two_n = x.shape
+    G = two_n // 2 // group_size
+    W = scales.shape[-1] if use_ue8m0 else 0
+    block_m, gpp, num_warps = choose_config(L, T, G, group_size, use_ue8m0, transpose_out, x.device)
+    grid = (triton.cdiv(T, block_m), triton.cdiv(G, gpp), L)
+    _silu_and_mul_quant_kernel[grid](
+        x, q.view(torch.uint8), scales, masked_m if masked_m is not None else x,
+        T, G, W,
+        x.stride(0), x.stride(1),
+        *q_strides,
+        scales.stride(0), scales.stride(1), scales.stride(2),
+        GROUP_SIZE=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=gpp,
+        ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0, HAS_MASK=masked_m is not None,
+        num_warps=num_warps, **pdl_launch_kwargs(use_pdl, x.device),
+    )

@@ -1,0 +1,365 @@
+"""FP8 (e4m3fn) quantization ops: activations per token group (Triton), weights per 128x128 block (torch).
+
+Activation ops write the scale layout the next GEMM reads directly (no transpose kernel):
+
+================================  ============================================================
+options                           scales of a `[.., T, K]` input (G = K / group_size)
+================================  ============================================================
+(default)                         float32 `[.., T, G]` row-major
+``column_major_scales``           float32 `[.., T, G]`, T stride 1, column stride T
+``tma_aligned_scales``            float32 `[.., T, G]`, T stride 1, column stride T rounded up
+                                  to a multiple of 4 (16 bytes; what DeepGEMM's TMA loads)
+``use_ue8m0``                     int32 `[.., T, ceil(G / 4)]` row-major, group g's exponent byte
+                                  in bits ``8 * (g % 4)``; with ``column_major_scales`` /
+                                  ``tma_aligned_scales`` the same int32 tensor column-major
+                                  (padded to a multiple of 4 rows with TMA)
+================================  ============================================================
+
+Numerics (bitwise equal to :func:`moe_ep.fp8.per_token_group_quant_fp8_ref`): float32
+``amax = max|x_group|`` clamped to at least 1e-4, ``scale = amax / 448`` (rounded up to a power of
+two with ``round_scale``; ``use_ue8m0`` implies it), ``q = e4m3(x / scale)`` round-to-nearest-even,
+saturating at +-448. A group holding a NaN gets a NaN scale and NaN bytes (0x7F or 0xFF: the sign of
+a NaN is not specified); a group holding an inf gets an inf scale, NaN where x is +-inf and +-0 for
+its finite values. UE8M0 stores 0xFF for NaN and inf scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fp8 import (
+    AMAX_MIN,
+    FP8_DTYPE,
+    FP8_MAX,
+    ceil_div,
+    ceil_to_pow2,
+    dequant_fp8_ref,
+    per_token_group_quant_fp8_ref,
+    tma_aligned_size,
+)
+from .kernels.pdl import INTERPRET
+from .kernels.quant import launch_per_token_group_quant
+from .kernels.silu_quant import launch_silu_and_mul_quant
+
+__all__ = [
+    "dequant_block_fp8",
+    "dequant_fp8",
+    "per_block_quant_fp8",
+    "per_token_group_quant_fp8",
+    "scale_layout",
+    "silu_and_mul_fp32",
+    "silu_and_mul_quant_fp8",
+    "silu_and_mul_quant_fp8_ref",
+]
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers
+# ---------------------------------------------------------------------------------------------
+
+def scale_layout(lead: tuple[int, ...], num_rows: int, num_groups: int, *, column_major: bool = False,
+                 tma_aligned: bool = False, use_ue8m0: bool = False) -> tuple[torch.dtype, tuple, tuple]:
+    """``(dtype, shape, strides)`` of the scales for `[*lead, num_rows, num_groups * group_size]` input.
+
+    Column-major means, per leading index, the row dim has stride 1 and the column stride is
+    ``num_rows`` (rounded up to a multiple of 4 with ``tma_aligned``); leading dims are outermost.
+    """
+    dtype = torch.int32 if use_ue8m0 else torch.float32
+    cols = ceil_div(num_groups, 4) if use_ue8m0 else num_groups
+    shape = (*lead, num_rows, cols)
+    if column_major or tma_aligned:
+        rows_padded = tma_aligned_size(num_rows, 4) if tma_aligned else num_rows
+        inner = (1, rows_padded)
+        block = cols * rows_padded
+    else:
+        inner = (cols, 1)
+        block = num_rows * cols
+    outer = []
+    for n in reversed(lead):
+        outer.insert(0, block)
+        block *= n
+    return dtype, shape, (*outer, *inner)
+
+
+def _alloc_scales(lead, num_rows, num_groups, device, column_major, tma_aligned, use_ue8m0) -> torch.Tensor:
+    dtype, shape, strides = scale_layout(lead, num_rows, num_groups, column_major=column_major,
+                                         tma_aligned=tma_aligned, use_ue8m0=use_ue8m0)
+    if not (column_major or tma_aligned):
+        return torch.empty(shape, dtype=dtype, device=device)
+    # Allocate the padded columns too, so a TMA box over the last column stays inside the allocation.
+    rows_padded = strides[-1]
+    storage = torch.empty(*lead, shape[-1], rows_padded, dtype=dtype, device=device)
+    return storage[..., :num_rows].transpose(-1, -2)
+
+
+def _same_strides(t: torch.Tensor, strides: tuple) -> bool:
+    # Strides of size-0/1 dims carry no information (torch picks them freely).
+    if t.numel() == 0:
+        return True
+    return all(n <= 1 or s == e for n, s, e in zip(t.shape, t.stride(), strides, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (every check runs before any launch)
+# ---------------------------------------------------------------------------------------------
+
+def _check_input(x: torch.Tensor, name: str, group_size: int, width_factor: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"{name} must be 2D [M, K] or 3D [L, T, K], got shape {tuple(x.shape)}")
+    if not isinstance(group_size, int) or group_size < 16 or group_size > 1024 or group_size & (group_size - 1):
+        raise ValueError(f"group_size={group_size} must be a power of two in [16, 1024] (128 for DeepGEMM)")
+    k = x.shape[-1]
+    if k % (width_factor * group_size) != 0:
+        what = "hidden" if width_factor == 1 else "2N (the gate and up halves)"
+        raise ValueError(f"{name}: last dim {k} ({what}) must be a multiple of {width_factor * group_size} "
+                         f"for FP8 groups of {group_size}; pad the features (no padded mode)")
+    if x.device.type == "cpu" and not INTERPRET:
+        raise RuntimeError("CPU tensors run the Triton kernels only under the interpreter: set "
+                           "TRITON_INTERPRET=1 before importing moe_ep.quant, or pass CUDA tensors")
+
+
+def _check_masked_m(masked_m: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    if masked_m is None:
+        return None
+    if x.dim() != 3:
+        raise ValueError(f"masked_m needs 3D input [L, T, K], got shape {tuple(x.shape)}")
+    if not isinstance(masked_m, torch.Tensor) or masked_m.dtype not in (torch.int32, torch.int64):
+        got = masked_m.dtype if isinstance(masked_m, torch.Tensor) else type(masked_m).__name__
+        raise TypeError(f"masked_m must be an int32 or int64 tensor, got {got}")
+    if masked_m.shape != (x.shape[0],):
+        raise ValueError(f"masked_m must have shape [L] = [{x.shape[0]}], got {tuple(masked_m.shape)}")
+    if masked_m.device != x.device:
+        raise ValueError(f"masked_m is on {masked_m.device} but x is on {x.device}")
+    return masked_m.contiguous()
+
+
+def _check_out(out: torch.Tensor, shape: tuple, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor) or out.dtype != FP8_DTYPE:
+        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"out must be a {FP8_DTYPE} tensor, got {got}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {list(shape)}, got {list(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but x is on {device}")
+    if out.numel() == 0:
+        return
+    # Rows may be padded (a slice of a wider buffer) but must not overlap: last dim contiguous,
+    # each outer stride covers the extent of the dims inside it.
+    extent = 1
+    for n, s in zip(reversed(out.shape), reversed(out.stride()), strict=True):
+        if n > 1 and s < extent:
+            raise ValueError(f"out must have a contiguous last dim and non-overlapping rows, got strides "
+                             f"{out.stride()} for shape {list(out.shape)}")
+        extent = max(extent, s * n) if n > 1 else extent
+    if out.shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+
+
+def _check_out_scales(out_scales: torch.Tensor, lead, num_rows, num_groups, device, column_major, tma_aligned,
+                      use_ue8m0) -> None:
+    dtype, shape, strides = scale_layout(lead, num_rows, num_groups, column_major=column_major,
+                                         tma_aligned=tma_aligned, use_ue8m0=use_ue8m0)
+    if not isinstance(out_scales, torch.Tensor) or out_scales.dtype != dtype:
+        got = out_scales.dtype if isinstance(out_scales, torch.Tensor) else type(out_scales).__name__
+        raise TypeError(f"out_scales must be {dtype} for these options, got {got}")
+    if tuple(out_scales.shape) != shape:
+        raise ValueError(f"out_scales must have shape {list(shape)}, got {list(out_scales.shape)}")
+    if out_scales.device != device:
+        raise ValueError(f"out_scales is on {out_scales.device} but x is on {device}")
+    if not _same_strides(out_scales, strides):
+        layout = "TMA-aligned column-major" if tma_aligned else "column-major" if column_major else "row-major"
+        raise ValueError(f"out_scales must be {layout} with strides {strides}, got {out_scales.stride()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared driver of both activation ops
+# ---------------------------------------------------------------------------------------------
+
+def _quant_op(launch, x, width_factor, group_size, column_major_scales, tma_aligned_scales, round_scale,
+              use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl):
+    name = "x"
+    _check_input(x, name, group_size, width_factor)
+    masked_m = _check_masked_m(masked_m, x)
+    lead, num_rows, k_out = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1] // width_factor
+    num_groups = k_out // group_size
+    q_shape = (*lead, k_out, num_rows) if transpose_out else (*lead, num_rows, k_out)
+    if out is None:
+        out = torch.empty(q_shape, dtype=FP8_DTYPE, device=x.device)
+    else:
+        _check_out(out, q_shape, x.device)
+    if out_scales is None:
+        out_scales = _alloc_scales(lead, num_rows, num_groups, x.device, column_major_scales, tma_aligned_scales,
+                                   use_ue8m0)
+    else:
+        _check_out_scales(out_scales, lead, num_rows, num_groups, x.device, column_major_scales,
+                          tma_aligned_scales, use_ue8m0)
+
+    # Empty input: nothing to launch.
+    if x.numel() == 0:
+        return out, out_scales
+
+    # The kernels want a contiguous last dim (vector loads; gate and up in the same row) but take
+    # any row/expert strides: only a strided last dim costs a copy.
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    q3 = out if out.dim() == 3 else out.unsqueeze(0)
+    s3 = out_scales if out_scales.dim() == 3 else out_scales.unsqueeze(0)
+    # Element strides of the logical [L, T, K] FP8 tensor (a transposed output is [L, K, T]).
+    q_strides = (q3.stride(0), q3.stride(2), q3.stride(1)) if transpose_out else q3.stride()
+    launch(x3, q3, tuple(q_strides), s3, masked_m, group_size, round_scale, use_ue8m0, transpose_out, use_pdl)
+    return out, out_scales
+
+
+# ---------------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------------
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor,
+    group_size: int = 128,
+    *,
+    column_major_scales: bool = False,
+    tma_aligned_scales: bool = False,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+    transpose_out: bool = False,
+    out: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+    masked_m: torch.Tensor | None = None,
+    use_pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations to FP8 with one scale per ``group_size`` consecutive channels of a row.
+
+    Arguments:
+        x: `[M, K]` or `[L, T, K]` with `torch.bfloat16`, `torch.float16` or `torch.float32`; K a
+            multiple of ``group_size`` (else ValueError). Any row/expert strides; a non-contiguous
+            last dim is copied first.
+        group_size: channels per scale, a power of two (128 for DeepGEMM).
+        column_major_scales: scales column-major (the row dim has stride 1).
+        tma_aligned_scales: column-major with the column stride padded to a multiple of 4.
+        round_scale: round scales up to a power of two.
+        use_ue8m0: pack power-of-two scales as UE8M0 bytes, four per int32 (implies ``round_scale``).
+        transpose_out: write the FP8 tensor transposed, `[K, M]` (`[L, K, T]` for 3D), contiguous.
+        out: optional FP8 output of the shape above; padded rows allowed, contiguous last dim.
+        out_scales: optional scales output with exactly the layout the options select.
+        masked_m: `[L]` int32/int64 on x's device, 3D input only: rows ``t >= masked_m[l]`` (clamped
+            to T) are neither read nor written, in ``x``, the FP8 output and the scales.
+        use_pdl: launch with programmatic dependent launch where supported (Hopper+, Triton >= 3.4);
+            ignored elsewhere. Results are identical either way.
+
+    Returns:
+        x_fp8: `[M, K]` (or `[K, M]` with ``transpose_out``; 3D likewise) with `torch.float8_e4m3fn`.
+        scales: `[M, K / group_size]` `torch.float32`, or `[M, ceil(K / group_size / 4)]` `torch.int32`
+            with ``use_ue8m0``; leading `L` for 3D input; layout per the options.
+    """
+    return _quant_op(launch_per_token_group_quant, x, 1, group_size, column_major_scales, tma_aligned_scales,
+                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl)
+
+
+def silu_and_mul_quant_fp8(
+    x: torch.Tensor,
+    group_size: int = 128,
+    *,
+    column_major_scales: bool = False,
+    tma_aligned_scales: bool = False,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+    transpose_out: bool = False,
+    out: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+    masked_m: torch.Tensor | None = None,
+    use_pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``per_token_group_quant_fp8(silu(gate) * up)`` in one pass, the product kept in float32.
+
+    Arguments:
+        x: `[M, 2N]` or `[L, T, 2N]` with `torch.bfloat16`, `torch.float16` or `torch.float32`:
+            ``gate = x[..., :N]``, ``up = x[..., N:]``; N a multiple of ``group_size``.
+        Every other argument as in :func:`per_token_group_quant_fp8` (with K = N).
+
+    Returns:
+        x_fp8: `[M, N]` (`[N, M]` with ``transpose_out``; 3D likewise) with `torch.float8_e4m3fn`.
+        scales: as :func:`per_token_group_quant_fp8` for K = N.
+
+    The quantization is bitwise the shared one; ``silu(gate) * up`` follows
+    :func:`silu_and_mul_fp32` to float32 rounding (the exponential differs by a few ulp between
+    torch, the interpreter and the GPU), so FP8 bytes can differ by one e4m3 step where the product
+    sits on a rounding boundary.
+    """
+    return _quant_op(launch_silu_and_mul_quant, x, 2, group_size, column_major_scales, tma_aligned_scales,
+                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl)
+
+
+def silu_and_mul_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Torch reference of the fused op's first step: ``silu(gate) * up`` in float32, `[.., 2N]` -> `[.., N]`."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_and_mul_quant_fp8_ref(x: torch.Tensor, group_size: int = 128, round_scale: bool = False,
+                               use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`silu_and_mul_quant_fp8` (row-major scales)."""
+    return per_token_group_quant_fp8_ref(silu_and_mul_fp32(x), group_size, round_scale, use_ue8m0)
+
+
+def dequant_fp8(q: torch.Tensor, scales: torch.Tensor, group_size: int = 128, *,
+                transposed: bool = False) -> torch.Tensor:
+    """Dequantize per-token-group FP8 in any of the layouts above.
+
+    Arguments:
+        q: `[.., M, K]` `torch.float8_e4m3fn`, or `[.., K, M]` with ``transposed``.
+        scales: float32 `[.., M, K / group_size]` (any strides: row-major, column-major, TMA) or the
+            UE8M0 int32 `[.., M, ceil(K / group_size / 4)]` (any strides).
+
+    Returns:
+        `[.., M, K]` `torch.float32` (always row-major orientation).
+    """
+    if transposed:
+        q = q.transpose(-1, -2)
+    return dequant_fp8_ref(q, scales, group_size)
+
+
+def per_block_quant_fp8(w: torch.Tensor, block_size: int = 128, *,
+                        round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize weights with one scale per ``block_size x block_size`` block (torch; runs offline).
+
+    Arguments:
+        w: `[N, K]` or `[E, N, K]` float tensor; N and K need not be multiples of ``block_size``
+            (partial edge blocks use their own amax).
+        round_scale: round scales up to a power of two (what UE8M0 GEMMs need).
+
+    Returns:
+        w_fp8: same shape with `torch.float8_e4m3fn`.
+        scales: `[ceil(N / block_size), ceil(K / block_size)]` (`[E, ...]` for 3D) `torch.float32`.
+    """
+    if not isinstance(w, torch.Tensor) or w.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"w must be a bfloat16, float16 or float32 tensor, got {getattr(w, 'dtype', type(w))}")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
+    *lead, n, k = w.shape
+    nb, kb = ceil_div(n, block_size), ceil_div(k, block_size)
+    wp = torch.nn.functional.pad(w.float(), (0, kb * block_size - k, 0, nb * block_size - n))
+    blocks = wp.reshape(*lead, nb, block_size, kb, block_size)
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=AMAX_MIN)  # [*lead, nb, kb]
+    scales = amax / FP8_MAX
+    if round_scale:
+        scales = ceil_to_pow2(scales)
+    q = (blocks / scales[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.reshape(*lead, nb * block_size, kb * block_size)[..., :n, :k].contiguous()
+    return q, scales
+
+
+def dequant_block_fp8(w_fp8: torch.Tensor, scales: torch.Tensor, block_size: int = 128) -> torch.Tensor:
+    """Inverse of :func:`per_block_quant_fp8`: `[.., N, K]` FP8 and `[.., ceil(N/b), ceil(K/b)]` -> float32."""
+    if w_fp8.dtype != FP8_DTYPE:
+        raise TypeError(f"w_fp8 must be {FP8_DTYPE}, got {w_fp8.dtype}")
+    n, k = w_fp8.shape[-2:]
+    full = scales.repeat_interleave(block_size, dim=-2).repeat_interleave(block_size, dim=-1)
+    return w_fp8.float() * full[..., :n, :k]
