@@ -228,7 +228,7 @@ def test_out_with_padded_rows():
     x, y = make_input("quant", (5,), 256, torch.bfloat16, seed=4)
     buf = torch.full((5, 384), POISON_BYTE, dtype=torch.uint8).view(FP8_DTYPE)
     out = buf[:, 64:320]
-    q, s = per_token_group_quant_fp8(x, out=out)
+    q, _ = per_token_group_quant_fp8(x, out=out)
     q_ref, _ = reference(y, {})
     assert q is out
     assert_bitwise_equal(out, q_ref)
@@ -304,6 +304,7 @@ def test_pdl_request_falls_back():
 # NaN / inf: the documented behaviour
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # inf / inf
 @pytest.mark.parametrize("opts", [{}, {"use_ue8m0": True}], ids=["fp32_scales", "ue8m0"])
 def test_nan_inf(opts):
     x = torch.randn(3, 512, dtype=torch.bfloat16)
