@@ -140,7 +140,8 @@ def choose_config(L: int, T: int, G: int, group_size: int, use_ue8m0: bool, tran
     # GPU: ~8K elements (16 KB of BF16) per program; 16+ rows so column-major scale stores and
     # transposed FP8 stores coalesce, several groups per row block for long contiguous loads.
     if transpose_out:
-        block_m, gpp = 64, min_gpp
+        # 32-64 rows give 32-64 contiguous bytes per column of the [K, M] FP8 output.
+        block_m, gpp = 64 // min_gpp * 2 if use_ue8m0 else 64, min_gpp
     else:
         block_m, gpp = 16, max(min_gpp, min(max(4 * 128 // group_size, 1), max_gpp))
     block_m = max(min(block_m, t_pow2), 4)
