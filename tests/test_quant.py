@@ -304,7 +304,7 @@ def test_pdl_request_falls_back():
 # NaN / inf: the documented behaviour
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # inf / inf
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf / inf, inf * 0
 @pytest.mark.parametrize("opts", [{}, {"use_ue8m0": True}], ids=["fp32_scales", "ue8m0"])
 def test_nan_inf(opts):
     x = torch.randn(3, 512, dtype=torch.bfloat16)
@@ -392,6 +392,20 @@ def test_gpu_masked_poisoned(op, layout):
         assert_bitwise_equal(s[e, :n], s_ref[e, :n], f"scales expert {e}")
         assert bool((q_log[e, n:].view(torch.uint8) == POISON_BYTE).all())
         assert bool((s[e, n:].view(torch.int32) == POISON_WORD).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["row", "round", "ue8m0_tma"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_gpu_native_cast_equals_soft_cast(monkeypatch, op, layout):
+    # The hardware e4m3 cast (sm90+) and the integer path of e4m3_bits give the same bytes.
+    opts = LAYOUTS[layout]
+    x, _ = make_input(op, (4096,), 7168, torch.bfloat16, device="cuda", seed=8)
+    q_native, s_native = OPS[op](x, **opts)
+    monkeypatch.setenv("MOE_EP_FP8_SOFT_CAST", "1")
+    q_soft, s_soft = OPS[op](x, **opts)
+    assert_bitwise_equal(q_native, q_soft, "x_fp8")
+    assert_bitwise_equal(s_native, s_soft, "scales")
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from moe_ep.fp8 import (
     to_column_major,
 )
 from moe_ep.kernels import quant as quant_kernels
-from moe_ep.kernels.fp8_cast import e4m3_bits, group_scale
+from moe_ep.kernels.fp8_cast import e4m3_byte, group_scale, native_e4m3_supported
 from moe_ep.kernels.pdl import pdl_launch_kwargs, pdl_supported
 from moe_ep.quant import (
     dequant_block_fp8,
@@ -27,10 +27,10 @@ from moe_ep.testing import assert_bitwise_equal
 
 
 @triton.jit
-def _cast_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _cast_kernel(v_ptr, out_ptr, n, NATIVE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(v_ptr + offs, mask=offs < n)
-    tl.store(out_ptr + offs, e4m3_bits(v).to(tl.uint8), mask=offs < n)
+    tl.store(out_ptr + offs, e4m3_byte(v, NATIVE), mask=offs < n)
 
 
 @triton.jit
@@ -40,10 +40,10 @@ def _scale_kernel(a_ptr, out_ptr, n, ROUND_SCALE: tl.constexpr, BLOCK: tl.conste
     tl.store(out_ptr + offs, group_scale(a, ROUND_SCALE), mask=offs < n)
 
 
-def _e4m3_bits(v: torch.Tensor) -> torch.Tensor:
+def _e4m3_bits(v: torch.Tensor, native: bool = False) -> torch.Tensor:
     out = torch.empty(v.shape, dtype=torch.uint8, device=v.device)
     block = 1 << 14
-    _cast_kernel[(triton.cdiv(v.numel(), block),)](v, out, v.numel(), BLOCK=block)
+    _cast_kernel[(triton.cdiv(v.numel(), block),)](v, out, v.numel(), NATIVE=native, BLOCK=block)
     return out
 
 
@@ -73,6 +73,10 @@ def test_e4m3_bits_nan():
     assert _e4m3_bits(v).tolist() == [0x7F, 0xFF]
 
 
+def test_native_cast_off_on_cpu():
+    assert not native_e4m3_supported(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("round_scale", [False, True])
 def test_group_scale_matches_torch(round_scale):
     gen = torch.Generator().manual_seed(1)
@@ -88,10 +92,16 @@ def test_group_scale_matches_torch(round_scale):
 
 
 @pytest.mark.gpu
-def test_gpu_e4m3_bits_and_native_cast():
-    # Compiled Triton: the helper matches torch; also record whether the native cast would have.
+@pytest.mark.parametrize("native", [False, True], ids=["integer_path", "hardware_cvt"])
+def test_gpu_e4m3_byte(native):
+    # Compiled Triton: both paths of e4m3_byte match torch's cast (after the reference's clamp).
+    if native and not native_e4m3_supported(torch.device("cuda")):
+        pytest.skip("hardware e4m3 cast path needs sm90+")
     v = _cast_inputs("cuda")
-    assert_bitwise_equal(_e4m3_bits(v), _torch_cast_bits(v), "e4m3 bytes")
+    finite = ~v.isnan()
+    got = _e4m3_bits(v, native)
+    assert_bitwise_equal(got[finite], _torch_cast_bits(v)[finite], "e4m3 bytes")
+    assert bool(((got[~finite] & 0x7F) == 0x7F).all()), "NaN must stay NaN"
 
 
 # ---------------------------------------------------------------------------------------------

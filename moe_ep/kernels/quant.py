@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_cast import e4m3_bits, group_scale
+from .fp8_cast import e4m3_byte, group_scale, native_e4m3_supported
 from .pdl import pdl_launch_kwargs
 
 __all__ = ["choose_config", "launch_per_token_group_quant", "quantize_tile"]
@@ -40,7 +40,7 @@ def quantize_tile(
     q_ptr, stride_ql, stride_qt, stride_qk,
     s_ptr, stride_sl, stride_st, stride_sg,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr,
+    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
 ):
     """Quantize one float32 tile and store its e4m3 bytes (``q_ptr`` is a uint8 view) and scales."""
     offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
@@ -57,12 +57,18 @@ def quantize_tile(
     abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)  # [BLOCK_M, GROUPS_PER_PROG]
     scale = group_scale(amax, ROUND_SCALE)
-    bits = e4m3_bits(tl.math.div_rn(y, scale[:, :, None]))
+    if ROUND_SCALE:
+        # 1 / 2^k is exact, and y * 2^-k rounds exactly like y / 2^k: same bits as the reference's
+        # division at one multiply per value.
+        q = y * tl.math.div_rn(1.0, scale)[:, :, None]
+    else:
+        q = tl.math.div_rn(y, scale[:, :, None])
+    byte = e4m3_byte(q, NATIVE_FP8)
 
     # Step 2: FP8 bytes. Column index k = g * GROUP_SIZE + c; with transpose_out stride_qt is 1.
     cols = (offs_g[None, :, None] * GROUP_SIZE + offs_c[None, None, :]).to(tl.int64)
     q_off = l64 * stride_ql + rows64[:, None, None] * stride_qt + cols * stride_qk
-    tl.store(q_ptr + q_off, bits.to(tl.uint8), mask=row_ok[:, None, None] & group_ok[None, :, None])
+    tl.store(q_ptr + q_off, byte, mask=row_ok[:, None, None] & group_ok[None, :, None])
 
     # Step 3: scales, in whatever layout the strides describe (row- or column-major, TMA-padded).
     if USE_UE8M0:
@@ -92,7 +98,8 @@ def _per_token_group_quant_kernel(
     stride_ql, stride_qt, stride_qk,
     stride_sl, stride_st, stride_sg,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, HAS_MASK: tl.constexpr, USE_PDL: tl.constexpr,
+    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, HAS_MASK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -118,7 +125,7 @@ def _per_token_group_quant_kernel(
     # Step 3: quantize and store.
     quantize_tile(y, pid_l, pid_g, offs_t, row_ok, G, W,
                   q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
-                  GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0)
+                  GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -179,5 +186,5 @@ def launch_per_token_group_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tu
         scales.stride(0), scales.stride(1), scales.stride(2),
         GROUP_SIZE=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=gpp,
         ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0, HAS_MASK=masked_m is not None,
-        num_warps=num_warps, **pdl_launch_kwargs(use_pdl, x.device),
+        NATIVE_FP8=native_e4m3_supported(x.device), num_warps=num_warps, **pdl_launch_kwargs(use_pdl, x.device),
     )

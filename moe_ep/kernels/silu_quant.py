@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_cast import native_e4m3_supported
 from .pdl import pdl_launch_kwargs
 from .quant import choose_config, quantize_tile
 
@@ -26,7 +27,8 @@ def _silu_and_mul_quant_kernel(
     stride_ql, stride_qt, stride_qk,
     stride_sl, stride_st, stride_sg,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, HAS_MASK: tl.constexpr, USE_PDL: tl.constexpr,
+    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, HAS_MASK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -57,7 +59,7 @@ def _silu_and_mul_quant_kernel(
     # Step 4: quantize and store.
     quantize_tile(y, pid_l, pid_g, offs_t, row_ok, G, W,
                   q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
-                  GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0)
+                  GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -81,5 +83,5 @@ def launch_silu_and_mul_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple
         scales.stride(0), scales.stride(1), scales.stride(2),
         GROUP_SIZE=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=gpp,
         ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0, HAS_MASK=masked_m is not None,
-        num_warps=num_warps, **pdl_launch_kwargs(use_pdl, x.device),
+        NATIVE_FP8=native_e4m3_supported(x.device), num_warps=num_warps, **pdl_launch_kwargs(use_pdl, x.device),
     )
