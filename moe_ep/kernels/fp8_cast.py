@@ -20,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0
-AMAX_MIN: tl.constexpr = 1e-4
+# NOTES: globals read inside @triton.jit must be constexpr *instances*; the annotation form
+# (``FP8_MAX: tl.constexpr = 448.0``) runs in the interpreter but fails to compile.
+FP8_MAX = tl.constexpr(448.0)
+AMAX_MIN = tl.constexpr(1e-4)
 
 
 @triton.jit

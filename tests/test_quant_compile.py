@@ -1,0 +1,105 @@
+"""The quant kernels compile for sm90 (PTX + ptxas) on a machine without a GPU.
+
+The interpreter accepts things compiled Triton refuses (e.g. globals annotated ``x: tl.constexpr = ..``),
+so every kernel variant is also compiled ahead of time for an H100 target with the installed Triton's
+own ptxas, in a subprocess without ``TRITON_INTERPRET``. The PTX is checked for what performance
+needs: 16-byte vector loads and FP8 stores, the hardware e4m3 cast, IEEE division where the scale is
+not a power of two, and the PDL instructions only when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r'''
+import json, os, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_ep.kernels.quant import _per_token_group_quant_kernel
+from moe_ep.kernels.silu_quant import _silu_and_mul_quant_kernel
+
+KERNELS = {"quant": _per_token_group_quant_kernel, "silu": _silu_and_mul_quant_kernel}
+
+
+def compile_variant(op, dtype, block_m, gpp, round_scale, ue8m0, mask, native, pdl, column_major, transpose):
+    kern = KERNELS[op]
+    names = kern.arg_names
+    sig = {n: "i32" for n in names}
+    sig.update({"x_ptr": "*" + dtype, "q_ptr": "*u8", "s_ptr": "*i32" if ue8m0 else "*fp32",
+                "masked_m_ptr": "*i32" if mask else "*" + dtype, "stride_xl": "i64"})
+    const = {"GROUP_SIZE": 128, "BLOCK_M": block_m, "GROUPS_PER_PROG": gpp, "ROUND_SCALE": round_scale or ue8m0,
+             "USE_UE8M0": ue8m0, "HAS_MASK": mask, "NATIVE_FP8": native, "USE_PDL": pdl}
+    # What a launch specialises: unit strides become constexpr 1, the rest (K, M, ...) divisible by 16.
+    unit = ["stride_qt" if transpose else "stride_qk", "stride_st" if column_major else "stride_sg"]
+    for n in unit:
+        const[n] = 1
+    for n in const:
+        sig[n] = "constexpr"
+    div16 = [n for n in names if sig[n] != "constexpr" and n not in ("G", "W")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    try:
+        src = ASTSource(kern, sig, const, attrs)
+    except TypeError as exc:  # a Triton whose ASTSource API differs: not a kernel problem
+        return {"skip": str(exc)}
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if block_m * gpp >= 64 else 4})
+    ptx = ck.asm["ptx"]
+    ops = {}
+    for m in re.findall(r"\b((?:ld|st)\.global(?:\.v\d)?\.b\d+|cvt\.rn\.satfinite\.e4m3x2\.f32|div\.rn\.f32|griddepcontrol\.\w+)", ptx):
+        ops[m] = ops.get(m, 0) + 1
+    return ops
+
+
+cases = json.loads(sys.argv[1])
+print(json.dumps([compile_variant(*c) for c in cases]))
+'''
+
+# (op, dtype, BLOCK_M, GROUPS_PER_PROG, round_scale, ue8m0, masked, native cast, PDL, column-major, transpose_out)
+CASES = [
+    ("quant", "bf16", 16, 4, False, False, False, True, False, True, False),
+    ("quant", "bf16", 16, 4, True, True, True, True, True, True, False),
+    ("quant", "fp32", 4, 1, False, False, False, False, False, False, False),
+    ("quant", "bf16", 64, 1, False, False, False, True, False, True, True),
+    ("silu", "bf16", 16, 4, False, False, True, True, True, True, False),
+    ("silu", "fp16", 32, 4, True, True, False, True, False, True, True),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"compiling the kernels for sm90 failed:\n{proc.stderr[-4000:]}")
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    if any("skip" in r for r in results):
+        pytest.skip(f"ASTSource API differs in this Triton: {results[0].get('skip')}")
+    return dict(zip(range(len(CASES)), results, strict=True))
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-bm{c[2]}-g{c[3]}" for c in CASES])
+def test_compiles_for_sm90(compiled, index):
+    _op, _dtype, _bm, _gpp, round_scale, ue8m0, _mask, native, pdl, _col, _transpose = CASES[index]
+    ops = compiled[index]
+    assert ops.get("ld.global.v4.b32", 0) + ops.get("ld.global.v2.b32", 0) > 0, f"no vector loads: {ops}"
+    assert ops.get("st.global.b8", 0) == 0, f"FP8 stored byte by byte: {ops}"
+    if _bm * _gpp >= 16:
+        assert ops.get("st.global.v4.b32", 0) > 0, f"FP8 stores not 16-byte vectors: {ops}"
+    assert (ops.get("cvt.rn.satfinite.e4m3x2.f32", 0) > 0) == native, ops
+    assert (ops.get("griddepcontrol.wait", 0) > 0) == pdl, ops
+    assert (ops.get("griddepcontrol.launch_dependents", 0) > 0) == pdl, ops
+    if not (round_scale or ue8m0):
+        assert ops.get("div.rn.f32", 0) > 0, f"x / scale must be IEEE division: {ops}"
