@@ -8,6 +8,8 @@ gate = 0; gate <= -104: -0.0), so the FP8 bytes and scales must equal the refere
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,6 +22,10 @@ from moe_ep.quant import (
     silu_and_mul_quant_fp8_ref,
 )
 from moe_ep.testing import assert_bitwise_equal, assert_close_ulp
+
+# Without a GPU the kernels run in the interpreter on CPU tensors; where a GPU is present (no
+# TRITON_INTERPRET) the same small cases run compiled on it.
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 # SiLU's exp(-gate) overflows to inf on purpose for gate < -88 (numpy warns in the interpreter).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -43,7 +49,7 @@ POISON_BYTE = 0x5A  # an e4m3 value no quantization of these inputs produces in 
 POISON_WORD = 0x12345678
 
 
-def make_input(op: str, lead: tuple, k: int, dtype: torch.dtype, device="cpu", seed=0):
+def make_input(op: str, lead: tuple, k: int, dtype: torch.dtype, device=DEV, seed=0):
     """Input of ``op`` and the float32 values its quantization sees (`[*lead, k]`)."""
     gen = torch.Generator().manual_seed(seed)
     # Magnitudes spread over 1e-6 .. 1e3 per group, so scales, subnormal FP8 codes and the amax
@@ -51,14 +57,14 @@ def make_input(op: str, lead: tuple, k: int, dtype: torch.dtype, device="cpu", s
     mag = 10.0 ** torch.randint(-6, 4, (*lead, k // 128, 1), generator=gen).float()
     vals = (torch.randn(*lead, k // 128, 128, generator=gen) * mag).reshape(*lead, k)
     if op == "quant":
-        x = vals.to(dtype)
-        return x.to(device), x.float()
+        x = vals.to(dtype).to(device)
+        return x, x.float()
     choice = torch.randint(0, 4, (*lead, k), generator=gen)
     gate = torch.where(choice == 0, 0.0, torch.where(choice == 1, -104.0 - 50 * torch.rand(*lead, k, generator=gen),
                                                       20.0 + 50 * torch.rand(*lead, k, generator=gen))).to(dtype)
     up = vals.to(dtype)
-    x = torch.cat([gate, up], dim=-1)
-    return x.to(device), quantized_values(op, x)
+    x = torch.cat([gate, up], dim=-1).to(device)
+    return x, quantized_values(op, x)
 
 
 def quantized_values(op: str, x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +98,7 @@ def check_layout(scales: torch.Tensor, lead, rows, groups, opts: dict) -> None:
             (scales.stride(), strides)
 
 
-def poisoned_outputs(lead, rows, k, opts, device="cpu"):
+def poisoned_outputs(lead, rows, k, opts, device=DEV):
     q_shape = (*lead, k, rows) if opts.get("transpose_out") else (*lead, rows, k)
     out = torch.full(q_shape, POISON_BYTE, dtype=torch.uint8, device=device).view(FP8_DTYPE)
     dtype, shape, strides = scale_layout(lead, rows, k // 128, column_major=opts.get("column_major_scales", False),
@@ -159,7 +165,7 @@ def test_masked_poisoned(op, k, layout):
     num_experts, rows = 4, 5
     x, y = make_input(op, (num_experts, rows), k, torch.bfloat16, seed=k)
     # An expert with no rows, some, all, and more than T (clamped to T).
-    masked_m = torch.tensor([0, 3, rows, rows + 7], dtype=torch.int32 if k == 128 else torch.int64)
+    masked_m = torch.tensor([0, 3, rows, rows + 7], dtype=torch.int32 if k == 128 else torch.int64, device=DEV)
     out, out_scales = poisoned_outputs((num_experts,), rows, k, opts)
     q, s = OPS[op](x, out=out, out_scales=out_scales, masked_m=masked_m, **opts)
     assert q is out and s is out_scales
@@ -190,7 +196,7 @@ def test_masked_rows_never_read():
     x, y = make_input("quant", (2, 4), 256, torch.bfloat16, seed=5)
     x[0, 1:] = float("nan")
     x[1, 3:] = float("nan")
-    masked_m = torch.tensor([1, 3], dtype=torch.int32)
+    masked_m = torch.tensor([1, 3], dtype=torch.int32, device=DEV)
     out, out_scales = poisoned_outputs((2,), 4, 256, {})
     q, s = per_token_group_quant_fp8(x, out=out, out_scales=out_scales, masked_m=masked_m)
     q_ref, s_ref = reference(y, {})
@@ -226,7 +232,7 @@ def test_strided_inputs(op):
 
 def test_out_with_padded_rows():
     x, y = make_input("quant", (5,), 256, torch.bfloat16, seed=4)
-    buf = torch.full((5, 384), POISON_BYTE, dtype=torch.uint8).view(FP8_DTYPE)
+    buf = torch.full((5, 384), POISON_BYTE, dtype=torch.uint8, device=DEV).view(FP8_DTYPE)
     out = buf[:, 64:320]
     q, _ = per_token_group_quant_fp8(x, out=out)
     q_ref, _ = reference(y, {})
@@ -237,43 +243,43 @@ def test_out_with_padded_rows():
 
 
 def test_bad_outputs_refused():
-    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    x = torch.randn(4, 256, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="out must have shape"):
-        per_token_group_quant_fp8(x, out=torch.empty(4, 128, dtype=FP8_DTYPE))
+        per_token_group_quant_fp8(x, out=torch.empty(4, 128, dtype=FP8_DTYPE, device=DEV))
     with pytest.raises(TypeError, match="out must be"):
-        per_token_group_quant_fp8(x, out=torch.empty(4, 256, dtype=torch.uint8))
+        per_token_group_quant_fp8(x, out=torch.empty(4, 256, dtype=torch.uint8, device=DEV))
     with pytest.raises(ValueError, match="contiguous last dim"):
-        per_token_group_quant_fp8(x, out=torch.empty(256, 4, dtype=FP8_DTYPE).t())
+        per_token_group_quant_fp8(x, out=torch.empty(256, 4, dtype=FP8_DTYPE, device=DEV).t())
     with pytest.raises(ValueError, match="out_scales must be column-major"):
-        per_token_group_quant_fp8(x, column_major_scales=True, out_scales=torch.empty(4, 2))
+        per_token_group_quant_fp8(x, column_major_scales=True, out_scales=torch.empty(4, 2, device=DEV))
     with pytest.raises(ValueError, match="TMA-aligned"):
-        per_token_group_quant_fp8(x, tma_aligned_scales=True, out_scales=torch.empty(2, 5)[:, :4].t())
+        per_token_group_quant_fp8(x, tma_aligned_scales=True, out_scales=torch.empty(2, 5, device=DEV)[:, :4].t())
     with pytest.raises(TypeError, match="out_scales must be torch.int32"):
-        per_token_group_quant_fp8(x, use_ue8m0=True, out_scales=torch.empty(4, 1))
+        per_token_group_quant_fp8(x, use_ue8m0=True, out_scales=torch.empty(4, 1, device=DEV))
     with pytest.raises(ValueError, match="out_scales must have shape"):
-        per_token_group_quant_fp8(x, out_scales=torch.empty(4, 3))
+        per_token_group_quant_fp8(x, out_scales=torch.empty(4, 3, device=DEV))
 
 
 def test_bad_inputs_refused():
     quant = per_token_group_quant_fp8
     with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
-        quant(torch.zeros(4, 128, dtype=torch.int32))
+        quant(torch.zeros(4, 128, dtype=torch.int32, device=DEV))
     with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
-        quant(torch.zeros(4, 128).to(FP8_DTYPE))
+        quant(torch.zeros(4, 128, device=DEV).to(FP8_DTYPE))
     with pytest.raises(ValueError, match="2D"):
-        quant(torch.zeros(128))
+        quant(torch.zeros(128, device=DEV))
     with pytest.raises(ValueError, match="multiple of 128"):
-        quant(torch.zeros(4, 200))
+        quant(torch.zeros(4, 200, device=DEV))
     with pytest.raises(ValueError, match="multiple of 256"):
-        silu_and_mul_quant_fp8(torch.zeros(4, 384))
+        silu_and_mul_quant_fp8(torch.zeros(4, 384, device=DEV))
     with pytest.raises(ValueError, match="power of two"):
-        quant(torch.zeros(4, 384), 96)
+        quant(torch.zeros(4, 384, device=DEV), 96)
     with pytest.raises(ValueError, match="needs 3D"):
-        quant(torch.zeros(4, 128), masked_m=torch.zeros(4, dtype=torch.int32))
+        quant(torch.zeros(4, 128, device=DEV), masked_m=torch.zeros(4, dtype=torch.int32, device=DEV))
     with pytest.raises(TypeError, match="int32 or int64"):
-        quant(torch.zeros(2, 4, 128), masked_m=torch.zeros(2))
+        quant(torch.zeros(2, 4, 128, device=DEV), masked_m=torch.zeros(2, device=DEV))
     with pytest.raises(ValueError, match=r"shape \[L\]"):
-        quant(torch.zeros(2, 4, 128), masked_m=torch.zeros(3, dtype=torch.int32))
+        quant(torch.zeros(2, 4, 128, device=DEV), masked_m=torch.zeros(3, dtype=torch.int32, device=DEV))
 
 
 def test_empty_input_does_not_launch(monkeypatch):
@@ -284,11 +290,12 @@ def test_empty_input_does_not_launch(monkeypatch):
 
     monkeypatch.setattr(quant_mod, "launch_per_token_group_quant", boom)
     monkeypatch.setattr(quant_mod, "launch_silu_and_mul_quant", boom)
-    q, s = quant_mod.per_token_group_quant_fp8(torch.zeros(0, 256), tma_aligned_scales=True)
+    q, s = quant_mod.per_token_group_quant_fp8(torch.zeros(0, 256, device=DEV), tma_aligned_scales=True)
     assert q.shape == (0, 256) and s.shape == (0, 2) and s.dtype == torch.float32
-    q, s = quant_mod.per_token_group_quant_fp8(torch.zeros(0, 640), use_ue8m0=True, transpose_out=True)
+    q, s = quant_mod.per_token_group_quant_fp8(torch.zeros(0, 640, device=DEV), use_ue8m0=True, transpose_out=True)
     assert q.shape == (640, 0) and s.shape == (0, 2) and s.dtype == torch.int32
-    q, s = quant_mod.silu_and_mul_quant_fp8(torch.zeros(3, 0, 512), masked_m=torch.zeros(3, dtype=torch.int32))
+    masked_m = torch.zeros(3, dtype=torch.int32, device=DEV)
+    q, s = quant_mod.silu_and_mul_quant_fp8(torch.zeros(3, 0, 512, device=DEV), masked_m=masked_m)
     assert q.shape == (3, 0, 256) and s.shape == (3, 0, 2)
 
 
@@ -307,7 +314,7 @@ def test_pdl_request_falls_back():
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf / inf, inf * 0
 @pytest.mark.parametrize("opts", [{}, {"use_ue8m0": True}], ids=["fp32_scales", "ue8m0"])
 def test_nan_inf(opts):
-    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    x = torch.randn(3, 512, dtype=torch.bfloat16, device=DEV)
     x[0, 5] = float("nan")            # row 0, group 0: NaN
     x[1, 130] = float("inf")          # row 1, group 1: +inf
     x[1, 300] = float("-inf")         # row 1, group 2: -inf
@@ -342,7 +349,7 @@ def test_nan_inf(opts):
 @pytest.mark.parametrize("opts", [{}, {"tma_aligned_scales": True, "round_scale": True}], ids=["plain", "tma_round"])
 def test_silu_random_gates(opts):
     gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(33, 768, generator=gen) * 3).to(torch.bfloat16)
+    x = (torch.randn(33, 768, generator=gen) * 3).to(torch.bfloat16).to(DEV)
     q, s = silu_and_mul_quant_fp8(x, **opts)
     q_ref, s_ref = silu_and_mul_quant_fp8_ref(x, round_scale=opts.get("round_scale", False))
     # exp differs by a few float32 ulp between backends: scales agree to ~2 ulp (exactly with

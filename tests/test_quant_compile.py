@@ -50,7 +50,9 @@ def compile_variant(op, dtype, block_m, gpp, round_scale, ue8m0, mask, native, p
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if block_m * gpp >= 64 else 4})
     ptx = ck.asm["ptx"]
     ops = {}
-    for m in re.findall(r"\b((?:ld|st)\.global(?:\.v\d)?\.b\d+|cvt\.rn\.satfinite\.e4m3x2\.f32|div\.rn\.f32|griddepcontrol\.\w+)", ptx):
+    pattern = (r"\b((?:ld|st)\.global(?:\.v\d)?\.b\d+|cvt\.rn\.satfinite\.e4m3x2\.f32|div\.rn\.f32"
+               r"|griddepcontrol\.\w+)")
+    for m in re.findall(pattern, ptx):
         ops[m] = ops.get(m, 0) + 1
     return ops
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import triton
@@ -24,6 +26,8 @@ from moe_ep.quant import (
     per_token_group_quant_fp8,
 )
 from moe_ep.testing import assert_bitwise_equal
+
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # see tests/test_quant.py
 
 
 @triton.jit
@@ -64,12 +68,12 @@ def _torch_cast_bits(v: torch.Tensor) -> torch.Tensor:
 
 
 def test_e4m3_bits_matches_torch():
-    v = _cast_inputs()
+    v = _cast_inputs(DEV)
     assert_bitwise_equal(_e4m3_bits(v), _torch_cast_bits(v), "e4m3 bytes")
 
 
 def test_e4m3_bits_nan():
-    v = torch.tensor([float("nan"), -float("nan")])
+    v = torch.tensor([float("nan"), -float("nan")], device=DEV)
     assert _e4m3_bits(v).tolist() == [0x7F, 0xFF]
 
 
@@ -81,7 +85,7 @@ def test_native_cast_off_on_cpu():
 def test_group_scale_matches_torch(round_scale):
     gen = torch.Generator().manual_seed(1)
     amax = (torch.rand(4096, generator=gen) * 10.0 ** torch.randint(-8, 6, (4096,), generator=gen)).float()
-    amax = torch.cat([amax, torch.tensor([0.0, 1e-4, 448.0, 448.0 * 2**-20, float("inf"), float("nan")])])
+    amax = torch.cat([amax, torch.tensor([0.0, 1e-4, 448.0, 448.0 * 2**-20, float("inf"), float("nan")])]).to(DEV)
     out = torch.empty_like(amax)
     _scale_kernel[(1,)](amax, out, amax.numel(), ROUND_SCALE=round_scale, BLOCK=8192)
     ref = amax.clamp(min=1e-4) / FP8_MAX
@@ -112,7 +116,7 @@ def test_gpu_e4m3_byte(native):
                                   {"use_ue8m0": True, "tma_aligned_scales": True}, {"transpose_out": True}],
                          ids=["row", "col", "tma", "ue8m0_tma", "transpose"])
 def test_dequant_every_layout(opts):
-    x = torch.randn(7, 640, dtype=torch.bfloat16)
+    x = torch.randn(7, 640, dtype=torch.bfloat16, device=DEV)
     q, s = per_token_group_quant_fp8(x, **opts)
     q_ref, s_ref = per_token_group_quant_fp8_ref(x, use_ue8m0=opts.get("use_ue8m0", False))
     deq = dequant_fp8(q, s, transposed=opts.get("transpose_out", False))
@@ -124,7 +128,7 @@ def test_dequant_every_layout(opts):
 
 def test_to_column_major_convention():
     # Our TMA-aligned scales have exactly moe_ep.fp8.to_column_major's strides.
-    x = torch.randn(5, 512, dtype=torch.bfloat16)
+    x = torch.randn(5, 512, dtype=torch.bfloat16, device=DEV)
     _, s = per_token_group_quant_fp8(x, tma_aligned_scales=True)
     _, s_ref = per_token_group_quant_fp8_ref(x)
     expected = to_column_major(s_ref, tma_aligned=True)
