@@ -49,6 +49,10 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     return b.contiguous().reshape(-1).view(dtype).reshape(b.shape[0], cols)
 
 
+# torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def layout_from_topk(topk_idx: torch.Tensor, num_experts: int, world_size: int):
     """Device-side layout: ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
     is_token_in_rank [N, R] bool)``; no host synchronisation."""
@@ -245,7 +249,7 @@ class TorchBackend(Backend):
         slab[:, off:] = _bytes(idx_pad)
         # Step 2: send (every rank receives every slab; receivers keep the rows routed to them).
         gathered = torch.empty(R * T, row_bytes, dtype=torch.uint8, device=dev)
-        work = dist.all_gather_into_tensor(gathered, slab, group=self.group, async_op=True)
+        work = _all_gather(gathered, slab, group=self.group, async_op=True)
         rows = R * T
         if use_fp8:
             g = hidden // 128
