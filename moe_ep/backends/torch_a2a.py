@@ -80,8 +80,8 @@ class TorchDispatchHandle(DispatchHandle):
 
 @dataclasses.dataclass
 class TorchLowLatencyHandle(LowLatencyHandle):
-    src_row: torch.Tensor = None  # [L, R*T] int64: source row (src_rank * T + token) of each received row
-    src_k: torch.Tensor = None  # [L, R*T] int64: top-k slot of that selection
+    sel_expert: torch.Tensor = None  # [R*T*K] int64: local expert of selection (src row, k), L if not here
+    sel_pos: torch.Tensor = None  # [R*T*K] int64: its row inside that expert's slab
     recv_count: torch.Tensor = None  # [L] int32
     num_topk: int = 0
     device: torch.device = None
@@ -251,51 +251,53 @@ class TorchBackend(Backend):
         gathered = torch.empty(R * T, row_bytes, dtype=torch.uint8, device=dev)
         work = _all_gather(gathered, slab, group=self.group, async_op=True)
         rows = R * T
+        # Outputs are views of staging tensors with one extra "sink" expert (index L) that absorbs the
+        # writes of unselected (row, k) slots, so every scatter has a static size of R*T*K rows.
         if use_fp8:
             g = hidden // 128
-            recv_x = torch.empty(L, rows, hidden, dtype=FP8_DTYPE, device=dev)
-            if use_ue8m0:
-                gp = (g + 3) // 4
-                storage = torch.empty(L, gp, tma_aligned_size(rows), dtype=torch.int32, device=dev)
-                recv_scales = storage[:, :, :rows].transpose(1, 2)
-            else:
-                storage = torch.empty(L, g, tma_aligned_size(rows), dtype=torch.float32, device=dev)
-                recv_scales = storage[:, :, :rows].transpose(1, 2)
+            x_stage = torch.empty(L + 1, rows, hidden, dtype=FP8_DTYPE, device=dev)
+            gs, s_dtype = ((g + 3) // 4, torch.int32) if use_ue8m0 else (g, torch.float32)
+            # column-major scales: storage [L + 1, G, rows padded to 16 bytes], viewed as [L, rows, G]
+            s_stage = torch.empty(L + 1, gs, tma_aligned_size(rows), dtype=s_dtype, device=dev)
+            recv_scales = s_stage[:L, :, :rows].transpose(1, 2)
         else:
-            recv_x = torch.empty(L, rows, hidden, dtype=torch.bfloat16, device=dev)
+            x_stage = torch.empty(L + 1, rows, hidden, dtype=torch.bfloat16, device=dev)
             recv_scales = None
+        recv_x = x_stage[:L]
         recv_count = torch.empty(L, dtype=torch.int32, device=dev)
         handle = TorchLowLatencyHandle(owner=id(self), num_tokens=n, hidden=hidden,
                                        num_max_dispatch_tokens_per_rank=T, num_experts=num_experts,
                                        num_topk=k, device=dev)
 
         def recv_hook():
-            # Step 3: receive: select rows routed to local experts, compact per expert in
-            # (source rank, token) order; static shapes only (no host synchronisation).
+            # Step 3: receive: keep the (row, k) selections of local experts and place row j of
+            # expert e at its rank among e's selections in (source rank, token) order; static
+            # shapes only (no host synchronisation).
             work.wait()
             gidx = _from_bytes(gathered[:, row_bytes - 8 * k:], torch.int64, k)  # [R*T, K]
             lo = self.rank * L
-            local = torch.where((gidx >= lo) & (gidx < lo + L), gidx - lo, torch.full_like(gidx, L))
-            hit = local.unsqueeze(-1) == torch.arange(L, device=dev)  # [R*T, K, L]
-            sel = hit.any(dim=1)  # [R*T, L]
-            k_of = hit.to(torch.uint8).argmax(dim=1)  # [R*T, L]
-            # Stable sort puts each expert's selected rows first, in row order.
-            order = torch.sort(sel.t().to(torch.uint8), dim=1, descending=True, stable=True).indices  # [L, R*T]
-            count = sel.sum(0, dtype=torch.int32)
-            handle.src_row = order
-            handle.src_k = torch.gather(k_of.t(), 1, order).to(torch.int64)
+            is_local = (gidx >= lo) & (gidx < lo + L)
+            local = torch.where(is_local, gidx - lo, torch.full_like(gidx, L))  # L = sink
+            sel = torch.zeros(rows, L + 1, dtype=torch.int32, device=dev)
+            sel.scatter_(1, local, 1)  # a token never selects an expert twice
+            pos_table = sel.cumsum(0, dtype=torch.int32) - 1  # [R*T, L + 1]
+            pos = torch.gather(pos_table, 1, local).to(torch.int64)  # [R*T, K]
+            count = sel[:, :L].sum(0, dtype=torch.int32)
+            e_flat, p_flat = local.reshape(-1), pos.reshape(-1)
+            src = torch.arange(rows, device=dev).repeat_interleave(k)  # source row of each (row, k)
+            handle.sel_expert, handle.sel_pos = e_flat, p_flat
             handle.recv_count = count
             recv_count.copy_(count)
-            flat = order.reshape(-1)
             if use_fp8:
-                xq = gathered[:, :hidden].index_select(0, flat).view(FP8_DTYPE).reshape(L, rows, hidden)
-                recv_x.copy_(xq)
-                sc = _from_bytes(gathered[:, hidden:hidden + 4 * g], torch.float32, g).index_select(0, flat)
-                sc = sc.reshape(L, rows, g)
-                recv_scales.copy_(pack_ue8m0(sc) if use_ue8m0 else sc)
+                xq = gathered[:, :hidden].index_select(0, src).view(FP8_DTYPE)
+                x_stage.index_put_((e_flat, p_flat), xq)
+                sc = _from_bytes(gathered[:, hidden:hidden + 4 * g], torch.float32, g).index_select(0, src)
+                if use_ue8m0:
+                    sc = pack_ue8m0(sc)
+                s_stage.permute(0, 2, 1).index_put_((e_flat, p_flat), sc)
             else:
-                xb = _from_bytes(gathered[:, :2 * hidden], torch.bfloat16, hidden).index_select(0, flat)
-                recv_x.copy_(xb.reshape(L, rows, hidden))
+                xb = _from_bytes(gathered[:, :2 * hidden], torch.bfloat16, hidden).index_select(0, src)
+                x_stage.index_put_((e_flat, p_flat), xb)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
 
@@ -319,21 +321,17 @@ class TorchBackend(Backend):
         dev = x.device
         if topk_idx.shape[1] != k:
             raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns but dispatch had {k}")
-        if handle.src_row is None:
+        if handle.sel_expert is None:
             raise ValueError("the dispatch of this handle has not been received yet: call its hook first")
         self.arrival.arrive("low_latency_combine")
-        # Step 1: scatter each valid (expert, row) output to slot (src_rank, token, k); invalid rows go to
-        # a sink slot at the end.
-        sink = R * T * k
-        j = torch.arange(R * T, device=dev)
-        valid = j.unsqueeze(0) < handle.recv_count.unsqueeze(1)  # [L, R*T]
-        dest = handle.src_row * k + handle.src_k
-        dest = torch.where(valid, dest, torch.full_like(dest, sink)).reshape(-1)
-        send = torch.empty(sink + 1, hidden, dtype=torch.bfloat16, device=dev)
-        send.index_copy_(0, dest, x.reshape(L * R * T, hidden))
+        # Step 1: slot (src_rank, token, k) of the send buffer takes this rank's output for that selection
+        # (a gather of R*T*K rows; slots of other ranks' experts carry junk that the receiver masks).
+        e_idx = torch.where(handle.sel_expert < L, handle.sel_expert, torch.zeros_like(handle.sel_expert))
+        p_idx = torch.where(handle.sel_expert < L, handle.sel_pos, torch.zeros_like(handle.sel_pos))
+        send = x[e_idx, p_idx]  # [R*T*K, H]
         # Step 2: all-to-all of the [R, T*K*H] slabs.
         recv = torch.empty(R * T * k, hidden, dtype=torch.bfloat16, device=dev)
-        work = dist.all_to_all_single(recv, send[:sink], group=self.group, async_op=True)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         combined = out if out is not None else torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
 
         def recv_hook():
