@@ -47,6 +47,14 @@ def _bad_inputs(rank, world):
     expect(ValueError, lambda: buf.dispatch(inp.x[:3], handle=handle), "cached shape")
     out, _, _ = buf.combine(recv_x, handle)  # still in step after all the refused calls
     assert out.shape == inp.x.shape
+    # async_finish / previous_event are accepted on CPU and change nothing
+    ev0 = moe_ep.EventOverlap()
+    recv2, _, _, _, _, ev = buf.dispatch(inp.x, previous_event=ev0, async_finish=True, **good)
+    with ev:
+        pass
+    ev.current_stream_wait()
+    assert torch.equal(recv2, recv_x)
+    expect(TypeError, lambda: buf.dispatch(inp.x, previous_event="not an event", **good), "event type")
     return msgs
 
 
