@@ -28,3 +28,17 @@ def test_dispatch_combine(world, n, hidden, E, k, routing, extra):
     case = dict(seed=zlib.crc32(repr((world, n, hidden, E, k, routing)).encode()) % 10007, n=n, hidden=hidden, E=E, k=k,
                 routing=routing, **extra)
     assert launch(check_buffer_case, world, case, "torch", timeout_s=240) == [True] * world
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,n,hidden,E,k,routing,extra", CASES[:4] + [(1, 4096, 7168, 256, 8, "random", {"T": 4096})],
+                         ids=lambda v: str(v))
+def test_dispatch_combine_gpu(world, n, hidden, E, k, routing, extra):
+    """Same checks on CUDA tensors with NCCL (one GPU per rank; needs `world` GPUs), async_finish on."""
+    import subprocess
+
+    n_gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU ")
+    if n_gpu < world:
+        pytest.skip(f"needs {world} GPUs")
+    case = dict(seed=11, n=n, hidden=hidden, E=E, k=k, routing=routing, device="cuda", **extra)
+    assert launch(check_buffer_case, world, case, "torch", timeout_s=600, backend="nccl") == [True] * world

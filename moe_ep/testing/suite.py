@@ -24,7 +24,12 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
 
     seed, n, hidden, num_experts, k, routing = (case[key] for key in ("seed", "n", "hidden", "E", "k", "routing"))
     inputs = make_all_inputs(world, n, hidden, num_experts, k, seed, routing)
+    dev = torch.device(case.get("device", "cpu"))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     me = inputs[rank]
+    me = type(me)(*(None if t is None else t.to(dev) for t in (me.x, me.topk_idx, me.topk_weights, me.x_fp8, me.x_scales)))
+    async_finish = dev.type == "cuda"  # exercise the comm-stream path where it means something
     xs = [i.x for i in inputs]
     idxs = [i.topk_idx for i in inputs]
     ws = [i.topk_weights for i in inputs]
@@ -34,21 +39,21 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(me.topk_idx, num_experts)
     num_local = num_experts // world
     exp_in_rank = torch.zeros(me.topk_idx.shape[0], world, dtype=torch.bool)
-    for t, row in enumerate(me.topk_idx.tolist()):
+    for t, row in enumerate(inputs[rank].topk_idx.tolist()):
         for e in row:
             if e >= 0:
                 exp_in_rank[t, e // num_local] = True
     assert per_rdma is None
     assert_bitwise_equal(in_rank, exp_in_rank, "is_token_in_rank")
     assert_bitwise_equal(per_rank, exp_in_rank.sum(0).int(), "num_tokens_per_rank")
-    valid = me.topk_idx[me.topk_idx >= 0]
+    valid = inputs[rank].topk_idx[inputs[rank].topk_idx >= 0]
     assert_bitwise_equal(per_expert, torch.bincount(valid, minlength=num_experts).int(), "num_tokens_per_expert")
 
     # normal dispatch, BF16, expert_alignment
     align = case.get("align", 1)
     recv_x, r_idx, r_w, per_list, handle, ev = buf.dispatch(
         me.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=me.topk_idx, topk_weights=me.topk_weights, expert_alignment=align)
+        topk_idx=me.topk_idx, topk_weights=me.topk_weights, expert_alignment=align, async_finish=async_finish)
     ev.current_stream_wait()
     ex_x, _, ex_idx, ex_w, ex_list = ref_dispatch(rank, xs, idxs, ws, num_experts, expert_alignment=align)
     assert_bitwise_equal(recv_x, ex_x, "recv_x")
@@ -63,12 +68,13 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
     all_recv = [ref_dispatch(r, xs, idxs, ws, num_experts) for r in range(world)]
     ys = [y_of(r, all_recv[r][0]) for r in range(world)]
     bias = (torch.randn(me.x.shape, generator=torch.Generator().manual_seed(seed + 77 + rank)).to(torch.bfloat16),)
-    comb, comb_w, _ = buf.combine(y_of(rank, recv_x), handle, topk_weights=r_w, bias=bias)
+    comb, comb_w, _ = buf.combine(y_of(rank, recv_x), handle, topk_weights=r_w, bias=(bias[0].to(dev),))
     ex_comb, ex_cw = ref_combine(rank, ys, idxs, num_experts, [a[3] for a in all_recv], bias)
     assert_bitwise_equal(comb, ex_comb, "combined_x")
     assert_bitwise_equal(comb_w, ex_cw, "combined_topk_weights")
     # the reduced weights equal the originals, with 0 at the holes
-    assert_bitwise_equal(comb_w, torch.where(me.topk_idx >= 0, me.topk_weights, 0.0), "combined weights = original")
+    orig = inputs[rank]
+    assert_bitwise_equal(comb_w, torch.where(orig.topk_idx >= 0, orig.topk_weights, 0.0), "combined weights = original")
 
     # cached dispatch with FP8 payload
     if hidden % 128 == 0:
@@ -89,8 +95,8 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
         assert wx.shape[0] == worst and w_idx.shape[0] == worst
         assert_bitwise_equal(wx[:m], ex_x, "worst recv_x")
         assert bool((w_idx[m:] == -1).all()) and bool((w_w[m:] == 0).all())
-        wy = torch.zeros(worst, hidden, dtype=torch.bfloat16)
-        wy[:m] = y_of(rank, ex_x)
+        wy = torch.zeros(worst, hidden, dtype=torch.bfloat16, device=dev)
+        wy[:m] = y_of(rank, ex_x).to(dev)
         wc, _, _ = buf.combine(wy, w_handle)
         assert_bitwise_equal(wc, ref_combine(rank, ys, idxs, num_experts)[0], "worst combine")
 
@@ -99,7 +105,7 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
     if hidden % 128 == 0:
         for use_fp8, round_scale, use_ue8m0, hook in ((True, False, False, False), (True, True, False, True),
                                                       (True, True, True, False), (False, False, False, True)):
-            stats = torch.zeros(num_local, dtype=torch.int32)
+            stats = torch.zeros(num_local, dtype=torch.int32, device=dev)
             rx, count, ll_handle, _, rhook = buf.low_latency_dispatch(
                 me.x, me.topk_idx, T, num_experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
                 round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
@@ -129,7 +135,7 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
         y = torch.full_like(rx, float("nan"))  # rows past recv_count must not matter
         for e in range(num_local):
             c = int(count[e])
-            y[e, :c] = ys_ll[rank][e, :c]
+            y[e, :c] = ys_ll[rank][e, :c].to(dev)
         expected = ref_low_latency_combine(rank, ys_ll, idxs, ws, T, num_experts)
         out, _, chook = buf.low_latency_combine(y, me.topk_idx, me.topk_weights, ll_handle, return_recv_hook=True)
         chook()
