@@ -3,4 +3,10 @@
 Importing this package never touches CUDA, NCCL or the network.
 """
 
+from .buffer import Buffer, Config
+from .events import EventOverlap
+from .sync import RankTimeoutError
+
 __version__ = "0.1.0"
+
+__all__ = ["Buffer", "Config", "EventOverlap", "RankTimeoutError", "__version__"]

@@ -1,0 +1,358 @@
+"""The ``torch`` backend: ``all_to_all_single`` / ``all_gather_into_tensor`` over torch.distributed.
+
+Runs wherever torch.distributed runs (gloo on CPU, NCCL on GPUs, any number of nodes). It is the
+vanilla baseline the device-initiated backends are measured against and the reference their tests
+compare with.
+
+Normal mode needs the receive counts on the host (one small all-to-all of counts, then the payload):
+a host synchronisation per call. Low-latency mode moves fixed-size slabs (``T`` tokens per rank), so
+its collectives have static shapes and it never reads device values on the host.
+
+Wire formats (everything travels as ``uint8`` rows, so FP8 crosses gloo unharmed):
+
+- normal dispatch row: ``x`` bytes (``H`` for FP8, ``2H`` for BF16) | FP8 scales ``4 * H/128`` |
+  ``topk_idx`` ``8K`` | ``topk_weights`` ``4K`` (the topk fields only on a non-cached dispatch);
+- normal combine row: BF16 ``2H`` | ``topk_weights`` ``4K`` (only when given);
+- low-latency dispatch: every rank all-gathers ``[T, row]`` with row = ``x`` bytes | FP8 scales |
+  ``topk_idx`` ``8K`` (slot ``t`` holds token ``t``; slots past ``num_tokens`` carry ``topk_idx = -1``);
+- low-latency combine: ``[R, T, K, H]`` BF16 all-to-all: slot ``(r, t, k)`` holds this rank's output
+  for rank ``r``'s token ``t``, selection ``k``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_group_quant_fp8_ref, tma_aligned_size
+from ..sync import ArrivalCheck
+from .base import Backend, DispatchHandle, DispatchResult, LowLatencyDispatchResult, LowLatencyHandle
+
+__all__ = ["TorchBackend", "layout_from_topk"]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """Rows of ``t`` (`[M, ...]`) as `[M, nbytes]` uint8 (a view when ``t`` is contiguous)."""
+    cols = math.prod(t.shape[1:])
+    if t.numel() == 0:  # views of empty tensors can carry strides that .view(uint8) refuses
+        return torch.empty(t.shape[0], cols * t.element_size(), dtype=torch.uint8, device=t.device)
+    return t.contiguous().reshape(-1).view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    if b.shape[0] == 0:
+        return torch.empty(0, cols, dtype=dtype, device=b.device)
+    return b.contiguous().reshape(-1).view(dtype).reshape(b.shape[0], cols)
+
+
+# torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def layout_from_topk(topk_idx: torch.Tensor, num_experts: int, world_size: int):
+    """Device-side layout: ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
+    is_token_in_rank [N, R] bool)``; no host synchronisation."""
+    n = topk_idx.shape[0]
+    num_local = num_experts // world_size
+    valid = topk_idx >= 0
+    # Column 0 collects the -1 holes and is dropped.
+    rank_col = torch.where(valid, topk_idx // num_local + 1, torch.zeros_like(topk_idx))
+    hit = torch.zeros(n, world_size + 1, dtype=torch.int32, device=topk_idx.device)
+    hit.scatter_(1, rank_col, 1)
+    is_token_in_rank = hit[:, 1:].bool()
+    expert_col = torch.where(valid, topk_idx + 1, torch.zeros_like(topk_idx)).flatten()
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_idx.device)
+    per_expert.scatter_add_(0, expert_col, torch.ones_like(expert_col, dtype=torch.int32))
+    return is_token_in_rank.sum(0, dtype=torch.int32), per_expert[1:].contiguous(), is_token_in_rank
+
+
+@dataclasses.dataclass
+class TorchDispatchHandle(DispatchHandle):
+    send_token_idx: torch.Tensor = None  # [S] token index of each sent row, ordered by destination rank
+    send_counts: list = None  # rows sent to each rank
+    recv_counts: list = None  # rows received from each rank
+    num_recv_tokens_per_expert_list: list = None
+
+
+@dataclasses.dataclass
+class TorchLowLatencyHandle(LowLatencyHandle):
+    sel_expert: torch.Tensor = None  # [R*T*K] int64: local expert of selection (src row, k), L if not here
+    sel_pos: torch.Tensor = None  # [R*T*K] int64: its row inside that expert's slab
+    recv_count: torch.Tensor = None  # [L] int32
+    num_topk: int = 0
+    device: torch.device = None
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    graph_safe_low_latency = False  # the arrival check talks to the store on the host
+
+    def __init__(self, group, rank: int, world_size: int, **kwargs):
+        super().__init__(group, rank, world_size, **kwargs)
+        self.arrival = ArrivalCheck(group, rank, world_size, self.timeout_s)
+        self._combine_buffers: dict = {}
+
+    # ------------------------------------------------------------------ collectives
+    def _a2a(self, send: torch.Tensor, recv_counts: list, send_counts: list, row_bytes: int,
+             async_op: bool = False):
+        recv = torch.empty(sum(recv_counts), row_bytes, dtype=torch.uint8, device=send.device)
+        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                                      group=self.group, async_op=async_op)
+        return recv, work
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        per_rank, per_expert, in_rank = layout_from_topk(topk_idx, num_experts, self.world_size)
+        return per_rank, None, per_expert, in_rank
+
+    # ------------------------------------------------------------------ normal mode
+    def dispatch(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                 topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens):
+        R = self.world_size
+        n, hidden = x.shape
+        is_fp8 = x_scales is not None
+        self.arrival.arrive("dispatch")
+        if handle is not None:
+            send_idx, send_counts, recv_counts = handle.send_token_idx, handle.send_counts, handle.recv_counts
+            num_local = 0
+        else:
+            num_local = num_experts // R
+            # Step 1: counts. Row r of `meta` = [tokens for rank r, selections per local expert of rank r].
+            local_counts = num_tokens_per_expert.reshape(R, num_local).to(torch.int64)
+            meta = torch.cat([num_tokens_per_rank.to(torch.int64).reshape(R, 1), local_counts], dim=1)
+            recv_meta = torch.empty_like(meta)
+            dist.all_to_all_single(recv_meta, meta, group=self.group)
+            meta_cpu = meta[:, 0].cpu()
+            recv_meta_cpu = recv_meta.cpu()  # NOTES: the host synchronisation of this backend
+            send_counts = meta_cpu.tolist()
+            recv_counts = recv_meta_cpu[:, 0].tolist()
+            per_expert = recv_meta_cpu[:, 1:].sum(0).tolist()
+            # Rows ordered by destination rank, then token index.
+            send_idx = is_token_in_rank.t().nonzero()[:, 1]
+        # Step 2: pack the payload rows.
+        parts = [_bytes(x.index_select(0, send_idx))]
+        if is_fp8:
+            parts.append(_bytes(x_scales.index_select(0, send_idx)))
+        if handle is None:
+            k = topk_idx.shape[1]
+            parts.append(_bytes(topk_idx.index_select(0, send_idx)))
+            parts.append(_bytes(topk_weights.index_select(0, send_idx)))
+        send = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        row_bytes = send.shape[1]
+        # Step 3: move them.
+        recv, _ = self._a2a(send, recv_counts, send_counts, row_bytes)
+        num_recv = recv.shape[0]
+        # Step 4: unpack.
+        xb = hidden * x.element_size()
+        off = 0
+        recv_x = _from_bytes(recv[:, :xb], x.dtype, hidden)
+        off = xb
+        recv_scales = None
+        if is_fp8:
+            g = hidden // 128
+            recv_scales = _from_bytes(recv[:, off:off + 4 * g], torch.float32, g)
+            off += 4 * g
+        recv_topk_idx = recv_topk_weights = None
+        if handle is None:
+            gidx = _from_bytes(recv[:, off:off + 8 * k], torch.int64, k)
+            off += 8 * k
+            w = _from_bytes(recv[:, off:off + 4 * k], torch.float32, k)
+            lo = self.rank * num_local
+            is_local = (gidx >= lo) & (gidx < lo + num_local)
+            recv_topk_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
+            recv_topk_weights = torch.where(is_local, w, torch.zeros_like(w))
+            per_expert_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in per_expert]
+        else:
+            per_expert_list = handle.num_recv_tokens_per_expert_list
+        # Step 5: worst-case padding (static output shapes for the caller).
+        num_rows = num_recv
+        if num_worst_tokens > 0:
+            if num_recv > num_worst_tokens:
+                raise RuntimeError(f"rank {self.rank} received {num_recv} tokens, more than num_worst_tokens="
+                                   f"{num_worst_tokens}")
+            num_rows = num_worst_tokens
+            pad = num_worst_tokens - num_recv
+            recv_x = torch.cat([recv_x, recv_x.new_zeros(pad, hidden)])
+            if recv_scales is not None:
+                recv_scales = torch.cat([recv_scales, recv_scales.new_zeros(pad, recv_scales.shape[1])])
+            if recv_topk_idx is not None:
+                recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((pad, k), -1)])
+                recv_topk_weights = torch.cat([recv_topk_weights, recv_topk_weights.new_zeros(pad, k)])
+        if handle is None:
+            handle = TorchDispatchHandle(
+                owner=id(self), num_tokens=n, num_recv_tokens=num_rows, hidden=hidden,
+                is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
+                send_token_idx=send_idx, send_counts=send_counts, recv_counts=recv_counts,
+                num_recv_tokens_per_expert_list=per_expert_list)
+        elif num_rows != handle.num_recv_tokens:
+            raise ValueError(f"cached dispatch received {num_rows} rows but the handle expects "
+                             f"{handle.num_recv_tokens} (num_worst_tokens must match the original call)")
+        return DispatchResult(recv_x.contiguous(), None if recv_scales is None else recv_scales.contiguous(),
+                              recv_topk_idx, recv_topk_weights, list(per_expert_list), handle)
+
+    def combine(self, x, handle, topk_weights, bias):
+        hidden, n = handle.hidden, handle.num_tokens
+        num_valid = sum(handle.recv_counts)
+        self.arrival.arrive("combine")
+        parts = [_bytes(x[:num_valid])]
+        if topk_weights is not None:
+            k = topk_weights.shape[1]
+            parts.append(_bytes(topk_weights[:num_valid]))
+        send = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        row_bytes = send.shape[1]
+        # Send back along the reverse of the dispatch's routes.
+        recv, _ = self._a2a(send, handle.send_counts, handle.recv_counts, row_bytes)
+        rows = _from_bytes(recv[:, :2 * hidden], torch.bfloat16, hidden)
+        acc = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
+        for b in bias:
+            acc += b.float()
+        # NOTES: ascending source-rank order, float32, one cast at the end (the pinned reduction order).
+        w_acc = None
+        if topk_weights is not None:
+            wrows = _from_bytes(recv[:, 2 * hidden:2 * hidden + 4 * k], torch.float32, k)
+            w_acc = torch.zeros(n, k, dtype=torch.float32, device=x.device)
+        start = 0
+        for cnt in handle.send_counts:
+            idx = handle.send_token_idx[start:start + cnt]
+            acc.index_add_(0, idx, rows[start:start + cnt].float())
+            if w_acc is not None:
+                w_acc.index_add_(0, idx, wrows[start:start + cnt])
+            start += cnt
+        return acc.to(torch.bfloat16), w_acc
+
+    # ------------------------------------------------------------------ low-latency mode
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *,
+                             cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, return_recv_hook):
+        R, T = self.world_size, num_max_dispatch_tokens_per_rank
+        L = num_experts // R
+        n, hidden = x.shape
+        k = topk_idx.shape[1]
+        dev = x.device
+        self.arrival.arrive("low_latency_dispatch")
+        # Step 1: quantize on the sender (1x128 groups) and build this rank's slab [T, row].
+        if use_fp8:
+            q, s = per_token_group_quant_fp8_ref(x, 128, round_scale=round_scale)
+            parts = [_bytes(q), _bytes(s)]
+        else:
+            parts = [_bytes(x)]
+        idx_pad = torch.full((T, k), -1, dtype=torch.int64, device=dev)
+        idx_pad[:n] = topk_idx
+        row_bytes = sum(p.shape[1] for p in parts) + 8 * k
+        slab = torch.zeros(T, row_bytes, dtype=torch.uint8, device=dev)
+        off = 0
+        for p in parts:
+            slab[:n, off:off + p.shape[1]] = p
+            off += p.shape[1]
+        slab[:, off:] = _bytes(idx_pad)
+        # Step 2: send (every rank receives every slab; receivers keep the rows routed to them).
+        gathered = torch.empty(R * T, row_bytes, dtype=torch.uint8, device=dev)
+        work = _all_gather(gathered, slab, group=self.group, async_op=True)
+        rows = R * T
+        # Outputs are views of staging tensors with one extra "sink" expert (index L) that absorbs the
+        # writes of unselected (row, k) slots, so every scatter has a static size of R*T*K rows.
+        if use_fp8:
+            g = hidden // 128
+            x_stage = torch.empty(L + 1, rows, hidden, dtype=FP8_DTYPE, device=dev)
+            gs, s_dtype = ((g + 3) // 4, torch.int32) if use_ue8m0 else (g, torch.float32)
+            # column-major scales: storage [L + 1, G, rows padded to 16 bytes], viewed as [L, rows, G]
+            s_stage = torch.empty(L + 1, gs, tma_aligned_size(rows), dtype=s_dtype, device=dev)
+            recv_scales = s_stage[:L, :, :rows].transpose(1, 2)
+        else:
+            x_stage = torch.empty(L + 1, rows, hidden, dtype=torch.bfloat16, device=dev)
+            recv_scales = None
+        recv_x = x_stage[:L]
+        recv_count = torch.empty(L, dtype=torch.int32, device=dev)
+        handle = TorchLowLatencyHandle(owner=id(self), num_tokens=n, hidden=hidden,
+                                       num_max_dispatch_tokens_per_rank=T, num_experts=num_experts,
+                                       num_topk=k, device=dev)
+
+        def recv_hook():
+            # Step 3: receive: keep the (row, k) selections of local experts and place row j of
+            # expert e at its rank among e's selections in (source rank, token) order; static
+            # shapes only (no host synchronisation).
+            work.wait()
+            gidx = _from_bytes(gathered[:, row_bytes - 8 * k:], torch.int64, k)  # [R*T, K]
+            lo = self.rank * L
+            is_local = (gidx >= lo) & (gidx < lo + L)
+            local = torch.where(is_local, gidx - lo, torch.full_like(gidx, L))  # L = sink
+            sel = torch.zeros(rows, L + 1, dtype=torch.int32, device=dev)
+            sel.scatter_(1, local, 1)  # a token never selects an expert twice
+            pos_table = sel.cumsum(0, dtype=torch.int32) - 1  # [R*T, L + 1]
+            pos = torch.gather(pos_table, 1, local).to(torch.int64)  # [R*T, K]
+            count = sel[:, :L].sum(0, dtype=torch.int32)
+            e_flat, p_flat = local.reshape(-1), pos.reshape(-1)
+            src = torch.arange(rows, device=dev).repeat_interleave(k)  # source row of each (row, k)
+            handle.sel_expert, handle.sel_pos = e_flat, p_flat
+            handle.recv_count = count
+            recv_count.copy_(count)
+            if use_fp8:
+                xq = gathered[:, :hidden].index_select(0, src).view(FP8_DTYPE)
+                x_stage.index_put_((e_flat, p_flat), xq)
+                sc = _from_bytes(gathered[:, hidden:hidden + 4 * g], torch.float32, g).index_select(0, src)
+                if use_ue8m0:
+                    sc = pack_ue8m0(sc)
+                s_stage.permute(0, 2, 1).index_put_((e_flat, p_flat), sc)
+            else:
+                xb = _from_bytes(gathered[:, :2 * hidden], torch.bfloat16, hidden).index_select(0, src)
+                x_stage.index_put_((e_flat, p_flat), xb)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(count)
+
+        if return_recv_hook:
+            return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, recv_hook)
+        recv_hook()
+        return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, None)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        L = handle.num_experts // self.world_size
+        shape = (handle.device, L, self.world_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        buf = self._combine_buffers.get(shape)
+        if buf is None:
+            buf = self._combine_buffers[shape] = torch.empty(shape[1:], dtype=torch.bfloat16, device=handle.device)
+        return buf
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, zero_copy, return_recv_hook, out):
+        R, T = self.world_size, handle.num_max_dispatch_tokens_per_rank
+        L = handle.num_experts // R
+        k, hidden, n = handle.num_topk, handle.hidden, handle.num_tokens
+        dev = x.device
+        if topk_idx.shape[1] != k:
+            raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns but dispatch had {k}")
+        if handle.sel_expert is None:
+            raise ValueError("the dispatch of this handle has not been received yet: call its hook first")
+        self.arrival.arrive("low_latency_combine")
+        # Step 1: slot (src_rank, token, k) of the send buffer takes this rank's output for that selection
+        # (a gather of R*T*K rows; slots of other ranks' experts carry junk that the receiver masks).
+        e_idx = torch.where(handle.sel_expert < L, handle.sel_expert, torch.zeros_like(handle.sel_expert))
+        p_idx = torch.where(handle.sel_expert < L, handle.sel_pos, torch.zeros_like(handle.sel_pos))
+        send = x[e_idx, p_idx]  # [R*T*K, H]
+        # Step 2: all-to-all of the [R, T*K*H] slabs.
+        recv = torch.empty(R * T * k, hidden, dtype=torch.bfloat16, device=dev)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        combined = out if out is not None else torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
+
+        def recv_hook():
+            # Step 3: weighted sum over k ascending, float32 accumulation, -1 holes skipped.
+            work.wait()
+            r3 = recv.reshape(R, T, k, hidden)
+            is_valid = topk_idx >= 0
+            src_rank = torch.where(is_valid, topk_idx // L, torch.zeros_like(topk_idx))
+            t_idx = torch.arange(n, device=dev).unsqueeze(1).expand(n, k)
+            k_idx = torch.arange(k, device=dev).unsqueeze(0).expand(n, k)
+            y = r3[src_rank, t_idx, k_idx]  # [N, K, H]
+            acc = torch.zeros(n, hidden, dtype=torch.float32, device=dev)
+            for kk in range(k):
+                term = topk_weights[:, kk:kk + 1] * y[:, kk].float()
+                acc += torch.where(is_valid[:, kk:kk + 1], term, torch.zeros_like(term))
+            combined.copy_(acc.to(torch.bfloat16))
+
+        if return_recv_hook:
+            return combined, recv_hook
+        recv_hook()
+        return combined, None
+
+    def destroy(self) -> None:
+        self._combine_buffers.clear()

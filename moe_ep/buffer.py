@@ -1,0 +1,397 @@
+"""``moe_ep.Buffer``: the DeepEP-compatible front end over every communication backend.
+
+The Buffer checks every argument (raising ValueError/TypeError before any rank communicates),
+applies DeepEP's stream/event semantics, and delegates the communication to a backend
+(:mod:`moe_ep.backends`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import validate as V
+from .backends.base import Backend, DispatchHandle, LowLatencyHandle
+from .events import EventOverlap, run_on_comm_stream
+
+__all__ = ["Buffer", "Config"]
+
+BACKENDS = ("auto", "torch", "symm")
+
+
+class Config:
+    """DeepEP-style tuning config (``num_sms``, chunk sizes). The ``torch`` backend ignores it; it is
+    accepted everywhere so engine code written for DeepEP runs unchanged."""
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256):
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class Buffer:
+    """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer`` API).
+
+    Arguments:
+        group: the torch.distributed process group of the EP ranks (``None``: the default group).
+        num_nvl_bytes, num_rdma_bytes: buffer sizes as in DeepEP (size hints:
+            :meth:`get_low_latency_rdma_size_hint`); the ``torch`` backend allocates per call and ignores them.
+        low_latency_mode: enables ``low_latency_dispatch`` / ``low_latency_combine``.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy: accepted for
+            DeepEP compatibility (RDMA settings of backends not in this release).
+        backend: ``"torch"`` (all_to_all_single over gloo/NCCL, any topology), ``"symm"`` (Triton kernels
+            over symmetric memory, one node) or ``"auto"`` (``"torch"`` in this release).
+        timeout_s: bound on every wait; a rank that does not arrive makes the call raise
+            :class:`moe_ep.sync.RankTimeoutError` (a ``TimeoutError``) naming it.
+        check_inputs: value checks of ``topk_idx`` (range, duplicates) read the tensor on the host; they
+            are skipped automatically while a CUDA graph is being captured, and can be turned off here.
+        backend_kwargs: passed to the backend (e.g. ``provider=`` for ``symm``).
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, *, backend: str = "auto", timeout_s: float = 60.0,
+                 check_inputs: bool = True, **backend_kwargs: Any):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not (timeout_s > 0):
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.check_inputs = check_inputs
+        self.timeout_s = float(timeout_s)
+        self.backend_name = "torch" if backend == "auto" else backend
+        common = dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                      low_latency_mode=low_latency_mode, timeout_s=self.timeout_s)
+        if self.backend_name == "torch":
+            from .backends.torch_a2a import TorchBackend
+            self._impl: Backend = TorchBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
+        else:
+            from .backends.symm import SymmBackend
+            self._impl = SymmBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
+        self._comm_streams: dict = {}
+
+    # ---------------------------------------------------------------- helpers
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        raise NotImplementedError("get_local_buffer_tensor is not part of this release")
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        if new_num_sms % 2 != 0 or new_num_sms <= 0:
+            raise ValueError(f"num_sms must be a positive even number, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes per rank of a low-latency buffer, laid out as DeepEP does: two alternating halves, each
+        with a send region (``T`` dispatch messages or ``E * T`` combine messages), a receive region
+        (``E * T`` messages of the larger kind) and ``E`` int32 signals; rounded up to 128 bytes."""
+        t, e = num_max_dispatch_tokens_per_rank, num_experts
+        dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)  # header + BF16 or FP8+scales
+        combine_msg = hidden * 2
+        send = max(t * dispatch_msg, e * t * combine_msg)
+        recv = e * t * max(dispatch_msg, combine_msg)
+        total = 2 * (send + recv + e * 4)
+        return (total + 127) // 128 * 128
+
+    def _comm_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        key = device.index if device.index is not None else torch.cuda.current_device()
+        if key not in self._comm_streams:
+            self._comm_streams[key] = torch.cuda.Stream(device=device)
+        return self._comm_streams[key]
+
+    def _run(self, fn, device, previous_event, async_finish, allocate_on_comm_stream):
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        return run_on_comm_stream(fn, device, self._comm_stream(device), previous_event=previous_event,
+                                  async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+
+    def _value_checks(self, device: torch.device) -> bool:
+        return self.check_inputs and not _capturing(device)
+
+    def _check_handle(self, handle, kind) -> None:
+        if not isinstance(handle, kind):
+            raise TypeError(f"handle must come from this Buffer's {'dispatch' if kind is DispatchHandle else 'low_latency_dispatch'}, "
+                            f"got {type(handle).__name__}")
+        if handle.owner != id(self._impl):
+            raise ValueError("handle was produced by another Buffer (or another layout)")
+
+    # ---------------------------------------------------------------- normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Count, per rank and per expert, what this rank will send.
+
+        Arguments:
+            topk_idx: `[num_tokens, num_topk]` with `torch.int64`, ``-1`` for no expert.
+            num_experts: total experts ``E`` (divisible by the group size).
+
+        Returns:
+            num_tokens_per_rank: `[num_ranks]` `torch.int32`, tokens with any expert on each rank.
+            num_tokens_per_rdma_rank: ``None`` (single-level backends).
+            num_tokens_per_expert: `[num_experts]` `torch.int32`, selections per expert.
+            is_token_in_rank: `[num_tokens, num_ranks]` `torch.bool`.
+            event: :class:`EventOverlap`.
+        """
+        V.check_num_experts(num_experts, self.group_size)
+        if not isinstance(topk_idx, torch.Tensor):
+            raise TypeError(f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
+        if self._value_checks(topk_idx.device):
+            V.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() == 2 else -1, num_experts, topk_idx.device)
+        out, event = self._run(lambda: self._impl.get_dispatch_layout(topk_idx, num_experts), topk_idx.device,
+                               previous_event, async_finish, allocate_on_comm_stream)
+        return (*out, event)
+
+    def dispatch(self, x: Union[torch.Tensor, tuple], handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token once to every rank holding any of its experts (normal mode).
+
+        Arguments:
+            x: `[num_tokens, hidden]` `torch.bfloat16`, or ``(x_fp8, scales)``: `[num_tokens, hidden]`
+                `torch.float8_e4m3fn` and `[num_tokens, hidden / 128]` `torch.float32`.
+            handle: a handle from an earlier dispatch of the same routing (cached dispatch: only ``x``
+                moves; the layout arguments and topk must then be ``None``).
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from :meth:`get_dispatch_layout`.
+            topk_idx: `[num_tokens, num_topk]` `torch.int64`; topk_weights: same shape, `torch.float32`.
+            expert_alignment: each entry of the returned per-expert list is rounded up to this.
+            num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows have
+                ``recv_topk_idx == -1``); more received tokens than that is an error.
+
+        Returns:
+            recv_x: `[num_recv_tokens, hidden]` (same dtype as ``x``; a tuple with scales for FP8), rows
+                ordered by source rank, then source token index.
+            recv_topk_idx: `[num_recv_tokens, num_topk]` `torch.int64` local expert ids, ``-1`` elsewhere.
+            recv_topk_weights: `[num_recv_tokens, num_topk]` `torch.float32`, 0 where the index is -1.
+            num_recv_tokens_per_expert_list: Python list of ``num_local_experts`` ints.
+            handle: for :meth:`combine` and cached dispatch.
+            event: :class:`EventOverlap`.
+        """
+        data, scales = V.split_x(x)
+        n, hidden = data.shape
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        if handle is not None:
+            self._check_handle(handle, DispatchHandle)
+            if any(a is not None for a in (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                           topk_idx, topk_weights)):
+                raise ValueError("cached dispatch (handle given) takes no layout, topk_idx or topk_weights")
+            if n != handle.num_tokens or hidden != handle.hidden:
+                raise ValueError(f"x has shape [{n}, {hidden}] but the handle was made for "
+                                 f"[{handle.num_tokens}, {handle.hidden}]")
+            num_experts = 0
+        else:
+            if topk_idx is None or num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+                raise ValueError("dispatch without a handle needs topk_idx, num_tokens_per_rank, is_token_in_rank "
+                                 "and num_tokens_per_expert (from get_dispatch_layout)")
+            if not isinstance(num_tokens_per_expert, torch.Tensor) or num_tokens_per_expert.dim() != 1:
+                raise ValueError("num_tokens_per_expert must be a 1D tensor [num_experts]")
+            num_experts = num_tokens_per_expert.shape[0]
+            V.check_num_experts(num_experts, self.group_size)
+            if self._value_checks(data.device):
+                V.check_topk_idx(topk_idx, n, num_experts, data.device)
+            else:
+                V.check_topk_idx(topk_idx[:0], 0, num_experts, data.device)
+            if topk_weights is None:
+                raise ValueError("dispatch without a handle needs topk_weights")
+            V.check_topk_weights(topk_weights, topk_idx)
+            if tuple(num_tokens_per_rank.shape) != (self.group_size,):
+                raise ValueError(f"num_tokens_per_rank must have shape [{self.group_size}], got "
+                                 f"{tuple(num_tokens_per_rank.shape)}")
+            if is_token_in_rank.dtype != torch.bool or tuple(is_token_in_rank.shape) != (n, self.group_size):
+                raise ValueError(f"is_token_in_rank must be torch.bool [{n}, {self.group_size}], got "
+                                 f"{is_token_in_rank.dtype} {tuple(is_token_in_rank.shape)}")
+
+        def fn():
+            return self._impl.dispatch(
+                data, scales, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
+                is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+                topk_weights=topk_weights, num_experts=num_experts, expert_alignment=expert_alignment,
+                num_worst_tokens=num_worst_tokens)
+
+        res, event = self._run(fn, data.device, previous_event, async_finish, allocate_on_comm_stream)
+        recv_x = (res.recv_x, res.recv_x_scales) if res.recv_x_scales is not None else res.recv_x
+        return (recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
+                res.handle, event)
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, tuple, None] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Send the received rows back and sum them per source token (normal mode).
+
+        Arguments:
+            x: `[num_recv_tokens, hidden]` `torch.bfloat16`, rows in ``recv_x``'s order (weights already applied).
+            handle: from :meth:`dispatch`.
+            topk_weights: optional `[num_recv_tokens, num_topk]` `torch.float32` (reduced back as well).
+            bias: optional `[num_tokens, hidden]` `torch.bfloat16` tensor or tuple of two, added once.
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` `torch.bfloat16`: float32 sum of the bias terms, then of the
+                rows in ascending source-rank order, cast once.
+            combined_topk_weights: `[num_tokens, num_topk]` `torch.float32` or ``None``.
+            event: :class:`EventOverlap`.
+        """
+        self._check_handle(handle, DispatchHandle)
+        V.check_combine_x(x, handle.num_recv_tokens, handle.hidden)
+        if topk_weights is not None:
+            V.check_topk_weights(topk_weights, topk_weights, "topk_weights")
+            if topk_weights.dim() != 2 or topk_weights.shape[0] != handle.num_recv_tokens:
+                raise ValueError(f"topk_weights must have {handle.num_recv_tokens} rows (the received tokens), got "
+                                 f"shape {tuple(topk_weights.shape)}")
+        biases = V.check_bias(bias, handle.num_tokens, handle.hidden, x.device)
+        (combined, combined_w), event = self._run(
+            lambda: self._impl.combine(x, handle, topk_weights, biases), x.device, previous_event, async_finish,
+            allocate_on_comm_stream)
+        return combined, combined_w, event
+
+    # ---------------------------------------------------------------- low-latency mode
+    def _check_low_latency(self) -> None:
+        if not self.low_latency_mode:
+            raise ValueError("low-latency calls need Buffer(..., low_latency_mode=True)")
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Dispatch for decode: fixed-size buffers, FP8 cast inside the send, masked receive layout.
+
+        Arguments:
+            x: `[num_tokens, hidden]` `torch.bfloat16`, ``num_tokens <= num_max_dispatch_tokens_per_rank``.
+            topk_idx: `[num_tokens, num_topk]` `torch.int64`, ``-1`` for no expert.
+            num_max_dispatch_tokens_per_rank: ``T``, the same on every rank.
+            num_experts: ``E``; ``L = E / num_ranks`` local experts.
+            cumulative_local_expert_recv_stats: optional `[L]` `torch.int32`, ``recv_count`` is added to it.
+            use_fp8: cast to FP8 with 1x128 scales; round_scale: power-of-two scales; use_ue8m0: scales
+                packed as UE8M0 exponents (implies ``round_scale``).
+            return_recv_hook: only issue the send; the returned ``hook()`` completes the receive.
+
+        Returns:
+            recv_x: `[L, num_ranks * T, hidden]` `torch.bfloat16`, or for FP8 a tuple of
+                `[L, num_ranks * T, hidden]` `torch.float8_e4m3fn` and scales, column-major: `[L, num_ranks * T,
+                hidden / 128]` `torch.float32`, or `[L, num_ranks * T, hidden / 512]` `torch.int32` with
+                ``use_ue8m0``. Expert ``e``'s rows are ordered by source rank, then source token;
+                rows at or past ``recv_count[e]`` are unspecified.
+            recv_count: `[L]` `torch.int32`, valid rows per local expert.
+            handle: for :meth:`low_latency_combine`.
+            event: :class:`EventOverlap`.
+            hook: ``None`` unless ``return_recv_hook``.
+        """
+        self._check_low_latency()
+        V.check_low_latency_x(x, num_max_dispatch_tokens_per_rank, use_fp8)
+        num_local = V.check_num_experts(num_experts, self.group_size)
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            raise ValueError("round_scale / use_ue8m0 need use_fp8=True")
+        if self._value_checks(x.device):
+            V.check_topk_idx(topk_idx, x.shape[0], num_experts, x.device)
+        else:
+            V.check_topk_idx(topk_idx[:0], 0, num_experts, x.device)
+        if cumulative_local_expert_recv_stats is not None:
+            s = cumulative_local_expert_recv_stats
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.int32 or tuple(s.shape) != (num_local,):
+                raise ValueError(f"cumulative_local_expert_recv_stats must be torch.int32 [{num_local}]")
+        res, event = self._run(
+            lambda: self._impl.low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, use_fp8=use_fp8,
+                round_scale=round_scale or use_ue8m0, use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook),
+            x.device, None, async_finish, False)
+        recv_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
+        return recv_x, res.recv_count, res.handle, event, res.hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None):
+        """Weighted combine for decode: ``out[t] = sum_k topk_weights[t, k] * y(expert topk_idx[t, k], t)``.
+
+        Arguments:
+            x: `[L, num_ranks * T, hidden]` `torch.bfloat16`, expert outputs in the dispatch's row order.
+            topk_idx, topk_weights: the dispatching rank's `[num_tokens, num_topk]` routing (int64 / float32).
+            handle: from :meth:`low_latency_dispatch`.
+            use_logfmt: LogFMT-compressed combine is not supported in this release (raises ValueError).
+            zero_copy: ``x`` is the tensor from :meth:`get_next_low_latency_combine_buffer`.
+            out: optional `[num_tokens, hidden]` `torch.bfloat16` output.
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` `torch.bfloat16` (float32 accumulation over k ascending; a token
+                with no expert gives zeros); valid after ``hook()`` when ``return_recv_hook``.
+            event: :class:`EventOverlap`.
+            hook: ``None`` unless ``return_recv_hook``.
+        """
+        self._check_low_latency()
+        self._check_handle(handle, LowLatencyHandle)
+        if use_logfmt:
+            raise ValueError("use_logfmt (LogFMT-compressed combine) is not supported in this release")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set")
+        num_local = handle.num_experts // self.group_size
+        rows = self.group_size * handle.num_max_dispatch_tokens_per_rank
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or tuple(x.shape) != (num_local, rows, handle.hidden):
+            raise ValueError(f"x must be torch.bfloat16 [{num_local}, {rows}, {handle.hidden}], got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        V.check_topk_idx(topk_idx[:0] if not self._value_checks(x.device) else topk_idx,
+                         handle.num_tokens if self._value_checks(x.device) else 0, handle.num_experts, x.device)
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != handle.num_tokens:
+            raise ValueError(f"topk_idx must have {handle.num_tokens} rows (as at dispatch), got {tuple(topk_idx.shape)}")
+        V.check_topk_weights(topk_weights, topk_idx)
+        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+                                or tuple(out.shape) != (handle.num_tokens, handle.hidden)):
+            raise ValueError(f"out must be torch.bfloat16 [{handle.num_tokens}, {handle.hidden}]")
+        (combined, hook), event = self._run(
+            lambda: self._impl.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy=zero_copy,
+                                                   return_recv_hook=return_recv_hook, out=out),
+            x.device, None, async_finish, False)
+        return combined, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The `[L, num_ranks * T, hidden]` `torch.bfloat16` tensor to write expert outputs into for
+        ``low_latency_combine(..., zero_copy=True)``."""
+        self._check_low_latency()
+        self._check_handle(handle, LowLatencyHandle)
+        return self._impl.get_next_low_latency_combine_buffer(handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """DeepEP compatibility: buffers of this release need no cleaning between uses."""
+        self._check_low_latency()
+
+    def destroy(self) -> None:
+        self._impl.destroy()

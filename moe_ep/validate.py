@@ -1,0 +1,137 @@
+"""Input checks shared by every backend. All raise ValueError/TypeError before any communication."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .fp8 import FP8_DTYPE, ceil_div
+
+__all__ = ["split_x", "check_topk_idx", "check_topk_weights", "check_num_experts", "check_low_latency_x",
+           "check_combine_x", "check_bias"]
+
+GROUP = 128
+
+
+def _check_tensor(t, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def split_x(x: Union[torch.Tensor, tuple], name: str = "x") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``x`` is BF16 `[N, H]` or ``(x_fp8 e4m3 [N, H], scales float32 [N, H/128])``; returns ``(x, scales)``."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise TypeError(f"{name} as a tuple must be (x_fp8, scales), got {len(x)} items")
+        data, scales = x
+        _check_tensor(data, f"{name}[0]")
+        _check_tensor(scales, f"{name}[1]")
+        if data.dtype != FP8_DTYPE:
+            raise TypeError(f"{name}[0] must be {FP8_DTYPE} when scales are given, got {data.dtype}")
+        if data.dim() != 2:
+            raise ValueError(f"{name}[0] must be 2D [num_tokens, hidden], got shape {tuple(data.shape)}")
+        n, h = data.shape
+        if h % GROUP != 0:
+            raise ValueError(f"hidden={h} must be a multiple of {GROUP} for FP8")
+        if scales.dtype != torch.float32:
+            raise TypeError(f"{name}[1] (scales) must be torch.float32, got {scales.dtype}")
+        if tuple(scales.shape) != (n, h // GROUP):
+            raise ValueError(f"{name}[1] (scales) must have shape [{n}, {h // GROUP}], got {tuple(scales.shape)}")
+        if data.device != scales.device:
+            raise ValueError(f"{name} data and scales are on different devices ({data.device}, {scales.device})")
+        return data, scales
+    _check_tensor(x, name)
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be torch.bfloat16 (or a (float8_e4m3fn, float32 scales) tuple), got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2D [num_tokens, hidden], got shape {tuple(x.shape)}")
+    return x, None
+
+
+def check_num_experts(num_experts: int, world_size: int) -> int:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % world_size != 0:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the world size {world_size}")
+    return num_experts // world_size
+
+
+def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.device) -> None:
+    """int64 `[N, K]`, values in ``[-1, num_experts)``, no expert twice in one row."""
+    _check_tensor(topk_idx, "topk_idx")
+    if topk_idx.dtype != torch.int64:
+        raise TypeError(f"topk_idx must be torch.int64, got {topk_idx.dtype}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx must have shape [{num_tokens}, num_topk], got {tuple(topk_idx.shape)}")
+    if topk_idx.device != device:
+        raise ValueError(f"topk_idx is on {topk_idx.device}, x on {device}")
+    if topk_idx.numel() == 0:
+        return
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    if lo < -1 or hi >= num_experts:
+        bad = topk_idx[(topk_idx < -1) | (topk_idx >= num_experts)][0].item()
+        raise ValueError(f"topk_idx holds {bad}, outside [-1, {num_experts}) (num_experts={num_experts})")
+    if topk_idx.shape[1] > 1:
+        s = topk_idx.sort(dim=1).values
+        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+        if bool(dup.any()):
+            row = int(dup.any(dim=1).nonzero()[0])
+            raise ValueError(f"token {row} selects the same expert twice: topk_idx[{row}] = {topk_idx[row].tolist()}")
+
+
+def check_topk_weights(topk_weights, topk_idx: torch.Tensor, name: str = "topk_weights") -> None:
+    _check_tensor(topk_weights, name)
+    if topk_weights.dtype != torch.float32:
+        raise TypeError(f"{name} must be torch.float32, got {topk_weights.dtype}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"{name} must have the shape of topk_idx {tuple(topk_idx.shape)}, got "
+                         f"{tuple(topk_weights.shape)}")
+
+
+def check_low_latency_x(x, num_max_dispatch_tokens_per_rank: int, use_fp8: bool) -> None:
+    _check_tensor(x, "x")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"low_latency_dispatch takes torch.bfloat16 x (it casts to FP8 itself), got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2D [num_tokens, hidden], got shape {tuple(x.shape)}")
+    if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank <= 0:
+        raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got "
+                         f"{num_max_dispatch_tokens_per_rank!r}")
+    if x.shape[0] > num_max_dispatch_tokens_per_rank:
+        raise ValueError(f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank="
+                         f"{num_max_dispatch_tokens_per_rank}")
+    if use_fp8 and x.shape[1] % GROUP != 0:
+        raise ValueError(f"hidden={x.shape[1]} must be a multiple of {GROUP} for FP8")
+
+
+def check_combine_x(x, num_rows: int, hidden: int, name: str = "x") -> None:
+    _check_tensor(x, name)
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"combine takes torch.bfloat16 {name}, got {x.dtype}")
+    if tuple(x.shape) != (num_rows, hidden):
+        raise ValueError(f"{name} must have shape [{num_rows}, {hidden}] (the dispatch's received rows), got "
+                         f"{tuple(x.shape)}")
+
+
+def check_bias(bias, num_tokens: int, hidden: int, device: torch.device) -> tuple:
+    """``bias`` is None, a tensor or a tuple of up to two tensors, each BF16 `[N, H]`."""
+    if bias is None:
+        return ()
+    items = bias if isinstance(bias, (tuple, list)) else (bias,)
+    if len(items) > 2:
+        raise ValueError(f"bias takes at most two tensors, got {len(items)}")
+    out = []
+    for i, b in enumerate(items):
+        if b is None:
+            continue
+        _check_tensor(b, f"bias[{i}]")
+        if b.dtype != torch.bfloat16 or tuple(b.shape) != (num_tokens, hidden) or b.device != device:
+            raise ValueError(f"bias[{i}] must be torch.bfloat16 [{num_tokens}, {hidden}] on {device}, got "
+                             f"{b.dtype} {tuple(b.shape)} on {b.device}")
+        out.append(b)
+    return tuple(out)
+
+
+def num_scale_groups(hidden: int) -> int:
+    return ceil_div(hidden, GROUP)

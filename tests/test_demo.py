@@ -1,0 +1,16 @@
+from moe_ep.__main__ import main as cli_main
+from moe_ep.demo import main
+
+
+def test_demo_runs_and_matches_dense(capsys):
+    assert main(["--ranks", "2", "--tokens", "9", "--hidden", "256", "--intermediate", "64", "--experts", "16",
+                 "--repeat", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("OK") == 2 and "MISMATCH" not in out
+    assert "normal: dispatch (FP8)" in out and "low-latency: combine (BF16)" in out
+
+
+def test_cli_help_and_unknown(capsys):
+    assert cli_main([]) == 2
+    assert cli_main(["nope"]) == 2
+    assert cli_main(["--help"]) == 0
