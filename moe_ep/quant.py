@@ -249,8 +249,9 @@ def per_token_group_quant_fp8(
         transpose_out: write the FP8 tensor transposed, `[K, M]` (`[L, K, T]` for 3D), contiguous.
         out: optional FP8 output of the shape above; padded rows allowed, contiguous last dim.
         out_scales: optional scales output with exactly the layout the options select.
-        masked_m: `[L]` int32/int64 on x's device, 3D input only: rows ``t >= masked_m[l]`` (clamped
-            to T) are neither read nor written, in ``x``, the FP8 output and the scales.
+        masked_m: `[L]` int32/int64 on x's device, 3D input only: rows ``t >= masked_m[l]`` (values
+            clamped to [0, T]) are neither read nor written, in ``x``, the FP8 output and the scales.
+            Read on the device: no host synchronisation (CUDA-graph safe).
         use_pdl: launch with programmatic dependent launch where supported (Hopper+, Triton >= 3.4);
             ignored elsewhere. Results are identical either way.
 

