@@ -162,10 +162,10 @@ def test_other_group_sizes(group_size):
 @pytest.mark.parametrize("op", list(OPS))
 def test_masked_poisoned(op, k, layout):
     opts = LAYOUTS[layout]
-    num_experts, rows = 4, 5
+    num_experts, rows = 5, 5
     x, y = make_input(op, (num_experts, rows), k, torch.bfloat16, seed=k)
-    # An expert with no rows, some, all, and more than T (clamped to T).
-    masked_m = torch.tensor([0, 3, rows, rows + 7], dtype=torch.int32 if k == 128 else torch.int64, device=DEV)
+    # An expert with no rows, some, all, more than T (clamped to T), negative (clamped to 0).
+    masked_m = torch.tensor([0, 3, rows, rows + 7, -2], dtype=torch.int32 if k == 128 else torch.int64, device=DEV)
     out, out_scales = poisoned_outputs((num_experts,), rows, k, opts)
     q, s = OPS[op](x, out=out, out_scales=out_scales, masked_m=masked_m, **opts)
     assert q is out and s is out_scales
@@ -173,7 +173,7 @@ def test_masked_poisoned(op, k, layout):
     q_ref, s_ref = reference(y, opts)
     q_log = logical_q(q, opts)
     for e in range(num_experts):
-        n = min(int(masked_m[e]), rows)
+        n = max(min(int(masked_m[e]), rows), 0)
         assert_bitwise_equal(q_log[e, :n], q_ref[e, :n], f"x_fp8 expert {e}")
         assert_bitwise_equal(s[e, :n], s_ref[e, :n], f"scales expert {e}")
         assert bool((q_log[e, n:].view(torch.uint8) == POISON_BYTE).all()), f"expert {e}: masked FP8 rows written"
