@@ -358,7 +358,15 @@ def per_block_quant_fp8(w: torch.Tensor, block_size: int = 128, *,
 
 
 def dequant_block_fp8(w_fp8: torch.Tensor, scales: torch.Tensor, block_size: int = 128) -> torch.Tensor:
-    """Inverse of :func:`per_block_quant_fp8`: `[.., N, K]` FP8 and `[.., ceil(N/b), ceil(K/b)]` -> float32."""
+    """Inverse of :func:`per_block_quant_fp8`.
+
+    Arguments:
+        w_fp8: `[N, K]` or `[E, N, K]` with `torch.float8_e4m3fn`.
+        scales: `[ceil(N / block_size), ceil(K / block_size)]` (`[E, ...]`) `torch.float32`.
+
+    Returns:
+        `w_fp8` dequantized, same shape, `torch.float32`.
+    """
     if w_fp8.dtype != FP8_DTYPE:
         raise TypeError(f"w_fp8 must be {FP8_DTYPE}, got {w_fp8.dtype}")
     n, k = w_fp8.shape[-2:]

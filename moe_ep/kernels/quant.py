@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .fp8_cast import e4m3_byte, group_scale, native_e4m3_supported
-from .pdl import pdl_launch_kwargs
+from .pdl import INTERPRET, pdl_launch_kwargs
 
 __all__ = ["choose_config", "launch_per_token_group_quant", "quantize_tile"]
 
@@ -137,12 +137,12 @@ def _num_sms(index: int) -> int:
 
 
 def choose_config(L: int, T: int, G: int, group_size: int, use_ue8m0: bool, transpose_out: bool,
-                  device: torch.device) -> tuple[int, int, int]:
+                  device: torch.device, interpret: bool = INTERPRET) -> tuple[int, int, int]:
     """``(BLOCK_M, GROUPS_PER_PROG, num_warps)`` for a launch over `[L, T, G]` groups."""
     min_gpp = 4 if use_ue8m0 else 1  # UE8M0 programs pack whole int32 words
     max_gpp = max(triton.next_power_of_2(G), min_gpp)
     t_pow2 = triton.next_power_of_2(max(T, 1))
-    if device.type != "cuda":
+    if interpret or device.type != "cuda":
         # Interpreter: every program instance costs ~0.6 ms of Python, so use a few big ones.
         return min(t_pow2, 64), max_gpp, 4
     # GPU: ~8K elements (16 KB of BF16) per program; 16+ rows so column-major scale stores and
