@@ -10,11 +10,14 @@ Per (M, K), BF16 input, DeepGEMM's scale layout (float32, column-major, M padded
 
 GB/s counts bytes read plus written (x, FP8 out, scales). Times: triton.testing.do_bench median,
 warm, inputs rotated over > 256 MB of buffers and L2 flushed between calls, so nothing is served
-from L2. A second table does the same for silu_and_mul_quant_fp8 (input `[M, 2K]`); a third runs a
+from L2. Small M is bound by Python launch overhead in that mode (what an eager caller sees);
+``--graph`` times CUDA-graph replays instead (GPU time only; baselines that cannot be captured
+show n/a). A second table does the same for silu_and_mul_quant_fp8 (input `[M, 2K]`); a third runs a
 chain of two dependent kernels (a BF16 producer writing x, then the quant kernel reading it) with
 and without programmatic dependent launch (PDL).
 
     python perf/bench_quant.py                                  # full table (needs a CUDA GPU)
+    python perf/bench_quant.py --graph                          # the same, CUDA-graph replays
     python perf/bench_quant.py -m 4096 16384 -k 7168 --out perf/RESULTS.md
 """
 
@@ -57,6 +60,8 @@ def _parse(argv=None):
     p.add_argument("--no-silu", action="store_true", help="skip the fused SiLU-and-mul table")
     p.add_argument("--no-pdl", action="store_true", help="skip the PDL chain table")
     p.add_argument("--rep", type=int, default=50, help="do_bench repetition time per measurement (ms)")
+    p.add_argument("--graph", action="store_true",
+                   help="time CUDA-graph replays (do_bench_cudagraph): GPU time without Python launch overhead")
     p.add_argument("--out", default=None, help="append the tables as markdown to this file")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="exercise every code path on CPU under the Triton interpreter with wall-clock timing "
@@ -87,10 +92,13 @@ def _bench(fn, rep):
         return (time.perf_counter() - t0) * 1e6
     import triton.testing
 
+    if GRAPH:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3  # us
     return triton.testing.do_bench(fn, warmup=max(rep // 4, 10), rep=rep, return_mode="median") * 1e3  # us
 
 
 SMOKE = False
+GRAPH = False
 
 
 def _compile(fn):
@@ -209,8 +217,9 @@ def _pdl_rows(args, dev):
 
 
 def main(argv=None) -> int:
-    global SMOKE
+    global SMOKE, GRAPH
     args = _parse(argv)
+    GRAPH = args.graph
     if args.cpu_smoke:
         SMOKE = True
         dev, name = torch.device("cpu"), "CPU smoke run (Triton interpreter, numbers meaningless)"
