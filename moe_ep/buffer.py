@@ -142,8 +142,8 @@ class Buffer:
 
     def _check_handle(self, handle, kind) -> None:
         if not isinstance(handle, kind):
-            raise TypeError(f"handle must come from this Buffer's {'dispatch' if kind is DispatchHandle else 'low_latency_dispatch'}, "
-                            f"got {type(handle).__name__}")
+            maker = "dispatch" if kind is DispatchHandle else "low_latency_dispatch"
+            raise TypeError(f"handle must come from this Buffer's {maker}, got {type(handle).__name__}")
         if handle.owner != id(self._impl):
             raise ValueError("handle was produced by another Buffer (or another layout)")
 
