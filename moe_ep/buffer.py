@@ -142,8 +142,8 @@ class Buffer:
 
     def _check_handle(self, handle, kind) -> None:
         if not isinstance(handle, kind):
-            raise TypeError(f"handle must come from this Buffer's {'dispatch' if kind is DispatchHandle else 'low_latency_dispatch'}, "
-                            f"got {type(handle).__name__}")
+            maker = "dispatch" if kind is DispatchHandle else "low_latency_dispatch"
+            raise TypeError(f"handle must come from this Buffer's {maker}, got {type(handle).__name__}")
         if handle.owner != id(self._impl):
             raise ValueError("handle was produced by another Buffer (or another layout)")
 
@@ -166,8 +166,8 @@ class Buffer:
         V.check_num_experts(num_experts, self.group_size)
         if not isinstance(topk_idx, torch.Tensor):
             raise TypeError(f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
-        if self._value_checks(topk_idx.device):
-            V.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() == 2 else -1, num_experts, topk_idx.device)
+        V.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() == 2 else -1, num_experts, topk_idx.device,
+                         self._value_checks(topk_idx.device))
         out, event = self._run(lambda: self._impl.get_dispatch_layout(topk_idx, num_experts), topk_idx.device,
                                previous_event, async_finish, allocate_on_comm_stream)
         return (*out, event)
@@ -224,10 +224,7 @@ class Buffer:
                 raise ValueError("num_tokens_per_expert must be a 1D tensor [num_experts]")
             num_experts = num_tokens_per_expert.shape[0]
             V.check_num_experts(num_experts, self.group_size)
-            if self._value_checks(data.device):
-                V.check_topk_idx(topk_idx, n, num_experts, data.device)
-            else:
-                V.check_topk_idx(topk_idx[:0], 0, num_experts, data.device)
+            V.check_topk_idx(topk_idx, n, num_experts, data.device, self._value_checks(data.device))
             if topk_weights is None:
                 raise ValueError("dispatch without a handle needs topk_weights")
             V.check_topk_weights(topk_weights, topk_idx)
@@ -271,7 +268,9 @@ class Buffer:
         self._check_handle(handle, DispatchHandle)
         V.check_combine_x(x, handle.num_recv_tokens, handle.hidden)
         if topk_weights is not None:
-            V.check_topk_weights(topk_weights, topk_weights, "topk_weights")
+            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
+                got = getattr(topk_weights, 'dtype', type(topk_weights).__name__)
+                raise TypeError(f"topk_weights must be a torch.float32 tensor, got {got}")
             if topk_weights.dim() != 2 or topk_weights.shape[0] != handle.num_recv_tokens:
                 raise ValueError(f"topk_weights must have {handle.num_recv_tokens} rows (the received tokens), got "
                                  f"shape {tuple(topk_weights.shape)}")
@@ -320,10 +319,7 @@ class Buffer:
             raise ValueError("async_finish and return_recv_hook cannot both be set")
         if (round_scale or use_ue8m0) and not use_fp8:
             raise ValueError("round_scale / use_ue8m0 need use_fp8=True")
-        if self._value_checks(x.device):
-            V.check_topk_idx(topk_idx, x.shape[0], num_experts, x.device)
-        else:
-            V.check_topk_idx(topk_idx[:0], 0, num_experts, x.device)
+        V.check_topk_idx(topk_idx, x.shape[0], num_experts, x.device, self._value_checks(x.device))
         if cumulative_local_expert_recv_stats is not None:
             s = cumulative_local_expert_recv_stats
             if not isinstance(s, torch.Tensor) or s.dtype != torch.int32 or tuple(s.shape) != (num_local,):
@@ -368,10 +364,7 @@ class Buffer:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or tuple(x.shape) != (num_local, rows, handle.hidden):
             raise ValueError(f"x must be torch.bfloat16 [{num_local}, {rows}, {handle.hidden}], got "
                              f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        V.check_topk_idx(topk_idx[:0] if not self._value_checks(x.device) else topk_idx,
-                         handle.num_tokens if self._value_checks(x.device) else 0, handle.num_experts, x.device)
-        if topk_idx.dim() != 2 or topk_idx.shape[0] != handle.num_tokens:
-            raise ValueError(f"topk_idx must have {handle.num_tokens} rows (as at dispatch), got {tuple(topk_idx.shape)}")
+        V.check_topk_idx(topk_idx, handle.num_tokens, handle.num_experts, x.device, self._value_checks(x.device))
         V.check_topk_weights(topk_weights, topk_idx)
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
                                 or tuple(out.shape) != (handle.num_tokens, handle.hidden)):

@@ -57,8 +57,9 @@ def check_num_experts(num_experts: int, world_size: int) -> int:
     return num_experts // world_size
 
 
-def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.device) -> None:
-    """int64 `[N, K]`, values in ``[-1, num_experts)``, no expert twice in one row."""
+def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.device, check_values: bool = True) -> None:
+    """int64 `[N, K]`; with ``check_values`` (reads the tensor on the host) also values in
+    ``[-1, num_experts)`` and no expert twice in one row."""
     _check_tensor(topk_idx, "topk_idx")
     if topk_idx.dtype != torch.int64:
         raise TypeError(f"topk_idx must be torch.int64, got {topk_idx.dtype}")
@@ -66,7 +67,7 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.de
         raise ValueError(f"topk_idx must have shape [{num_tokens}, num_topk], got {tuple(topk_idx.shape)}")
     if topk_idx.device != device:
         raise ValueError(f"topk_idx is on {topk_idx.device}, x on {device}")
-    if topk_idx.numel() == 0:
+    if topk_idx.numel() == 0 or not check_values:
         return
     lo, hi = int(topk_idx.min()), int(topk_idx.max())
     if lo < -1 or hi >= num_experts:

@@ -10,4 +10,4 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -c "import triton" 2>/dev/null || pipq "triton>=3.4"
 pipq numpy pytest hypothesis
-pipq --no-build-isolation --no-deps -e .
+pipq --no-deps -e .

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
