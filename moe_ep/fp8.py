@@ -110,7 +110,7 @@ def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     pad = ceil_div(g, 4) * 4 - g
     if pad:
         exps = torch.nn.functional.pad(exps, (0, pad))
-    exps = exps.reshape(*scale.shape[:-1], -1, 4)
+    exps = exps.reshape(*scale.shape[:-1], ceil_div(g, 4), 4)
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=scale.device)
     packed = (exps << shifts).sum(dim=-1)
     # reinterpret as signed int32 (the top byte may set the sign bit)
@@ -125,7 +125,7 @@ def unpack_ue8m0(packed: torch.Tensor, num_groups: int) -> torch.Tensor:
     p = packed.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=packed.device)
     exps = (p.unsqueeze(-1) >> shifts) & 0xFF
-    exps = exps.reshape(*packed.shape[:-1], -1)[..., :num_groups]
+    exps = exps.reshape(*packed.shape[:-1], packed.shape[-1] * 4)[..., :num_groups]
     return (exps.to(torch.int32) << 23).view(torch.float32)
 
 

@@ -80,3 +80,10 @@ def test_nan_inf_and_bad_shapes():
         per_token_group_quant_fp8_ref(torch.ones(2, 100))
     with pytest.raises(TypeError):
         per_token_group_quant_fp8_ref(torch.ones(2, 128, dtype=torch.int32))
+
+
+def test_empty_inputs():
+    for ue8m0 in (False, True):
+        q, s = per_token_group_quant_fp8_ref(torch.zeros(0, 256), use_ue8m0=ue8m0)
+        assert q.shape == (0, 256) and s.shape == ((0, 1) if ue8m0 else (0, 2))
+    assert unpack_ue8m0(torch.zeros(0, 1, dtype=torch.int32), 2).shape == (0, 2)
