@@ -1,0 +1,99 @@
+"""Triton device helpers for cross-rank signalling over symmetric memory (the ``symm`` backend).
+
+Every cross-rank kernel waits and signals through these helpers, so that the timeout rule and the
+memory ordering are the same everywhere:
+
+- :func:`now_ns` reads a nanosecond clock: ``%globaltimer`` on a GPU, the host's monotonic clock in
+  the Triton interpreter (the interpreter runs the kernel body as Python on the host).
+- :func:`wait_ne` spins (acquire loads, system scope) until a signal differs from a value, at most
+  ``timeout_ns``; on timeout it records the peer in the rank's ``status`` word and returns the value
+  it waited to leave, so the caller skips its work instead of hanging.
+- :func:`signal_release` stores a signal with release semantics (system scope): every write the
+  program issued before it is visible to a peer that observes the signal with an acquire load.
+
+Status word (``status_ptr``, int32, on the waiting rank): 0 = fine; ``peer + 1`` = the first peer
+a wait of this rank gave up on. The host reads it (:meth:`moe_ep.symm.SymmBuffer.check_status`) and
+raises :class:`moe_ep.RankTimeoutError` naming the peer.
+
+NOTES: the phase rule (DESIGN.md): a kernel only waits on signals written by *earlier* launches
+(of any rank), never by other programs of its own launch. Completion counters in the
+"last program done" pattern (:func:`arrive_last`) are allowed: nobody waits on them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import triton
+import triton.language as tl
+
+from .pdl import INTERPRET
+
+__all__ = ["now_ns", "wait_ne", "signal_release", "load_acquire", "arrive_last", "report_timeout"]
+
+
+def _host_monotonic_ns():
+    return time.monotonic_ns()
+
+
+if INTERPRET:
+    @triton.jit
+    def now_ns():
+        """Nanoseconds from an arbitrary origin (host clock: this is the interpreter build)."""
+        return _host_monotonic_ns()
+else:
+    @triton.jit
+    def now_ns():
+        """Nanoseconds from an arbitrary origin (``%globaltimer`` of the GPU)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+
+@triton.jit
+def load_acquire(ptr):
+    """Scalar acquire load (system scope) of an int32 signal."""
+    return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def signal_release(ptr, value):
+    """Scalar release store (system scope) of an int32 signal; returns the previous value."""
+    return tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def report_timeout(status_ptr, peer):
+    """Record that a wait on ``peer`` timed out (the first report wins)."""
+    tl.atomic_cas(status_ptr, 0, peer + 1, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns):
+    """Spin until ``*sig_ptr != value`` (acquire); returns the signal, or ``value`` after a timeout
+    (then ``status`` names ``peer``). A status already set by an earlier wait of this launch makes
+    the wait give up at once, so one missing rank costs one timeout, not one per program."""
+    v = load_acquire(sig_ptr)
+    if v == value:
+        start = now_ns()
+        done = False
+        while not done:
+            v = load_acquire(sig_ptr)
+            if v != value:
+                done = True
+            else:
+                failed = tl.load(status_ptr, volatile=True) != 0
+                if failed | (now_ns() - start > timeout_ns):
+                    report_timeout(status_ptr, peer)
+                    done = True
+    return v
+
+
+@triton.jit
+def arrive_last(counter_ptr, total):
+    """Count this program's arrival at a local completion counter (acq_rel); True for the program that
+    arrives last (which also resets the counter to 0 for the next launch)."""
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    is_last = old == total - 1
+    if is_last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return is_last
