@@ -55,7 +55,11 @@ class Buffer:
             :class:`moe_ep.sync.RankTimeoutError` (a ``TimeoutError``) naming it.
         check_inputs: value checks of ``topk_idx`` (range, duplicates) read the tensor on the host; they
             are skipped automatically while a CUDA graph is being captured, and can be turned off here.
-        backend_kwargs: passed to the backend (e.g. ``provider=`` for ``symm``).
+        backend_kwargs: passed to the backend: ``provider=`` (``"cuda"`` / ``"shm"``) and ``device=`` for ``symm``.
+
+    The ``symm`` backend needs its buffer sizes: ``num_nvl_bytes`` from
+    :meth:`moe_ep.backends.symm.SymmBackend.get_normal_size_hint` and ``num_rdma_bytes`` from
+    :meth:`~moe_ep.backends.symm.SymmBackend.get_low_latency_size_hint`.
     """
 
     num_sms: int = 20
@@ -385,6 +389,13 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """DeepEP compatibility: buffers of this release need no cleaning between uses."""
         self._check_low_latency()
+
+    def check_status(self) -> None:
+        """Raise :class:`moe_ep.RankTimeoutError` if a device-side wait of this rank timed out (``symm``:
+        synchronises; use it after CUDA-graph replays, where the per-call check cannot run)."""
+        check = getattr(self._impl, "check_status", None)
+        if check is not None:
+            check(blocking=True)
 
     def destroy(self) -> None:
         self._impl.destroy()

@@ -95,7 +95,15 @@ def _rank_main(rank: int, world: int, args) -> dict:
         for e in topk_idx[:, kk].unique().tolist():
             rows = (topk_idx[:, kk] == e).nonzero().flatten()
             ref[rows] += topk_w[rows, kk:kk + 1] * expert_mlp(xd[rows], w13[e], w2[e])
-    buf = moe_ep.Buffer(None, low_latency_mode=args.mode != "normal", backend=args.backend, timeout_s=args.timeout)
+    extra = {}
+    if args.backend == "symm":
+        from .backends.symm import SymmBackend
+        extra = dict(num_nvl_bytes=SymmBackend.get_normal_size_hint(args.tokens, args.hidden, args.topk, args.ranks),
+                     num_rdma_bytes=SymmBackend.get_low_latency_size_hint(args.tokens, args.hidden, args.ranks,
+                                                                          args.experts, args.topk),
+                     device=device)
+    buf = moe_ep.Buffer(None, low_latency_mode=args.mode != "normal", backend=args.backend, timeout_s=args.timeout,
+                        **extra)
     selections = int((topk_idx >= 0).sum())
     stats: dict = {}
 

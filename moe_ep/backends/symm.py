@@ -1,0 +1,208 @@
+"""The ``symm`` backend: device-initiated dispatch/combine, Triton kernels over symmetric memory.
+
+Kernels write straight into the peers' buffers through tables of peer base addresses
+(:mod:`moe_ep.symm`) and synchronise with signals in the peers' memory
+(:mod:`moe_ep.kernels.signals`); nothing goes through a collective library, and the low-latency
+path never reads device data on the host, so it can be captured in a CUDA graph.
+
+Two independent symmetric allocations per rank, sized as in DeepEP:
+
+- ``num_nvl_bytes`` (normal mode, :class:`~moe_ep.backends.symm_normal.SymmNormal`):
+  size it with :meth:`SymmBackend.get_normal_size_hint`;
+- ``num_rdma_bytes`` (low-latency mode, :class:`~moe_ep.backends.symm_ll.SymmLowLatency`):
+  size it with :meth:`SymmBackend.get_low_latency_size_hint`.
+
+A call whose shapes do not fit raises ``ValueError`` naming the size needed, before any kernel runs.
+
+Each operation runs as two phases, a send launch and a receive launch (the phase rule of
+DESIGN.md); :meth:`moe_ep.Buffer.dispatch` runs both, ``return_recv_hook=True`` returns the
+receive as the hook, and :func:`virtual_backends` exposes the phases of ``N`` virtual ranks in one
+process so one device can run (and time) every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..symm import create_symm_buffer, create_virtual_symm_buffers
+from .base import Backend, LowLatencyDispatchResult
+
+__all__ = ["SymmBackend", "virtual_backends"]
+
+
+def _paths():
+    from .symm_ll import SymmLowLatency
+    from .symm_normal import SymmNormal
+    return SymmNormal, SymmLowLatency
+
+
+def _default_device(group) -> torch.device:
+    backend = dist.get_backend(group) if group is not None else dist.get_backend()
+    if "nccl" in str(backend).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class SymmBackend(Backend):
+    """``symm`` backend of one rank (see the module docstring).
+
+    Extra keyword arguments (through ``moe_ep.Buffer(..., backend="symm", **kwargs)``):
+        provider: ``"auto"`` (default: ``"cuda"`` on GPUs, ``"shm"`` on CPU), ``"cuda"`` or ``"shm"``.
+        device: where the buffers live (default: the current CUDA device with NCCL groups, else CPU).
+    """
+
+    name = "symm"
+    graph_safe_low_latency = True
+
+    def __init__(self, group, rank: int, world_size: int, *, num_nvl_bytes: int, num_rdma_bytes: int,
+                 low_latency_mode: bool, timeout_s: float, provider: str = "auto",
+                 device: Optional[torch.device] = None, _symm_buffers: Optional[tuple] = None):
+        super().__init__(group, rank, world_size, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                         low_latency_mode=low_latency_mode, timeout_s=timeout_s)
+        SymmNormal, SymmLowLatency = _paths()
+        if _symm_buffers is not None:  # virtual ranks
+            normal_buf, ll_buf = _symm_buffers
+        else:
+            device = torch.device(device) if device is not None else _default_device(group)
+            normal_buf = create_symm_buffer(group, num_nvl_bytes, SymmNormal.num_signals(world_size), device=device,
+                                            provider=provider, timeout_s=timeout_s)
+            ll_buf = None
+            if low_latency_mode:
+                ll_buf = create_symm_buffer(group, num_rdma_bytes, SymmLowLatency.num_signals(world_size),
+                                            device=device, provider=provider, timeout_s=timeout_s)
+        self.device = normal_buf.device
+        self.normal = SymmNormal(normal_buf, id(self))
+        self.ll = SymmLowLatency(ll_buf, id(self)) if ll_buf is not None else None
+        self._buffers = [b for b in (normal_buf, ll_buf) if b is not None]
+
+    # ------------------------------------------------------------------ size hints
+    @staticmethod
+    def get_normal_size_hint(num_max_tokens: int, hidden: int, num_topk: int, num_ranks: int) -> int:
+        """``num_nvl_bytes`` that lets every rank dispatch ``num_max_tokens`` tokens (BF16 or FP8)."""
+        return _paths()[0].size_hint(num_max_tokens, hidden, num_topk, num_ranks)
+
+    @staticmethod
+    def get_low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                  num_experts: int, num_topk: int = 8) -> int:
+        """``num_rdma_bytes`` for low-latency calls up to these shapes."""
+        return _paths()[1].size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
+
+    def _check_device(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device.type or (t.device.index is not None and self.device.index is not None
+                                                  and t.device.index != self.device.index):
+            raise ValueError(f"inputs are on {t.device} but this symm Buffer's memory is on {self.device}")
+
+    def _check_ll(self) -> None:
+        if self.ll is None:
+            raise ValueError("low-latency calls need Buffer(..., low_latency_mode=True)")
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        self._check_device(topk_idx)
+        per_rank, per_expert, in_rank = self.normal.layout(topk_idx, num_experts)
+        return per_rank, None, per_expert, in_rank
+
+    def dispatch_send(self, x, x_scales, **kwargs):
+        self._check_device(x)
+        return self.normal.dispatch_send(x, x_scales, **kwargs)
+
+    def dispatch_recv(self, state, *, expert_alignment: int, num_worst_tokens: int):
+        return self.normal.dispatch_recv(state, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+
+    def dispatch(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                 topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens):
+        state = self.dispatch_send(x, x_scales, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
+                                   is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
+                                   topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
+        return self.dispatch_recv(state, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+
+    def combine_send(self, x, handle, topk_weights):
+        self._check_device(x)
+        return self.normal.combine_send(x, handle, topk_weights)
+
+    def combine_recv(self, state, bias: tuple):
+        return self.normal.combine_recv(state, bias)
+
+    def combine(self, x, handle, topk_weights, bias):
+        return self.combine_recv(self.combine_send(x, handle, topk_weights), bias)
+
+    # ------------------------------------------------------------------ low-latency mode
+    def low_latency_dispatch_send(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *,
+                                  use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False):
+        self._check_ll()
+        self._check_device(x)
+        return self.ll.dispatch_send(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8,
+                                     round_scale=round_scale, use_ue8m0=use_ue8m0)
+
+    def low_latency_dispatch_recv(self, state, cumulative_local_expert_recv_stats=None) -> LowLatencyDispatchResult:
+        return self.ll.dispatch_recv(state, cumulative_local_expert_recv_stats)
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *,
+                             cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, return_recv_hook):
+        state = self.low_latency_dispatch_send(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                               use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        if not return_recv_hook:
+            return self.low_latency_dispatch_recv(state, cumulative_local_expert_recv_stats)
+        res = state.result
+
+        def hook():
+            self.low_latency_dispatch_recv(state, cumulative_local_expert_recv_stats)
+
+        return LowLatencyDispatchResult(res.recv_x, res.recv_x_scales, res.recv_count, res.handle, hook)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        self._check_ll()
+        return self.ll.get_next_low_latency_combine_buffer(handle)
+
+    def low_latency_combine_send(self, x, topk_idx, topk_weights, handle, *, zero_copy: bool = False, out=None):
+        self._check_ll()
+        self._check_device(x)
+        return self.ll.combine_send(x, topk_idx, topk_weights, handle, zero_copy=zero_copy, out=out)
+
+    def low_latency_combine_recv(self, state) -> torch.Tensor:
+        return self.ll.combine_recv(state)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, zero_copy, return_recv_hook, out):
+        state = self.low_latency_combine_send(x, topk_idx, topk_weights, handle, zero_copy=zero_copy, out=out)
+        if not return_recv_hook:
+            return self.low_latency_combine_recv(state), None
+        return state.out, lambda: self.low_latency_combine_recv(state)
+
+    # ------------------------------------------------------------------ status
+    def check_status(self, blocking: bool = True) -> None:
+        """Raise :class:`moe_ep.RankTimeoutError` if any wait of this rank timed out (after CUDA-graph
+        replays, where the per-call check cannot run)."""
+        for b in self._buffers:
+            b.check_status("a CUDA-graph replay or earlier call", blocking=blocking)
+
+    def destroy(self) -> None:
+        for b in self._buffers:
+            b.close()
+        self._buffers = []
+
+
+def virtual_backends(world_size: int, *, num_nvl_bytes: int, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                     device=None, timeout_s: float = 60.0) -> list[SymmBackend]:
+    """``world_size`` virtual ranks of the ``symm`` backend in this process, on one ``device``.
+
+    Run each operation phase by phase over all ranks, e.g. for low-latency dispatch::
+
+        states = [b.low_latency_dispatch_send(x[r], idx[r], T, E) for r, b in enumerate(backends)]
+        results = [b.low_latency_dispatch_recv(s) for b, s in zip(backends, states)]
+
+    (a receive launched before every rank's send raises :class:`moe_ep.RankTimeoutError`). Inputs
+    are not validated here: pass what :class:`moe_ep.Buffer` would accept.
+    """
+    SymmNormal, SymmLowLatency = _paths()
+    normal = create_virtual_symm_buffers(world_size, num_nvl_bytes, SymmNormal.num_signals(world_size), device=device,
+                                         timeout_s=timeout_s)
+    ll = [None] * world_size
+    if low_latency_mode:
+        ll = create_virtual_symm_buffers(world_size, num_rdma_bytes, SymmLowLatency.num_signals(world_size),
+                                         device=device, timeout_s=timeout_s)
+    return [SymmBackend(None, r, world_size, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                        low_latency_mode=low_latency_mode, timeout_s=timeout_s, _symm_buffers=(normal[r], ll[r]))
+            for r in range(world_size)]
