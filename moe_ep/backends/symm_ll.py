@@ -1,0 +1,389 @@
+"""Low-latency (decode) path of the ``symm`` backend: device-initiated intranode dispatch / combine.
+
+Four Triton launches over the peers' address tables (:mod:`moe_ep.kernels.low_latency`), each one
+phase: ``dispatch_send`` -> ``dispatch_recv`` (the hook of ``return_recv_hook``) -> ``combine_send``
+-> ``combine_recv``. Nothing reads device data on the host, shapes are fixed by ``(N, T, H, K, E)``,
+and every signal is back at zero after each dispatch + combine, so the whole sequence can be captured
+in a CUDA graph and replayed.
+
+Compared with DeepEP's low-latency buffers (every rank keeps ``E * T`` message slots, one per
+(expert, source token)), a token travels once per destination *rank* and the receiver places its rows
+from a header, so the receive area is ``R * T`` messages and the combine area ``T * K`` rows.
+
+Double buffering: dispatch and combine each alternate between two slots (a host-side toggle per
+call, baked into a captured graph), so two dispatches (or two combines) may be in flight at once,
+e.g. two micro-batches with ``return_recv_hook``; a third one in flight waits for the first to be
+received (and times out if that never happens on this stream).
+
+NOTES: the carving below depends on ``(T, hidden, R, E, num_topk)``. Changing those shapes between
+calls is safe once every rank has finished the previous step (e.g. after a host barrier); changing
+them while a peer may still be inside the previous step's combine is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+
+from ..fp8 import FP8_DTYPE, tma_aligned_size
+from ..kernels.fp8_cast import native_e4m3_supported
+from ..kernels.low_latency import (
+    _ll_combine_recv_kernel,
+    _ll_combine_send_kernel,
+    _ll_dispatch_recv_kernel,
+    _ll_dispatch_send_kernel,
+    signal_layout,
+)
+from ..kernels.pdl import INTERPRET
+from ..symm import SymmBuffer
+from .base import LowLatencyDispatchResult, LowLatencyHandle
+
+__all__ = ["SymmLowLatency", "SymmLowLatencyHandle", "ll_buffer_bytes", "deepep_ll_buffer_bytes"]
+
+NUM_SLOTS = 2
+GROUP = 128
+_ALIGN = 256
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Byte offsets inside one double-buffer slot of a rank's data region (see :func:`_carve`)."""
+
+    msg: int  # bytes per message (one token for one destination rank)
+    hdr: int  # header offset inside a message
+    cnt_off: int
+    msg_off: int
+    comb_off: int
+    slot_bytes: int
+
+
+def _carve(T: int, hidden: int, R: int, E: int, K: int) -> _Layout:
+    # One slot of a rank's data region (NUM_SLOTS of them, each at ``slot * (nbytes // NUM_SLOTS)``):
+    #
+    #   cnt_off   [R, L] int32                  count[s][e]: tokens of source s for local expert e   4 * E
+    #   msg_off   [R, T, msg] uint8             message of source s's token t (slot fixed by t)       R * T * msg
+    #             msg = payload | header, payload = BF16 2H, or FP8 H + scales 4 * H/128 (carved for BF16),
+    #             header (at hdr = align16(2H)) = top-k experts K int32 | positions K int32, msg 16-aligned
+    #   comb_off  [T, K, H] bf16                combine: expert output for (own token t, selection k)  2 * T * K * H
+    #
+    # Regions start 256-byte aligned. DeepSeek-V3 decode (T=128, H=7168, E=256, K=8) at EP8:
+    # msg = 14400 B, 14.7 MB of messages + 14.7 MB combine = 29.4 MB per slot, 58.9 MB per rank.
+    L = E // R
+    hdr = _align(2 * hidden, 16)
+    msg = _align(hdr + 8 * K, 16)
+    cnt_off = 0
+    msg_off = _align(4 * R * L, _ALIGN)
+    comb_off = _align(msg_off + R * T * msg, _ALIGN)
+    slot_bytes = _align(comb_off + 2 * T * K * hidden, _ALIGN)
+    return _Layout(msg, hdr, cnt_off, msg_off, comb_off, slot_bytes)
+
+
+def ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
+                    num_topk: int = 8) -> int:
+    """Data bytes per rank of this path (both slots): what :meth:`SymmLowLatency.size_hint` returns."""
+    return NUM_SLOTS * _carve(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk).slot_bytes
+
+
+def deepep_ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                           num_experts: int) -> int:
+    """DeepEP's ``get_low_latency_rdma_size_hint`` for the same shapes (its published layout: two
+    slots of send + receive + signal buffers, ``E * T`` messages each), for comparison."""
+    T, E = num_max_dispatch_tokens_per_rank, num_experts
+    scales = hidden // 128
+    msg_d = 16 + max(2 * hidden, hidden + 4 * scales)
+    msg_c = 4 * scales + 2 * hidden
+    send = max(T * msg_d, E * T * msg_c)
+    recv = E * T * max(msg_d, msg_c)
+    signal = 4 * E
+    return _align(2 * (send + recv + signal), 128)
+
+
+@dataclasses.dataclass
+class SymmLowLatencyHandle(LowLatencyHandle):
+    """Low-latency handle of the ``symm`` backend (opaque to callers).
+
+    slot_row: `[R, T, K]` `torch.int32`, where selection (source s, token t, k) landed on this rank:
+        ``local_expert * R*T + row``, or -1 (filled by the dispatch receive).
+    recv_tokens: `[R]` `torch.int32`, tokens each source sent (filled by the dispatch receive).
+    """
+
+    num_topk: int = 0
+    slot_row: Optional[torch.Tensor] = None
+    recv_tokens: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass
+class _DispatchState:
+    result: LowLatencyDispatchResult
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    slot: int
+    layout: _Layout
+    use_fp8: bool
+    recv_done: bool = False
+
+
+@dataclasses.dataclass
+class _CombineState:
+    out: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    handle: SymmLowLatencyHandle
+    slot: int
+    layout: _Layout
+
+
+class SymmLowLatency:
+    """Low-latency dispatch / combine of one rank over one :class:`~moe_ep.symm.SymmBuffer`.
+
+    Arguments:
+        symm: this rank's symmetric buffer: at least :meth:`size_hint` data bytes and :meth:`num_signals`
+            signal words (zero-initialised).
+        owner: written into every handle's ``owner``.
+    """
+
+    def __init__(self, symm: SymmBuffer, owner: int):
+        self.symm = symm
+        self.owner = owner
+        self.sig = signal_layout(symm.world_size)
+        self._dispatch_slot = 0
+        self._combine_slot = 0
+        self._combine_buffers: dict = {}
+
+    # ------------------------------------------------------------------ sizes
+    @staticmethod
+    def num_signals(world_size: int, num_experts_max: int = 1024) -> int:
+        """Signal words per rank (independent of the number of experts: counts travel as data)."""
+        return NUM_SLOTS * signal_layout(world_size)["SLOT_WORDS"]
+
+    @staticmethod
+    def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
+                  num_topk: int = 8) -> int:
+        """Data bytes per rank (``num_rdma_bytes``) for calls up to these shapes (BF16 or FP8)."""
+        return ll_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
+
+    def _slot_base(self, slot: int) -> int:
+        return slot * (self.symm.nbytes // NUM_SLOTS // _ALIGN * _ALIGN)
+
+    def _check_capacity(self, T: int, hidden: int, E: int, K: int, what: str) -> _Layout:
+        R = self.symm.world_size
+        if E % R != 0:
+            raise ValueError(f"{what}: num_experts={E} must be divisible by the number of ranks {R}")
+        lay = _carve(T, hidden, R, E, K)
+        have = self.symm.nbytes // NUM_SLOTS // _ALIGN * _ALIGN
+        if lay.slot_bytes > have:
+            need = self.size_hint(T, hidden, R, E, K)
+            raise ValueError(
+                f"{what}: T={T}, hidden={hidden}, num_topk={K}, num_experts={E} on {R} ranks need "
+                f"{lay.slot_bytes} bytes per buffer slot but the low-latency buffer has {have} "
+                f"(num_rdma_bytes={self.symm.nbytes}); use num_rdma_bytes >= {need} "
+                f"(Buffer.get_low_latency_rdma_size_hint)")
+        need_sig = self.num_signals(R)
+        if self.symm.num_signals < need_sig:
+            raise ValueError(f"{what}: the symmetric buffer has {self.symm.num_signals} signal words, needs {need_sig}")
+        return lay
+
+    def _configs(self, device: torch.device) -> bool:
+        return INTERPRET or device.type != "cuda"
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                      num_experts: int, *, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> _DispatchState:
+        """Send phase of low-latency dispatch (FP8 cast fused); allocates every output.
+
+        Arguments:
+            x: `[N, hidden]` `torch.bfloat16`, ``N <= T``; topk_idx: `[N, K]` `torch.int64` (-1: none).
+            num_max_dispatch_tokens_per_rank: ``T``; num_experts: ``E``.
+            use_fp8, round_scale, use_ue8m0: as :meth:`moe_ep.Buffer.low_latency_dispatch`.
+
+        Returns:
+            a state whose ``result`` (:class:`LowLatencyDispatchResult`) :meth:`dispatch_recv` fills in place.
+        """
+        symm = self.symm
+        symm.check_usable()
+        R, T, E = symm.world_size, num_max_dispatch_tokens_per_rank, num_experts
+        n, hidden = x.shape
+        K = topk_idx.shape[1]
+        if use_fp8 and hidden % GROUP != 0:
+            raise ValueError(f"hidden={hidden} must be a multiple of {GROUP} for FP8")
+        if n > T:
+            raise ValueError(f"{n} tokens exceed num_max_dispatch_tokens_per_rank={T}")
+        lay = self._check_capacity(T, hidden, E, K, "low_latency_dispatch")
+        round_scale = round_scale or use_ue8m0
+        L, RT, dev = E // R, R * T, x.device
+        slot = self._dispatch_slot
+
+        # Outputs (filled by the receive). Scales: storage [L, G or W, RT padded to 4], viewed [L, RT, G or W].
+        if use_fp8:
+            G = hidden // GROUP
+            recv_x = torch.empty(L, RT, hidden, dtype=FP8_DTYPE, device=dev)
+            sg, s_dtype = ((G + 3) // 4, torch.int32) if use_ue8m0 else (G, torch.float32)
+            s_store = torch.empty(L, sg, tma_aligned_size(RT), dtype=s_dtype, device=dev)
+            recv_scales = s_store[:, :, :RT].transpose(1, 2)
+        else:
+            recv_x = torch.empty(L, RT, hidden, dtype=torch.bfloat16, device=dev)
+            recv_scales = None
+        recv_count = torch.empty(L, dtype=torch.int32, device=dev)
+        handle = SymmLowLatencyHandle(owner=self.owner, num_tokens=n, hidden=hidden, num_max_dispatch_tokens_per_rank=T,
+                                      num_experts=E, num_topk=K,
+                                      slot_row=torch.empty(R, T, K, dtype=torch.int32, device=dev),
+                                      recv_tokens=torch.empty(R, dtype=torch.int32, device=dev))
+        result = LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, None)
+
+        # Launch: token-block programs, then count programs.
+        x_c = x.contiguous()
+        x_arg = x_c if use_fp8 else x_c.view(torch.int16)
+        topk = topk_idx.contiguous()
+        interp = self._configs(dev)
+        G = max(hidden // GROUP, 1)
+        if interp:
+            block_t = min(_pow2(n), 64)
+            chunk_t, block_e, gc, hc, warps = block_t, min(_pow2(E), 256), _pow2(G), _pow2(hidden), 4
+        else:
+            block_t = 1 if n <= 256 else 2
+            chunk_t, block_e, gc, hc, warps = 32, 64, min(_pow2(G), 8), min(_pow2(hidden), 2048), 4
+        if use_ue8m0:
+            gc = max(gc, 4)
+        num_token_progs = triton.cdiv(n, block_t)
+        grid = (num_token_progs + triton.cdiv(E, block_e),)
+        base = self._slot_base(slot)
+        s = self.sig
+        _ll_dispatch_send_kernel[grid](
+            x_arg, topk, symm.buffer_ptrs, symm.signal_ptrs, symm.status,
+            symm.rank, n, T, L, E, R, num_token_progs, symm.timeout_ns,
+            base + lay.cnt_off, base + lay.msg_off, slot * s["SLOT_WORDS"],
+            H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=lay.hdr, BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_E=block_e,
+            GC=gc, HC=hc, IS_FP8=use_fp8, ROUND_SCALE=round_scale, USE_UE8M0=use_ue8m0,
+            NATIVE_FP8=use_fp8 and native_e4m3_supported(dev),
+            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"], num_warps=warps)
+        symm.check_status("low_latency_dispatch (send)")
+        self._dispatch_slot ^= 1
+        return _DispatchState(result, x_c, topk, slot, lay, use_fp8)
+
+    def dispatch_recv(self, state: _DispatchState,
+                      cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None) -> LowLatencyDispatchResult:
+        """Receive phase: fills ``state.result`` in place (``recv_x``, scales, ``recv_count``, the handle) and
+        adds ``recv_count`` to ``cumulative_local_expert_recv_stats`` (`[L]` `torch.int32`) when given."""
+        symm = self.symm
+        symm.check_usable()
+        res, lay = state.result, state.layout
+        h = res.handle
+        R, T, E, K, hidden = symm.world_size, h.num_max_dispatch_tokens_per_rank, h.num_experts, h.num_topk, h.hidden
+        L = E // R
+        dev = res.recv_x.device
+        if state.use_fp8:
+            x_view = res.recv_x.view(torch.uint8)
+            s_store = res.recv_x_scales.transpose(1, 2)  # [L, W, RT] view of the padded storage
+            s_arg = s_store.view(torch.int32) if s_store.dtype == torch.float32 else s_store
+            stride_sl, stride_sg, sw = s_store.stride(0), s_store.stride(1), s_store.shape[1]
+        else:
+            x_view = res.recv_x.view(torch.int16)
+            s_arg, stride_sl, stride_sg, sw = res.recv_count, 0, 0, 1
+        stats = cumulative_local_expert_recv_stats
+        if self._configs(dev):
+            block_t, hc, warps = min(_pow2(T), 64), _pow2(hidden), 4
+        else:
+            block_t, hc, warps = 4, min(_pow2(hidden), 2048 if state.use_fp8 else 1024), 4
+        grid = (R, triton.cdiv(T, block_t))
+        base = self._slot_base(state.slot)
+        s = self.sig
+        _ll_dispatch_recv_kernel[grid](
+            symm.buffer, symm.signal_ptrs, symm.status,
+            x_view, s_arg, stride_sl, stride_sg,
+            res.recv_count, stats if stats is not None else res.recv_count,
+            h.slot_row, h.recv_tokens,
+            symm.rank, T, L, R, symm.timeout_ns,
+            base + lay.cnt_off, base + lay.msg_off, state.slot * s["SLOT_WORDS"],
+            H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=lay.hdr, SW=sw, SWP=_pow2(sw), BLOCK_T=block_t, HC=hc,
+            RP=_pow2(R), LP=_pow2(L), IS_FP8=state.use_fp8, HAS_STATS=stats is not None,
+            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"], num_warps=warps)
+        symm.check_status("low_latency_dispatch (receive)")
+        state.recv_done = True
+        return res
+
+    # ------------------------------------------------------------------ combine
+    def get_next_low_latency_combine_buffer(self, handle: SymmLowLatencyHandle) -> torch.Tensor:
+        """`[L, R*T, hidden]` `torch.bfloat16` to write expert outputs into for ``zero_copy`` combine (one
+        tensor per combine slot, so two combines in flight do not share it)."""
+        R = self.symm.world_size
+        L = handle.num_experts // R
+        key = (self._combine_slot, L, R * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        buf = self._combine_buffers.get(key)
+        if buf is None:
+            buf = self._combine_buffers[key] = torch.empty(key[1:], dtype=torch.bfloat16, device=self.symm.device)
+        return buf
+
+    def combine_send(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                     handle: SymmLowLatencyHandle, *, zero_copy: bool = False,
+                     out: Optional[torch.Tensor] = None) -> _CombineState:
+        """Send phase of low-latency combine: expert outputs ``x`` (`[L, R*T, hidden]` `torch.bfloat16`, rows
+        as the dispatch placed them) go back to their source ranks. ``out``: optional `[N, hidden]` bf16.
+
+        Returns a state whose ``out`` :meth:`combine_recv` fills in place."""
+        symm = self.symm
+        symm.check_usable()
+        R, T, E, K, hidden = symm.world_size, handle.num_max_dispatch_tokens_per_rank, handle.num_experts, \
+            handle.num_topk, handle.hidden
+        if topk_idx.shape[1] != K:
+            raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns but the dispatch had {K}")
+        if handle.slot_row is None:
+            raise ValueError("this handle does not come from SymmLowLatency.dispatch_send")
+        lay = self._check_capacity(T, hidden, E, K, "low_latency_combine")
+        n = handle.num_tokens
+        dev = x.device
+        if out is None:
+            out = torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        slot = self._combine_slot
+        if self._configs(dev):
+            block_t, hc, warps = min(_pow2(T), 64), _pow2(hidden), 4
+        else:
+            block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
+        base = self._slot_base(slot)
+        s = self.sig
+        x16 = x.view(torch.int16)
+        _ll_combine_send_kernel[(R, triton.cdiv(T, block_t))](
+            x16, x16.stride(0), x16.stride(1), handle.slot_row, handle.recv_tokens,
+            symm.buffer_ptrs, symm.signal_ptrs, symm.status,
+            symm.rank, T, R, symm.timeout_ns, base + lay.comb_off, slot * s["SLOT_WORDS"],
+            H=hidden, K=K, KP=_pow2(K), BLOCK_T=block_t, HC=hc,
+            COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_SEND_CNT=s["COMB_SEND_CNT"], num_warps=warps)
+        symm.check_status("low_latency_combine (send)")
+        self._combine_slot ^= 1
+        return _CombineState(out, topk_idx.contiguous(), topk_weights.contiguous(), handle, slot, lay)
+
+    def combine_recv(self, state: _CombineState, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Receive phase: ``state.out[t] = sum_k w[t, k] * y(expert k, t)`` (float32, k ascending, holes
+        skipped; a token with no expert gives zeros). ``out`` is ignored (pass it to :meth:`combine_send`)."""
+        symm = self.symm
+        symm.check_usable()
+        h, lay = state.handle, state.layout
+        n, hidden, K, R = h.num_tokens, h.hidden, h.num_topk, symm.world_size
+        dev = state.out.device
+        if self._configs(dev):
+            block_t, hc, warps = min(_pow2(n), 64), _pow2(hidden), 4
+        else:
+            block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
+        grid = (triton.cdiv(max(n, 1), block_t), triton.cdiv(hidden, hc))
+        base = self._slot_base(state.slot)
+        s = self.sig
+        _ll_combine_recv_kernel[grid](
+            symm.buffer, state.topk_idx, state.topk_weights, state.out.view(torch.int16), symm.signal_ptrs, symm.status,
+            symm.rank, n, R, symm.timeout_ns, base + lay.comb_off, state.slot * s["SLOT_WORDS"],
+            H=hidden, K=K, BLOCK_T=block_t, HC=hc,
+            COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
+            num_warps=warps, enable_fp_fusion=False)
+        symm.check_status("low_latency_combine (receive)")
+        return state.out

@@ -1,0 +1,435 @@
+"""Low-latency (decode) dispatch / combine kernels of the ``symm`` backend, over peer-pointer tables.
+
+Four launches, each one *phase* of the signalling protocol (a launch only waits on signals written by
+earlier launches, DESIGN.md "Phase rule"):
+
+- :func:`_ll_dispatch_send_kernel` (source rank ``s``): casts BF16 tokens to FP8 (1x128 groups, numerics
+  of :mod:`moe_ep.kernels.fp8_cast`, bitwise equal to :mod:`moe_ep.fp8`) and writes each token ONCE per
+  destination rank (not per expert) into slot ``(s, t)`` of that rank's message area, with a header
+  holding the token's top-k experts and, per k, its position among ``s``'s tokens of that expert;
+  extra "count" programs write ``s``'s per-expert token counts into each destination's count table.
+- :func:`_ll_dispatch_recv_kernel` (destination ``d``): places row ``(s, t, k)`` of local expert ``e`` at
+  ``sum_{s' < s} count[s'][e] + pos`` of ``recv_x[e]`` (source rank, then token order: the masked
+  layout of the torch backend), copies the scales column-major, fills ``recv_count`` and the handle's
+  ``slot_row`` table (where each ``(s, t, k)`` landed) for the combine.
+- :func:`_ll_combine_send_kernel` (expert rank ``d``): copies each expert output row back to slot
+  ``(t, k)`` of its source rank's combine area `[T, K, H]` BF16 (each slot has exactly one writer).
+- :func:`_ll_combine_recv_kernel` (source ``s``): ``out[t] = sum_k w[t, k] * y[t, k]`` in float32, k
+  ascending, holes skipped (compiled without FMA contraction, so equal to the torch reference bitwise).
+
+Signals (int32 words of each rank's signal region; ``sig_off`` selects the double-buffer slot):
+
+    DISP_FULL  + s   on receiver d: source s's tokens are in (value N_s + 1); receiver resets to 0
+    DISP_BUSY  + d   on sender s: d has not drained s's slot yet (1); d resets it to 0 after reading
+    COMB_FULL  + d   on source s: expert rank d's outputs are in (1); s resets to 0
+    COMB_BUSY  + s   on expert rank d: s has not drained d's outputs yet (1); s resets to 0
+    *_CNT            local arrive_last counters (nobody waits on them)
+
+NOTES: every data write precedes a ``tl.debug_barrier()`` and then the release of the signal by one
+program (``arrive_last`` chains the other programs' writes to it), and every read follows an acquire
+(``wait_ne``) plus a barrier. A timed-out wait leaves ``status`` set: the program masks its writes,
+and the last program does not publish, so peers time out too (naming this rank) instead of reading
+half-written data.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fp8_cast import e4m3_byte, group_scale
+from .signals import arrive_last, signal_release, wait_ne
+
+__all__ = [
+    "signal_layout",
+    "_ll_dispatch_send_kernel",
+    "_ll_dispatch_recv_kernel",
+    "_ll_combine_send_kernel",
+    "_ll_combine_recv_kernel",
+]
+
+GROUP = tl.constexpr(128)
+
+
+def signal_layout(world_size: int) -> dict:
+    """Word offsets (inside one double-buffer slot) of the signal arrays, and the slot's size."""
+    R = world_size
+    lay = {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "COMB_SEND_CNT": 4 * R,
+           "DISP_SEND_CNT": 5 * R, "DISP_RECV_CNT": 5 * R + 1, "COMB_RECV_CNT": 5 * R + 2}
+    lay["SLOT_WORDS"] = (5 * R + 3 + 7) // 8 * 8
+    return lay
+
+
+@triton.jit
+def _peer(ptrs, r, byte_off, DTYPE: tl.constexpr):
+    """Typed pointer ``byte_off`` bytes into rank ``r``'s region (``ptrs``: int64 address table)."""
+    return (tl.load(ptrs + r) + byte_off).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _status_ok(status_ptr, like):
+    """Bool tensor shaped like the int tensor ``like``: no wait of this rank has timed out.
+
+    NOTES: built by broadcasting an int and comparing: in the interpreter a scalar compare ANDed with a
+    bool block gives an int32 block that ``tl.store`` refuses as a mask."""
+    return (like * 0 + tl.load(status_ptr, volatile=True)) == 0
+
+
+@triton.jit
+def _bf16_bits(v):
+    """float32 -> bfloat16 bit pattern (int16), round to nearest even, NaN -> 0x7FC0 (torch's CPU cast).
+
+    NOTES: the interpreter's ``.to(tl.bfloat16)`` truncates; integer rounding gives the same bits as
+    torch (and as ``cvt.rn.bf16.f32``) everywhere."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
+def _quant_groups(y, ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """``y`` float32 `[BT, GC, 128]` -> (e4m3 bytes uint8 `[BT, GC, 128]`, scales float32 `[BT, GC]`).
+
+    The same steps as :func:`moe_ep.kernels.quant.quantize_tile` (integer amax keeps NaN, IEEE division,
+    exact reciprocal for power-of-two scales), so the bytes equal ``moe_ep.fp8`` bitwise."""
+    abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)
+    scale = group_scale(amax, ROUND_SCALE)
+    if ROUND_SCALE:
+        q = y * tl.math.div_rn(1.0, scale)[:, :, None]
+    else:
+        q = tl.math.div_rn(y, scale[:, :, None])
+    return e4m3_byte(q, NATIVE_FP8), scale
+
+
+@triton.jit
+def _ll_dispatch_send_kernel(
+    x_ptr,  # [N, H] bf16 (int16 view when not IS_FP8)
+    topk_ptr,  # [N, K] int64
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, N, T, L, E, R, num_token_progs, timeout_ns,
+    cnt_off, msg_off, sig_off,  # bytes / bytes / words of this slot
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MSG: tl.constexpr, HDR: tl.constexpr,
+    BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_E: tl.constexpr, GC: tl.constexpr, HC: tl.constexpr,
+    IS_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_SEND_CNT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
+
+    # Step 1: every destination has drained this slot (its receive reset our busy word).
+    for d in range(R):
+        wait_ne(my_sig + DISP_BUSY + d, 1, status_ptr, d, timeout_ns)
+    tl.debug_barrier()
+
+    kk = tl.arange(0, KP)
+    k_ok = kk < K
+    if pid < num_token_progs:
+        # Step 2: this block's routing; dst = owner rank of each selection (-1: hole).
+        offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < N
+        ok = _status_ok(status_ptr, offs_t)
+        tk_mask = t_ok[:, None] & k_ok[None, :]
+        idx = tl.load(topk_ptr + offs_t[:, None] * K + kk[None, :], mask=tk_mask, other=-1).to(tl.int32)
+        # NOTES: integer division truncates (-1 // L == 0): always guard with idx >= 0.
+        dst = tl.where(idx >= 0, idx // L, -1)
+
+        # Step 3: pos[t, k] = earlier tokens of this rank that selected the same expert.
+        own = tl.reshape(idx, [BLOCK_T * KP])
+        own_t = tl.reshape(offs_t[:, None] + kk[None, :] * 0, [BLOCK_T * KP])
+        acc = tl.zeros([BLOCK_T * KP], dtype=tl.int32)
+        for c0 in range(0, pid * BLOCK_T + BLOCK_T, CHUNK_T):
+            offs_c = c0 + tl.arange(0, CHUNK_T)
+            ci = tl.load(topk_ptr + offs_c[:, None] * K + kk[None, :], mask=(offs_c < N)[:, None] & k_ok[None, :],
+                         other=-1).to(tl.int32)
+            ci = tl.reshape(ci, [CHUNK_T * KP])
+            ct = tl.reshape(offs_c[:, None] + kk[None, :] * 0, [CHUNK_T * KP])
+            hit = (own[:, None] == ci[None, :]) & (ct[None, :] < own_t[:, None]) & (ci[None, :] >= 0)
+            acc += tl.sum(hit.to(tl.int32), axis=1)
+        pos = tl.reshape(acc, [BLOCK_T, KP])
+
+        # Step 4: header (top-k experts, positions) to every rank, for every token < N.
+        row = (rank * T + offs_t).to(tl.int64)
+        hdr = (msg_off + row * MSG + HDR) // 4
+        # NOTES: fold the scalar ``ok`` into 1D masks before broadcasting (the interpreter refuses
+        # a mask built as 2D & scalar).
+        w_mask = (t_ok & ok)[:, None] & k_ok[None, :]
+        for d in range(R):
+            base = _peer(buffer_ptrs, d, 0, tl.int32)
+            p = base + hdr[:, None] + kk[None, :]
+            tl.store(p, idx, mask=w_mask)
+            tl.store(p + K, pos, mask=w_mask)
+
+        # Step 5: payload, once per destination rank that holds any of the token's experts.
+        row_b = msg_off + row * MSG
+        if IS_FP8:
+            G = H // GROUP
+            offs_c = tl.arange(0, GROUP)
+            for g0 in range(0, H // GROUP, GC):
+                offs_g = g0 + tl.arange(0, GC)
+                g_ok = offs_g < G
+                cols = offs_g[:, None] * GROUP + offs_c[None, :]
+                y = tl.load(x_ptr + offs_t.to(tl.int64)[:, None, None] * H + cols[None, :, :],
+                            mask=t_ok[:, None, None] & g_ok[None, :, None], other=0.0).to(tl.float32)
+                q, scale = _quant_groups(y, ROUND_SCALE, NATIVE_FP8)
+                if USE_UE8M0:
+                    # Groups 4w..4w+3 -> int32 word w (group g in byte g % 4); padding groups pack as 0.
+                    exps = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                    exps = tl.where(g_ok[None, :], exps, 0)
+                    exps = tl.reshape(exps, [BLOCK_T, GC // 4, 2, 2])
+                    even, odd = tl.split(exps)
+                    e0, e2 = tl.split(even)
+                    e1, e3 = tl.split(odd)
+                    words = e0 | (e1 << 8) | (e2 << 16) | (e3 << 24)
+                    offs_w = g0 // 4 + tl.arange(0, GC // 4)
+                    w_ok = offs_w < (G + 3) // 4
+                for d in range(R):
+                    to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                    m = t_ok & to_d & ok
+                    base8 = _peer(buffer_ptrs, d, 0, tl.uint8)
+                    tl.store(base8 + row_b[:, None, None] + cols[None, :, :], q,
+                             mask=m[:, None, None] & g_ok[None, :, None])
+                    base32 = _peer(buffer_ptrs, d, 0, tl.int32)
+                    s_off = (row_b + H) // 4
+                    if USE_UE8M0:
+                        tl.store(base32 + s_off[:, None] + offs_w[None, :], words, mask=m[:, None] & w_ok[None, :])
+                    else:
+                        tl.store(base32.to(tl.pointer_type(tl.float32), bitcast=True) + s_off[:, None] + offs_g[None, :],
+                                 scale, mask=m[:, None] & g_ok[None, :])
+        else:
+            for h0 in range(0, H, HC):
+                offs_h = h0 + tl.arange(0, HC)
+                h_ok = offs_h < H
+                v = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :],
+                            mask=t_ok[:, None] & h_ok[None, :], other=0)
+                for d in range(R):
+                    to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                    m = t_ok & to_d & ok
+                    base16 = _peer(buffer_ptrs, d, 0, tl.int16)
+                    tl.store(base16 + (row_b // 2)[:, None] + offs_h[None, :], v, mask=m[:, None] & h_ok[None, :])
+    else:
+        # Step 2': count programs: this rank's tokens per expert, into each owner's count table [R, L].
+        offs_e = (pid - num_token_progs) * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = (offs_e < E) & _status_ok(status_ptr, offs_e)
+        hist = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for c0 in range(0, N, CHUNK_T):
+            offs_c = c0 + tl.arange(0, CHUNK_T)
+            ci = tl.load(topk_ptr + offs_c[:, None] * K + kk[None, :], mask=(offs_c < N)[:, None] & k_ok[None, :],
+                         other=-1).to(tl.int32)
+            ci = tl.reshape(ci, [CHUNK_T * KP])
+            hist += tl.sum((offs_e[:, None] == ci[None, :]).to(tl.int32), axis=1)
+        for d in range(R):
+            m = e_ok & (offs_e // L == d)
+            base = _peer(buffer_ptrs, d, 0, tl.int32)
+            tl.store(base + cnt_off // 4 + rank * L + (offs_e - d * L), hist, mask=m)
+
+    # Step 6: the last program publishes: busy[d] = 1 here, then full[rank] = N + 1 on every d.
+    tl.debug_barrier()
+    if arrive_last(my_sig + DISP_SEND_CNT, num_progs):
+        if tl.load(status_ptr, volatile=True) == 0:
+            for d in range(R):
+                tl.atomic_xchg(my_sig + DISP_BUSY + d, 1, sem="relaxed", scope="sys")
+                signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + DISP_FULL + rank, N + 1)
+
+
+@triton.jit
+def _ll_dispatch_recv_kernel(
+    buf_ptr,  # this rank's data region (uint8)
+    signal_ptrs, status_ptr,
+    recv_x_ptr,  # [L, R*T, H] contiguous: uint8 view (FP8) or int16 view (BF16)
+    recv_s_ptr, stride_sl, stride_sg,  # int32 view of the column-major scales (row stride 1)
+    recv_count_ptr, stats_ptr,  # [L] int32
+    slot_row_ptr,  # [R, T, K] int32 out: le * (R*T) + row of selection (s, t, k), or -1
+    recv_tokens_ptr,  # [R] int32 out: tokens of each source
+    rank, T, L, R, timeout_ns,
+    cnt_off, msg_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MSG: tl.constexpr, HDR: tl.constexpr,
+    SW: tl.constexpr, SWP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, RP: tl.constexpr,
+    LP: tl.constexpr, IS_FP8: tl.constexpr, HAS_STATS: tl.constexpr,
+    DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_RECV_CNT: tl.constexpr,
+):
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    num_progs = tl.num_programs(0) * tl.num_programs(1)
+    my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
+    buf32 = buf_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+
+    # Step 1: every source has published (the offsets need all earlier sources' counts).
+    n_s = tl.full([], 0, tl.int32)
+    for sp in range(R):
+        v = wait_ne(my_sig + DISP_FULL + sp, 0, status_ptr, sp, timeout_ns)
+        n_s = tl.where(sp == s, v - 1, n_s)
+    ok = tl.load(status_ptr, volatile=True) == 0
+    n_s = tl.where(ok, tl.minimum(tl.maximum(n_s, 0), T), 0)
+    tl.debug_barrier()
+    RT = R * T
+
+    # Step 2: valid rows per local expert (one program).
+    if (s == 0) & (b == 0):
+        rr = tl.arange(0, RP)
+        ll = tl.arange(0, LP)
+        cnt = tl.load(buf32 + cnt_off // 4 + rr[:, None] * L + ll[None, :],
+                      mask=((rr < R) & _status_ok(status_ptr, rr))[:, None] & (ll < L)[None, :],
+                      other=0)
+        total = tl.sum(cnt, axis=0)
+        tl.store(recv_count_ptr + ll, total, mask=ll < L)
+        if HAS_STATS:
+            prev = tl.load(stats_ptr + ll, mask=ll < L, other=0)
+            tl.store(stats_ptr + ll, prev + total, mask=ll < L)
+    if b == 0:
+        tl.store(recv_tokens_ptr + s, n_s)
+
+    # Step 3: headers -> destination row of each local selection.
+    kk = tl.arange(0, KP)
+    k_ok = kk < K
+    offs_t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < n_s
+    row_b = msg_off + (s * T + offs_t).to(tl.int64) * MSG
+    hdr = (row_b + HDR) // 4
+    tk_mask = t_ok[:, None] & k_ok[None, :]
+    idx = tl.load(buf32 + hdr[:, None] + kk[None, :], mask=tk_mask, other=-1)
+    pos = tl.load(buf32 + hdr[:, None] + K + kk[None, :], mask=tk_mask, other=0)
+    lo = rank * L
+    is_local = (idx >= lo) & (idx < lo + L)
+    le = tl.where(is_local, idx - lo, 0)
+    off = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+    for sp in range(s):
+        off += tl.load(buf32 + cnt_off // 4 + sp * L + le, mask=is_local, other=0)
+    row = off + pos
+    # NOTES: bounds-checked so that stale or missing data (after a timeout) never writes out of range.
+    valid = is_local & (pos >= 0) & (row >= 0) & (row < RT)
+    slot = tl.where(valid, le * RT + row, -1)
+    tl.store(slot_row_ptr + (s * T + offs_t)[:, None] * K + kk[None, :], slot,
+             mask=(offs_t < T)[:, None] & k_ok[None, :])
+
+    # Step 4: copy the payload to every local selection's row (scales column-major).
+    any_local = tl.max(valid.to(tl.int32), axis=1) > 0
+    for h0 in range(0, H, HC):
+        offs_h = h0 + tl.arange(0, HC)
+        h_ok = offs_h < H
+        if IS_FP8:
+            v = tl.load(buf_ptr + row_b[:, None] + offs_h[None, :], mask=any_local[:, None] & h_ok[None, :])
+        else:
+            v = tl.load(buf_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + (row_b // 2)[:, None] + offs_h[None, :],
+                        mask=any_local[:, None] & h_ok[None, :])
+        for k in tl.static_range(K):
+            dest = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+            m = (dest >= 0)[:, None] & h_ok[None, :]
+            tl.store(recv_x_ptr + dest.to(tl.int64)[:, None] * H + offs_h[None, :], v, mask=m)
+    if IS_FP8:
+        offs_w = tl.arange(0, SWP)
+        w_ok = offs_w < SW
+        sv = tl.load(buf32 + ((row_b + H) // 4)[:, None] + offs_w[None, :], mask=any_local[:, None] & w_ok[None, :])
+        for k in tl.static_range(K):
+            dest = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+            d_ok = dest >= 0
+            e_k = tl.where(d_ok, dest // RT, 0).to(tl.int64)
+            r_k = tl.where(d_ok, dest % RT, 0).to(tl.int64)
+            tl.store(recv_s_ptr + (e_k * stride_sl + r_k)[:, None] + offs_w[None, :] * stride_sg, sv,
+                     mask=d_ok[:, None] & w_ok[None, :])
+
+    # Step 5: the last program resets the full words and frees every source's slot (busy = 0 there).
+    tl.debug_barrier()
+    if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
+        for sp in range(R):
+            tl.atomic_xchg(my_sig + DISP_FULL + sp, 0, sem="relaxed", scope="sys")
+        for sp in range(R):
+            signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + rank, 0)
+
+
+@triton.jit
+def _ll_combine_send_kernel(
+    x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
+    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, T, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+):
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
+
+    # Step 1: source s has drained its combine area (it reset our busy word).
+    wait_ne(my_sig + COMB_BUSY + s, 1, status_ptr, s, timeout_ns)
+    tl.debug_barrier()
+
+    # Step 2: rows of (s, t, k) selections that this rank's experts computed -> slot (t, k) on s.
+    RT = R * T
+    n_s = tl.load(recv_tokens_ptr + s)
+    kk = tl.arange(0, KP)
+    offs_t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t)
+    slot = tl.load(slot_row_ptr + (s * T + offs_t)[:, None] * K + kk[None, :], mask=t_ok[:, None] & (kk < K)[None, :],
+                   other=-1)
+    dst16 = _peer(buffer_ptrs, s, comb_off, tl.int16)
+    for h0 in range(0, H, HC):
+        offs_h = h0 + tl.arange(0, HC)
+        h_ok = offs_h < H
+        for k in tl.static_range(K):
+            src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+            v_ok = src >= 0
+            e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
+            r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
+            m = v_ok[:, None] & h_ok[None, :]
+            y = tl.load(x_ptr + (e_k * stride_xl + r_k * stride_xr)[:, None] + offs_h[None, :], mask=m)
+            tl.store(dst16 + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :], y, mask=m)
+
+    # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s.
+    tl.debug_barrier()
+    if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
+        if tl.load(status_ptr, volatile=True) == 0:
+            tl.atomic_xchg(my_sig + COMB_BUSY + s, 1, sem="relaxed", scope="sys")
+            signal_release(_peer(signal_ptrs, s, 0, tl.int32) + sig_off + COMB_FULL + rank, 1)
+
+
+@triton.jit
+def _ll_combine_recv_kernel(
+    buf_ptr,  # this rank's data region (uint8)
+    topk_ptr, w_ptr,  # [N, K] int64 / float32
+    out_ptr,  # [N, H] bf16 as int16
+    signal_ptrs, status_ptr,
+    rank, N, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    num_progs = tl.num_programs(0) * tl.num_programs(1)
+    my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
+
+    # Step 1: every expert rank has published its outputs for us.
+    for d in range(R):
+        wait_ne(my_sig + COMB_FULL + d, 0, status_ptr, d, timeout_ns)
+    tl.debug_barrier()
+
+    # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
+    # NOTES: launched with enable_fp_fusion=False: an FMA of w * y + acc would round differently.
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < N
+    ok = _status_ok(status_ptr, offs_t)
+    offs_h = pid_h * HC + tl.arange(0, HC)
+    h_ok = offs_h < H
+    comb = buf_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True) + comb_off // 2
+    acc = tl.zeros([BLOCK_T, HC], dtype=tl.float32)
+    for k in tl.static_range(K):
+        e_k = tl.load(topk_ptr + offs_t * K + k, mask=t_ok, other=-1)
+        w_k = tl.load(w_ptr + offs_t * K + k, mask=t_ok, other=0.0)
+        v_k = (e_k >= 0) & t_ok
+        y = tl.load(comb + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :],
+                    mask=(v_k & ok)[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.where(v_k[:, None], w_k[:, None] * y, 0.0)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], _bf16_bits(acc),
+             mask=t_ok[:, None] & h_ok[None, :])
+
+    # Step 3: the last program resets the full words and frees our area on every expert rank.
+    tl.debug_barrier()
+    if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
+        for d in range(R):
+            tl.atomic_xchg(my_sig + COMB_FULL + d, 0, sem="relaxed", scope="sys")
+        for d in range(R):
+            signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + rank, 0)
