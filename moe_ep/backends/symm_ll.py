@@ -41,7 +41,7 @@ from ..kernels.pdl import INTERPRET
 from ..symm import SymmBuffer
 from .base import LowLatencyDispatchResult, LowLatencyHandle
 
-__all__ = ["SymmLowLatency", "SymmLowLatencyHandle", "ll_buffer_bytes", "deepep_ll_buffer_bytes"]
+__all__ = ["SymmLowLatency", "SymmLowLatencyHandle", "ll_buffer_bytes", "deepep_ll_buffer_bytes", "virtual_low_latency_step"]
 
 NUM_SLOTS = 2
 GROUP = 128
@@ -344,6 +344,8 @@ class SymmLowLatency:
         dev = x.device
         if out is None:
             out = torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
+        elif not out.is_contiguous():
+            raise ValueError("out must be a contiguous torch.bfloat16 [num_tokens, hidden] tensor")
         if x.stride(-1) != 1:
             x = x.contiguous()
         slot = self._combine_slot
@@ -387,3 +389,32 @@ class SymmLowLatency:
             num_warps=warps, enable_fp_fusion=False)
         symm.check_status("low_latency_combine (receive)")
         return state.out
+
+
+def virtual_low_latency_step(paths: list, xs: list, topk_idxs: list, topk_weights: list,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int, *, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, expert_fn=None, outs=None,
+                             stats=None) -> tuple[list, list]:
+    """One low-latency dispatch + combine over ``N`` virtual ranks in this process, phase by phase.
+
+    ``paths[r]`` is rank ``r``'s :class:`SymmLowLatency` (over ``create_virtual_symm_buffers``); the
+    launch order is every rank's ``dispatch_send``, every rank's ``dispatch_recv``, then
+    ``combine_send`` and ``combine_recv`` likewise (what a perf bench times, and what a CUDA graph
+    captures). ``expert_fn(rank, result) -> [L, R*T, H] bf16`` makes the combine input (default: the
+    BF16 ``recv_x``, or for FP8 ``recv_x`` cast to BF16 without scales). ``outs[r]``: optional
+    combine outputs; ``stats[r]``: optional `[L]` int32 receive statistics.
+
+    Returns ``(dispatch results, combined outputs)``, each indexed by rank.
+    """
+    T, E = num_max_dispatch_tokens_per_rank, num_experts
+    states = [p.dispatch_send(x, i, T, E, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+              for p, x, i in zip(paths, xs, topk_idxs)]
+    results = [p.dispatch_recv(s, stats[r] if stats is not None else None) for r, (p, s) in enumerate(zip(paths, states))]
+    if expert_fn is None:
+        def expert_fn(rank, res):
+            return res.recv_x.to(torch.bfloat16)
+    ys = [expert_fn(r, res) for r, res in enumerate(results)]
+    cstates = [p.combine_send(y, i, w, res.handle, out=outs[r] if outs is not None else None)
+               for r, (p, y, i, w, res) in enumerate(zip(paths, ys, topk_idxs, topk_weights, results))]
+    combined = [p.combine_recv(c) for p, c in zip(paths, cstates)]
+    return results, combined

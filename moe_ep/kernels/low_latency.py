@@ -63,7 +63,9 @@ def signal_layout(world_size: int) -> dict:
 @triton.jit
 def _peer(ptrs, r, byte_off, DTYPE: tl.constexpr):
     """Typed pointer ``byte_off`` bytes into rank ``r``'s region (``ptrs``: int64 address table)."""
-    return (tl.load(ptrs + r) + byte_off).to(tl.pointer_type(DTYPE))
+    # NOTES: regions are 256-byte aligned and every offset used here is a multiple of 16: say so, or
+    # the compiler cannot vectorise accesses through a pointer loaded from memory.
+    return tl.multiple_of((tl.load(ptrs + r) + byte_off).to(tl.pointer_type(DTYPE)), 16)
 
 
 @triton.jit
