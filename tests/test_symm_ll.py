@@ -90,6 +90,9 @@ VIRTUAL_CASES = [
     (2, [1, 4], 384, 4, 3, 4, "random", ["ue8m0", "fp8_rs"]),  # G = 3: a padded UE8M0 word; K not a power of 2
     (4, [3, 9, 1, 0], 128, 16, 8, 12, "skip_last_rank", ["fp8_rs", "bf16"]),  # 0 tokens; a rank receiving nothing
     (4, 6, 256, 8, 2, 6, "one_expert", ["fp8", "bf16"]),  # every token to expert 0; N = T
+    (2, 3, 128, 2, 1, 3, "random", ["ue8m0"]),  # K = 1, one expert per rank, a single scale group
+    (2, 0, 256, 4, 2, 1, "random", ["fp8", "bf16"]),  # nobody sends anything, T = 1
+    (3, [2, 1, 2], 130, 6, 5, 2, "random", ["bf16"]),  # BF16 hidden not a multiple of 128
 ]
 
 
@@ -416,3 +419,32 @@ def test_cuda_graph_capture_and_replay_virtual_ranks(fmt):
             assert int(b.signals.abs().sum()) == 0
             _check_dispatch(r, results[r], cx, cidx, T, E, fmt)  # compares on the CPU
             _check_combine(r, combined[r], cys, cidx, cw, T, E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "ue8m0", "bf16"])
+def test_gpu_virtual_ranks_deepseek_shapes(fmt):
+    """8 virtual ranks on one GPU at DeepSeek-V3 decode shapes (T=128, hidden 7168, 256 experts, top-8), compiled
+    kernels (hardware e4m3 cast on sm90+), bitwise against the references; two steps (signals reset)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda")
+    world, T, hidden, E, K = 8, 128, 7168, 256, 8
+    use_fp8, rs, ue = FORMATS[fmt]
+    bufs = create_virtual_symm_buffers(world, SymmLowLatency.size_hint(T, hidden, world, E, K),
+                                       SymmLowLatency.num_signals(world), device=dev, timeout_s=10)
+    paths = [SymmLowLatency(b, owner=0) for b in bufs]
+    for step, n in enumerate(([T] * world, [T, 1, 0, 77, T, 5, 128, 64])):
+        inputs = _inputs(world, n, hidden, E, K, 400 + step)
+        xs, idxs, ws = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
+        ys = [_expert_outputs(r, xs, idxs, T, E) for r in range(world)]
+        ys_dev = [y.to(dev) for y in ys]
+        results, outs = virtual_low_latency_step(
+            paths, [x.to(dev) for x in xs], [i.to(dev) for i in idxs], [w.to(dev) for w in ws], T, E, use_fp8=use_fp8,
+            round_scale=rs, use_ue8m0=ue, expert_fn=lambda r, _res: ys_dev[r])
+        torch.cuda.synchronize()
+        for r, b in enumerate(bufs):
+            b.check_status("gpu step", blocking=True)
+            assert int(b.signals.abs().sum()) == 0
+            _check_dispatch(r, results[r], xs, idxs, T, E, fmt)
+            _check_combine(r, outs[r], ys, idxs, ws, T, E)
