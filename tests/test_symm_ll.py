@@ -237,6 +237,41 @@ def test_processes(world, n, hidden, E, K, T, routing, fmts):
     assert launch(_rank_steps, world, n, hidden, E, K, T, routing, fmts, 90 + world, timeout_s=240) == [True] * world
 
 
+def _rank_two_in_flight(rank, world, steps):
+    """Two micro-batches per step with real concurrency: send A, send B, receive A, receive B (dispatch and
+    combine), no host barrier between steps, per-rank skew."""
+    T, hidden, E, K = 4, 128, 2 * world, 3
+    symm = create_symm_buffer(None, SymmLowLatency.size_hint(T, hidden, world, E, K), SymmLowLatency.num_signals(world),
+                              timeout_s=30)
+    path = SymmLowLatency(symm, owner=0)
+    for step in range(steps):
+        batches = [_inputs(world, [(r + step + m) % (T + 1) for r in range(world)], hidden, E, K, 500 + 2 * step + m)
+                   for m in range(2)]
+        fmts = ["ue8m0", "bf16"] if step % 2 == 0 else ["bf16", "fp8"]
+        states = [path.dispatch_send(b[rank].x, b[rank].topk_idx, T, E, use_fp8=FORMATS[f][0], round_scale=FORMATS[f][1],
+                                     use_ue8m0=FORMATS[f][2]) for b, f in zip(batches, fmts)]
+        time.sleep(0.01 * rank)
+        results = [path.dispatch_recv(st) for st in states]
+        cstates, all_ys = [], []
+        for m, b in enumerate(batches):
+            xs, idxs = [i.x for i in b], [i.topk_idx for i in b]
+            _check_dispatch(rank, results[m], xs, idxs, T, E, fmts[m])
+            ys = [_expert_outputs(r, xs, idxs, T, E) for r in range(world)]
+            all_ys.append(ys)
+            cstates.append(path.combine_send(ys[rank], b[rank].topk_idx, b[rank].topk_weights, results[m].handle))
+        time.sleep(0.01 * (world - rank))
+        for m, b in enumerate(batches):
+            out = path.combine_recv(cstates[m])
+            _check_combine(rank, out, all_ys[m], [i.topk_idx for i in b], [i.topk_weights for i in b], T, E)
+    symm.barrier("two in flight end")
+    assert int(symm.signals.abs().sum()) == 0, symm.signals
+    return True
+
+
+def test_processes_two_micro_batches_in_flight():
+    assert launch(_rank_two_in_flight, 3, 3, timeout_s=240) == [True] * 3
+
+
 def _rank_silent(rank, world):
     T, hidden, E, K = 4, 128, 2 * world, 2
     symm = create_symm_buffer(None, SymmLowLatency.size_hint(T, hidden, world, E, K), SymmLowLatency.num_signals(world),
