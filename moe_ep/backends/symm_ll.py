@@ -188,13 +188,13 @@ class SymmLowLatency:
                 f"{what}: T={T}, hidden={hidden}, num_topk={K}, num_experts={E} on {R} ranks need "
                 f"{lay.slot_bytes} bytes per buffer slot but the low-latency buffer has {have} "
                 f"(num_rdma_bytes={self.symm.nbytes}); use num_rdma_bytes >= {need} "
-                f"(Buffer.get_low_latency_rdma_size_hint)")
+                f"(SymmBackend.get_low_latency_size_hint)")
         need_sig = self.num_signals(R)
         if self.symm.num_signals < need_sig:
             raise ValueError(f"{what}: the symmetric buffer has {self.symm.num_signals} signal words, needs {need_sig}")
         return lay
 
-    def _configs(self, device: torch.device) -> bool:
+    def _interpreted(self, device: torch.device) -> bool:
         return INTERPRET or device.type != "cuda"
 
     # ------------------------------------------------------------------ dispatch
@@ -245,7 +245,7 @@ class SymmLowLatency:
         x_c = x.contiguous()
         x_arg = x_c if use_fp8 else x_c.view(torch.int16)
         topk = topk_idx.contiguous()
-        interp = self._configs(dev)
+        interp = self._interpreted(dev)
         G = max(hidden // GROUP, 1)
         if interp:
             block_t = min(_pow2(n), 64)
@@ -291,7 +291,7 @@ class SymmLowLatency:
             x_view = res.recv_x.view(torch.int16)
             s_arg, stride_sl, stride_sg, sw = res.recv_count, 0, 0, 1
         stats = cumulative_local_expert_recv_stats
-        if self._configs(dev):
+        if self._interpreted(dev):
             block_t, hc, warps = min(_pow2(T), 64), _pow2(hidden), 4
         else:
             block_t, hc, warps = 4, min(_pow2(hidden), 2048 if state.use_fp8 else 1024), 4
@@ -349,7 +349,7 @@ class SymmLowLatency:
         if x.stride(-1) != 1:
             x = x.contiguous()
         slot = self._combine_slot
-        if self._configs(dev):
+        if self._interpreted(dev):
             block_t, hc, warps = min(_pow2(T), 64), _pow2(hidden), 4
         else:
             block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
@@ -374,7 +374,7 @@ class SymmLowLatency:
         h, lay = state.handle, state.layout
         n, hidden, K, R = h.num_tokens, h.hidden, h.num_topk, symm.world_size
         dev = state.out.device
-        if self._configs(dev):
+        if self._interpreted(dev):
             block_t, hc, warps = min(_pow2(n), 64), _pow2(hidden), 4
         else:
             block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
