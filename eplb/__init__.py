@@ -1,0 +1,20 @@
+"""eplb: expert placement with redundant replicas, dispatch-time replica choice, load statistics.
+
+- `rebalance_experts`: DeepSeek EPLB-compatible placement (plus per-step statistics, stickiness,
+  replica caps, policy choice);
+- `map_topk`: logical top-k ids to physical slots at dispatch time (static / random / round_robin /
+  balanced), fixed shapes, no host synchronisation;
+- `LoadRecorder`: per-layer per-expert counts over a sliding window, save/load;
+- `eplb.metrics`: balancedness, same-GPU duplicates, slots moved; `eplb.synthetic`: workloads;
+- `python -m eplb plan | report | simulate`: the offline CLI.
+
+Importing eplb never touches CUDA.
+"""
+
+from .dispatch import map_topk
+from .metrics import balancedness, gpu_loads, same_gpu_duplicates, slots_moved
+from .placement import rebalance_experts
+from .recorder import LoadRecorder
+
+__all__ = ["rebalance_experts", "map_topk", "LoadRecorder", "balancedness", "gpu_loads", "same_gpu_duplicates",
+           "slots_moved"]

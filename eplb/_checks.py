@@ -1,0 +1,62 @@
+"""Argument checks shared by the eplb modules (ValueError/TypeError naming the problem and the fix)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["as_numpy", "check_weight", "check_int", "check_layout"]
+
+
+def as_numpy(x, name: str) -> np.ndarray:
+    """A torch tensor or array-like as a numpy array (no copy for CPU tensors and arrays)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16 or x.dtype == torch.float16:
+            x = x.float()
+        return x.numpy()
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}") from exc
+
+
+def check_int(v, name: str, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return int(v)
+
+
+def check_weight(weight) -> np.ndarray:
+    """Load statistics `[L, E]` or `[S, L, E]`: real, finite, non-negative. Returns float64."""
+    w = as_numpy(weight, "weight")
+    if w.dtype == np.bool_ or not (np.issubdtype(w.dtype, np.integer) or np.issubdtype(w.dtype, np.floating)):
+        raise TypeError(f"weight must hold integer or float counts, got dtype {w.dtype}")
+    if w.ndim not in (2, 3):
+        raise ValueError(f"weight must be [layers, experts] or [steps, layers, experts], got shape {w.shape}")
+    if w.size == 0:
+        raise ValueError(f"weight must not be empty, got shape {w.shape}")
+    w = w.astype(np.float64)
+    if not np.isfinite(w).all():
+        raise ValueError(f"weight holds {int((~np.isfinite(w)).sum())} NaN/inf entries; counts must be finite")
+    if (w < 0).any():
+        raise ValueError(f"weight holds {int((w < 0).sum())} negative entries; counts must be >= 0")
+    return w
+
+
+def check_layout(num_experts: int, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int) -> None:
+    for name, v in (("num_replicas", num_replicas), ("num_groups", num_groups), ("num_nodes", num_nodes),
+                    ("num_gpus", num_gpus)):
+        check_int(v, name)
+    if num_replicas < num_experts:
+        raise ValueError(f"num_replicas={num_replicas} must be >= num_experts={num_experts} (every expert needs a slot)")
+    if num_replicas % num_gpus != 0:
+        raise ValueError(f"num_replicas={num_replicas} must be divisible by num_gpus={num_gpus} (equal slots per GPU)")
+    if num_gpus % num_nodes != 0:
+        raise ValueError(f"num_gpus={num_gpus} must be divisible by num_nodes={num_nodes}")
+    if num_experts % num_groups != 0:
+        raise ValueError(f"num_experts={num_experts} must be divisible by num_groups={num_groups}")

@@ -1,0 +1,309 @@
+"""Expert placement: which logical expert every physical slot holds (DeepSeek EPLB interface).
+
+Algorithm (vectorised over layers, numpy):
+
+1. Planning weight. `[L, E]` statistics are used as they are; per-step statistics `[S, L, E]` give the
+   mean plus ``hedge`` times the per-step standard deviation, so experts whose load swings get
+   more room (their later load is the least predictable).
+2. Replica counts: greedy water-filling, each extra slot to the expert with the highest load per
+   replica (minimises the largest slot), at most ``max_replicas_per_expert`` and at most one
+   replica per GPU of the scope (global: all GPUs, hierarchical: the node's GPUs).
+3. Packing in rounds: slots sorted by load per replica, descending; round r gives the next
+   ``num_gpus`` slots, largest first, to the GPUs in increasing order of their current load. Every
+   GPU gets exactly one slot per round (equal slots per GPU by construction); with two slots per
+   GPU this is the optimal largest-with-smallest pairing.
+4. Same-GPU duplicates are swapped away (with the slot of closest load on a GPU that lacks the
+   expert), then a swap search lowers the most loaded GPU of every layer while it pays.
+5. Policy: ``hierarchical`` packs expert groups to nodes first (less cross-node traffic), then
+   places each node's experts on its GPUs; ``global`` ignores nodes; ``auto`` plans both where
+   groups divide over nodes and keeps, per layer, hierarchical when it is at least as balanced.
+6. With ``previous`` (see `eplb.sticky`), experts stay on their GPU unless that costs more than
+   ``stickiness`` of the best maximum GPU load.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from ._checks import check_int, check_layout, check_weight
+from .sticky import stick_to_previous
+
+__all__ = ["rebalance_experts", "planning_weight", "replica_counts", "log2phy_from_phy2log", "POLICIES"]
+
+POLICIES = ("auto", "global", "hierarchical")
+DEFAULT_HEDGE = 2.0
+MAX_SCENARIOS = 8
+
+
+def planning_weight(weight: np.ndarray, hedge: float = DEFAULT_HEDGE) -> tuple[np.ndarray, np.ndarray, float]:
+    """Planning load `[L, E]`, scenarios `[L, K, E]` and the robustness weight z, all float64.
+
+    `[L, E]` input: the load itself, one scenario, z = 0. `[S, L, E]`: mean + ``hedge / 2`` * std over
+    steps, and the steps cut into K = min(S, 8) consecutive chunks (their mean loads) as scenarios
+    with z = ``hedge``: a GPU is as loaded as its mean plus z standard deviations over the chunks.
+    """
+    if weight.ndim == 2:
+        return weight, weight[:, None, :], 0.0
+    S = weight.shape[0]
+    k = min(S, MAX_SCENARIOS)
+    bounds = np.linspace(0, S, k + 1).round().astype(int)
+    scen = np.stack([weight[a:b].mean(0) for a, b in zip(bounds[:-1], bounds[1:])], 1)
+    return weight.mean(0) + hedge / 2 * scen.std(1), scen, float(hedge)
+
+
+def replica_counts(w: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
+    """Replicas per expert `[X, n]` int64 summing to ``num_slots`` per row, each in [1, cap].
+
+    Greedy: every extra slot goes to the expert with the largest load per replica (ties: lowest id).
+    """
+    X, n = w.shape
+    cnt = np.ones((X, n), np.int64)
+    rows = np.arange(X)
+    per = w.copy()
+    for _ in range(num_slots - n):
+        e = np.argmax(np.where(cnt < cap, per, -1.0), axis=1)
+        cnt[rows, e] += 1
+        per[rows, e] = w[rows, e] / cnt[rows, e]
+    return cnt
+
+
+def _fix_duplicates(phy: np.ndarray, per: np.ndarray) -> None:
+    """Swap away same-GPU duplicates in place. ``phy`` `[X, G, m]` local ids, ``per`` `[X, n]` load per replica.
+
+    Each swap trades the duplicate with the slot of closest load on a GPU that lacks the expert and
+    whose expert is not on the duplicate's GPU, so it removes one duplicate and creates none.
+    """
+    X, G, m = phy.shape
+    if m == 1:
+        return
+    s = np.sort(phy, axis=-1)
+    xs, gs, js = np.nonzero(s[..., 1:] == s[..., :-1])
+    for x, g, j in zip(xs.tolist(), gs.tolist(), js.tolist()):
+        rowp = phy[x]
+        e = int(s[x, g, j])
+        slot = int(np.nonzero(rowp[g] == e)[0][-1])
+        ok = ~(rowp == e).any(-1)[:, None] & ~np.isin(rowp, rowp[g])
+        if not ok.any():
+            raise RuntimeError("cannot remove a same-GPU duplicate: more replicas of one expert than GPUs")
+        diff = np.where(ok, np.abs(per[x][rowp] - per[x][e]), np.inf)
+        g2, j2 = np.unravel_index(int(np.argmin(diff)), diff.shape)
+        rowp[g, slot], rowp[g2, j2] = rowp[g2, j2], rowp[g, slot]
+
+
+def _improve(phy: np.ndarray, ws: np.ndarray, z: float, max_iters: int) -> None:
+    """Swap search in place on the robust GPU load ``mean_s + z * std_s`` over scenarios.
+
+    ``phy`` `[X, G, m]` local ids; ``ws`` `[X, S, n]` load per replica in S scenarios (S = 1: the plain
+    load). Each iteration takes every layer's most loaded GPU h and swaps one of its slots with the slot
+    anywhere else that lowers ``max(robust(h), robust(other GPU))`` the most, while that beats
+    ``robust(h)``. New loads follow from means of products, so one iteration costs O(S * m * P) per row.
+    """
+    X, G, m = phy.shape
+    S, n = ws.shape[1:]
+    rows = np.arange(X)
+    pres = np.zeros((X, G, n), bool)
+    pres[rows[:, None, None], np.arange(G)[None, :, None], phy] = True
+    gos = np.repeat(np.arange(G), m)  # GPU of each slot
+    active = np.ones(X, bool)
+
+    def robust(mean, sq):
+        return mean + z * np.sqrt(np.maximum(sq - mean * mean, 0.0)) if z > 0 else mean
+
+    wt = np.ascontiguousarray(ws.transpose(0, 2, 1))  # [X, n, S]
+    for _ in range(max_iters):
+        xs = np.nonzero(active)[0]
+        if xs.size == 0:
+            break
+        k = np.arange(xs.size)
+        ph = phy[xs].reshape(xs.size, -1)  # [x, P]
+        B = wt[xs[:, None], ph]  # [x, P, S]
+        V = B.reshape(xs.size, G, m, S).sum(2)  # [x, G, S]
+        mV = V.mean(2)
+        sqV = (V * V).mean(2) if z > 0 else mV
+        rob = robust(mV, sqV)
+        h = rob.argmax(1)
+        rh = rob[k, h]
+        A = B.reshape(xs.size, G, m, S)[k, h]  # [x, m, S]
+        mA, mB = A.mean(2), B.mean(2)
+        mean_h = mV[k, h][:, None, None] - mA[:, :, None] + mB[:, None, :]  # [x, m, P]
+        mean_g = mV[:, gos][:, None, :] + mA[:, :, None] - mB[:, None, :]
+        if z > 0:
+            Vh = V[k, h]  # [x, S]
+            As = A / S
+            Bt = B.transpose(0, 2, 1)  # [x, S, P]
+            AA, BB = (A * A).mean(2), (B * B).mean(2)
+            AB = As @ Bt  # [x, m, P]
+            VhA, VhB = (As @ Vh[:, :, None])[..., 0], (Vh[:, None, :] @ Bt)[:, 0] / S
+            Vg = V[:, gos]  # [x, P, S]
+            VgA, VgB = As @ Vg.transpose(0, 2, 1), (Vg * B).mean(2)
+            common = AA[:, :, None] + BB[:, None, :] - 2 * AB
+            sq_h = sqV[k, h][:, None, None] + common - 2 * VhA[:, :, None] + 2 * VhB[:, None, :]
+            sq_g = sqV[:, gos][:, None, :] + common + 2 * VgA - 2 * VgB[:, None, :]
+            score = np.maximum(robust(mean_h, sq_h), robust(mean_g, sq_g))
+        else:
+            score = np.maximum(mean_h, mean_g)
+        a_e, b_e = phy[xs, h], ph  # [x, m], [x, P]
+        ok = np.broadcast_to(gos[None, None, :] != h[:, None, None], score.shape).copy()
+        ok &= ~pres[xs[:, None, None], gos[None, None, :], a_e[:, :, None]]
+        ok &= ~pres[xs[:, None], h[:, None], b_e][:, None, :]
+        score = np.where(ok, score, np.inf).reshape(xs.size, -1)
+        flat = score.argmin(1)
+        gain = score[k, flat] < rh - 1e-9 * np.abs(rh)
+        active[xs[~gain]] = False
+        if not gain.any():
+            break
+        xs, flat, h = xs[gain], flat[gain], h[gain]
+        ai, bi = np.divmod(flat, G * m)
+        g2, j2 = np.divmod(bi, m)
+        ea, eb = phy[xs, h, ai], phy[xs, g2, j2]
+        phy[xs, h, ai], phy[xs, g2, j2] = eb, ea
+        pres[xs, h, ea], pres[xs, h, eb] = False, True
+        pres[xs, g2, eb], pres[xs, g2, ea] = False, True
+
+
+def _pack(w: np.ndarray, cnt: np.ndarray, num_gpus: int, scen: np.ndarray, z: float, improve_iters: int) -> np.ndarray:
+    """Slots `[X, P]` (GPU-major, P = cnt row sum) of local expert ids; no expert twice on one GPU.
+
+    ``w`` `[X, n]` planning load, ``cnt`` `[X, n]` replicas, ``scen`` `[X, S, n]` scenario loads.
+    """
+    X, n = w.shape
+    P = int(cnt[0].sum())
+    m = P // num_gpus
+    per = w / cnt
+    order = np.argsort(-per, axis=1, kind="stable")
+    items = np.repeat(order.ravel(), np.take_along_axis(cnt, order, 1).ravel()).reshape(X, P)
+    iw = np.take_along_axis(per, items, 1)
+    rows = np.arange(X)[:, None]
+    loads = np.zeros((X, num_gpus))
+    phy = np.empty((X, num_gpus, m), np.int64)
+    for r in range(m):
+        # Round r: the next num_gpus slots, largest to the least loaded GPU.
+        gorder = np.argsort(loads, axis=1, kind="stable")
+        seg = slice(r * num_gpus, (r + 1) * num_gpus)
+        phy[rows, gorder, r] = items[:, seg]
+        loads[rows, gorder] += iw[:, seg]
+    _fix_duplicates(phy, per)
+    if improve_iters > 0 and m > 1:
+        _improve(phy, scen / cnt[:, None, :], z, improve_iters)
+    return phy.reshape(X, P)
+
+
+def _plan_global(w, scen, z, num_replicas, num_gpus, cap, improve_iters):
+    cnt = replica_counts(w, num_replicas, min(cap, num_gpus))
+    return _pack(w, cnt, num_gpus, scen, z, improve_iters)
+
+
+def _plan_hierarchical(w, scen, z, num_replicas, num_groups, num_nodes, num_gpus, cap, improve_iters):
+    L, E = w.shape
+    S = scen.shape[1]
+    gs, gpn = E // num_groups, num_groups // num_nodes
+    group_load = w.reshape(L, num_groups, gs).sum(-1)
+    # Groups to nodes: the same round packing with one slot per group.
+    ones = np.ones_like(group_load, np.int64)
+    node_groups = _pack(group_load, ones, num_nodes, scen.reshape(L, S, num_groups, gs).sum(-1), z, improve_iters)
+    mlog2log = (node_groups[:, :, None] * gs + np.arange(gs)).reshape(L, num_nodes, gpn * gs)
+    rows = np.arange(L)[:, None, None]
+    wn = w[rows, mlog2log].reshape(L * num_nodes, -1)
+    sn = scen.transpose(0, 2, 1)[rows, mlog2log].reshape(L * num_nodes, gpn * gs, S).transpose(0, 2, 1)
+    gpus_per_node = num_gpus // num_nodes
+    cnt = replica_counts(wn, num_replicas // num_nodes, min(cap, gpus_per_node))
+    local = _pack(wn, cnt, gpus_per_node, sn, z, improve_iters)
+    return np.take_along_axis(mlog2log.reshape(L * num_nodes, -1), local, 1).reshape(L, num_replicas)
+
+
+def log2phy_from_phy2log(phy2log: np.ndarray, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log2phy`` `[L, E, max_replicas]` (slots ascending, -1 padded) and ``logcnt`` `[L, E]`, int64 torch."""
+    L, P = phy2log.shape
+    logcnt = np.zeros((L, num_experts), np.int64)
+    np.add.at(logcnt, (np.arange(L)[:, None], phy2log), 1)
+    maxcnt = int(logcnt.max())
+    order = np.argsort(phy2log, axis=1, kind="stable")  # slots grouped by expert, ascending slot
+    start = np.cumsum(logcnt, 1) - logcnt
+    sorted_e = np.take_along_axis(phy2log, order, 1)
+    rank = np.arange(P)[None, :] - np.take_along_axis(start, sorted_e, 1)
+    log2phy = np.full((L, num_experts, maxcnt), -1, np.int64)
+    log2phy[np.arange(L)[:, None], sorted_e, rank] = order
+    return torch.from_numpy(log2phy), torch.from_numpy(logcnt)
+
+
+def _score(phy, w, num_gpus):
+    L, P = phy.shape
+    cnt = np.zeros_like(w)
+    np.add.at(cnt, (np.arange(L)[:, None], phy), 1.0)
+    loads = np.take_along_axis(w / np.maximum(cnt, 1), phy, 1).reshape(L, num_gpus, -1).sum(-1)
+    mx = loads.max(1)
+    return np.where(mx > 0, loads.mean(1) / np.where(mx > 0, mx, 1), 1.0)
+
+
+def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int, num_groups: int, num_nodes: int,
+                      num_gpus: int, *, previous: Optional[Union[torch.Tensor, np.ndarray]] = None,
+                      max_replicas_per_expert: Optional[int] = None, policy: str = "auto",
+                      hedge: float = DEFAULT_HEDGE, stickiness: float = 0.01,
+                      improve_iters: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Place ``num_replicas`` physical slots (hot experts replicated) on ``num_gpus`` GPUs.
+
+    Drop-in for DeepSeek EPLB's ``rebalance_experts``; everything after ``num_gpus`` is keyword-only.
+
+    Arguments:
+        weight: `[L, E]` load per layer and logical expert (tokens routed), or per-step statistics
+            `[S, L, E]`; torch tensor or numpy array, any real dtype, finite and >= 0.
+        num_replicas: physical slots P per layer, a multiple of ``num_gpus`` and >= E.
+        num_groups: expert groups (E a multiple of it); used by the hierarchical policy.
+        num_nodes: server nodes (``num_gpus`` a multiple of it).
+        num_gpus: GPUs; slot p lives on GPU ``p // (P // num_gpus)``.
+        previous: optional `[L, P]` ``phy2log`` in force now: experts stay on their GPU (and slot)
+            unless moving lowers the maximum GPU load by more than ``stickiness`` (relative).
+        max_replicas_per_expert: optional cap on replicas of one expert (always <= GPUs of the scope).
+        policy: ``"auto"`` (hierarchical per layer where groups divide over nodes and it is at least as
+            balanced, else global), ``"global"`` or ``"hierarchical"``.
+        hedge: with `[S, L, E]` input, plan on mean + hedge * std over steps.
+        stickiness: relative maximum-load slack allowed to keep experts in place (with ``previous``).
+        improve_iters: swap-search iterations per layer (0 disables it).
+
+    Returns:
+        phy2log: `[L, P]` with `torch.int64`, the logical expert of every slot.
+        log2phy: `[L, E, X]` with `torch.int64`, X = the largest replica count; each expert's slots in
+            ascending order, padded with -1.
+        logcnt: `[L, E]` with `torch.int64`, replicas per expert (>= 1).
+    """
+    w_all = check_weight(weight)
+    L, E = w_all.shape[-2:]
+    check_layout(E, num_replicas, num_groups, num_nodes, num_gpus)
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    cap = num_gpus if max_replicas_per_expert is None else check_int(max_replicas_per_expert, "max_replicas_per_expert")
+    if E * min(cap, num_gpus) < num_replicas:
+        raise ValueError(f"num_replicas={num_replicas} cannot be filled: {E} experts x at most {min(cap, num_gpus)} "
+                         f"replicas each (one per GPU, max_replicas_per_expert={max_replicas_per_expert})")
+    if not np.isfinite(hedge) or hedge < 0:
+        raise ValueError(f"hedge must be a finite number >= 0, got {hedge}")
+    if not np.isfinite(stickiness) or stickiness < 0:
+        raise ValueError(f"stickiness must be a finite number >= 0, got {stickiness}")
+    prev = None
+    if previous is not None:
+        prev = np.asarray(torch.as_tensor(previous).cpu().numpy(), dtype=np.int64)
+        if prev.shape != (L, num_replicas):
+            raise ValueError(f"previous must be phy2log of shape [{L}, {num_replicas}], got {prev.shape}")
+        if prev.min() < 0 or prev.max() >= E:
+            raise ValueError(f"previous entries must be expert ids in [0, {E}), got range [{prev.min()}, {prev.max()}]")
+    w, scen, z = planning_weight(w_all, hedge)
+
+    hier_ok = num_groups % num_nodes == 0 and E // num_nodes * min(cap, num_gpus // num_nodes) >= num_replicas // num_nodes
+    if policy == "hierarchical" and not hier_ok:
+        raise ValueError(f"hierarchical policy needs num_groups={num_groups} divisible by num_nodes={num_nodes} and "
+                         f"enough experts per node for {num_replicas // num_nodes} slots; use policy='global'")
+    if policy == "hierarchical":
+        phy = _plan_hierarchical(w, scen, z, num_replicas, num_groups, num_nodes, num_gpus, cap, improve_iters)
+    else:
+        phy = _plan_global(w, scen, z, num_replicas, num_gpus, cap, improve_iters)
+        if policy == "auto" and hier_ok and num_nodes > 1:
+            hphy = _plan_hierarchical(w, scen, z, num_replicas, num_groups, num_nodes, num_gpus, cap, improve_iters)
+            use_h = _score(hphy, w, num_gpus) >= _score(phy, w, num_gpus) - 1e-12
+            phy = np.where(use_h[:, None], hphy, phy)
+    if prev is not None:
+        phy = stick_to_previous(phy, prev, w, num_gpus, stickiness)
+    log2phy, logcnt = log2phy_from_phy2log(phy, E)
+    return torch.from_numpy(np.ascontiguousarray(phy)), log2phy, logcnt
