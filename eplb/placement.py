@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ._checks import check_int, check_layout, check_weight
+from .search import improve
 from .sticky import stick_to_previous
 
 __all__ = ["rebalance_experts", "planning_weight", "replica_counts", "log2phy_from_phy2log", "POLICIES"]
@@ -93,77 +94,6 @@ def _fix_duplicates(phy: np.ndarray, per: np.ndarray) -> None:
         rowp[g, slot], rowp[g2, j2] = rowp[g2, j2], rowp[g, slot]
 
 
-def _improve(phy: np.ndarray, ws: np.ndarray, z: float, max_iters: int) -> None:
-    """Swap search in place on the robust GPU load ``mean_s + z * std_s`` over scenarios.
-
-    ``phy`` `[X, G, m]` local ids; ``ws`` `[X, S, n]` load per replica in S scenarios (S = 1: the plain
-    load). Each iteration takes every layer's most loaded GPU h and swaps one of its slots with the slot
-    anywhere else that lowers ``max(robust(h), robust(other GPU))`` the most, while that beats
-    ``robust(h)``. New loads follow from means of products, so one iteration costs O(S * m * P) per row.
-    """
-    X, G, m = phy.shape
-    S, n = ws.shape[1:]
-    rows = np.arange(X)
-    pres = np.zeros((X, G, n), bool)
-    pres[rows[:, None, None], np.arange(G)[None, :, None], phy] = True
-    gos = np.repeat(np.arange(G), m)  # GPU of each slot
-    active = np.ones(X, bool)
-
-    def robust(mean, sq):
-        return mean + z * np.sqrt(np.maximum(sq - mean * mean, 0.0)) if z > 0 else mean
-
-    wt = np.ascontiguousarray(ws.transpose(0, 2, 1))  # [X, n, S]
-    for _ in range(max_iters):
-        xs = np.nonzero(active)[0]
-        if xs.size == 0:
-            break
-        k = np.arange(xs.size)
-        ph = phy[xs].reshape(xs.size, -1)  # [x, P]
-        B = wt[xs[:, None], ph]  # [x, P, S]
-        V = B.reshape(xs.size, G, m, S).sum(2)  # [x, G, S]
-        mV = V.mean(2)
-        sqV = (V * V).mean(2) if z > 0 else mV
-        rob = robust(mV, sqV)
-        h = rob.argmax(1)
-        rh = rob[k, h]
-        A = B.reshape(xs.size, G, m, S)[k, h]  # [x, m, S]
-        mA, mB = A.mean(2), B.mean(2)
-        mean_h = mV[k, h][:, None, None] - mA[:, :, None] + mB[:, None, :]  # [x, m, P]
-        mean_g = mV[:, gos][:, None, :] + mA[:, :, None] - mB[:, None, :]
-        if z > 0:
-            Vh = V[k, h]  # [x, S]
-            As = A / S
-            Bt = B.transpose(0, 2, 1)  # [x, S, P]
-            AA, BB = (A * A).mean(2), (B * B).mean(2)
-            AB = As @ Bt  # [x, m, P]
-            VhA, VhB = (As @ Vh[:, :, None])[..., 0], (Vh[:, None, :] @ Bt)[:, 0] / S
-            Vg = V[:, gos]  # [x, P, S]
-            VgA, VgB = As @ Vg.transpose(0, 2, 1), (Vg * B).mean(2)
-            common = AA[:, :, None] + BB[:, None, :] - 2 * AB
-            sq_h = sqV[k, h][:, None, None] + common - 2 * VhA[:, :, None] + 2 * VhB[:, None, :]
-            sq_g = sqV[:, gos][:, None, :] + common + 2 * VgA - 2 * VgB[:, None, :]
-            score = np.maximum(robust(mean_h, sq_h), robust(mean_g, sq_g))
-        else:
-            score = np.maximum(mean_h, mean_g)
-        a_e, b_e = phy[xs, h], ph  # [x, m], [x, P]
-        ok = np.broadcast_to(gos[None, None, :] != h[:, None, None], score.shape).copy()
-        ok &= ~pres[xs[:, None, None], gos[None, None, :], a_e[:, :, None]]
-        ok &= ~pres[xs[:, None], h[:, None], b_e][:, None, :]
-        score = np.where(ok, score, np.inf).reshape(xs.size, -1)
-        flat = score.argmin(1)
-        gain = score[k, flat] < rh - 1e-9 * np.abs(rh)
-        active[xs[~gain]] = False
-        if not gain.any():
-            break
-        xs, flat, h = xs[gain], flat[gain], h[gain]
-        ai, bi = np.divmod(flat, G * m)
-        g2, j2 = np.divmod(bi, m)
-        ea, eb = phy[xs, h, ai], phy[xs, g2, j2]
-        phy[xs, h, ai], phy[xs, g2, j2] = eb, ea
-        pres[xs, h, ea], pres[xs, h, eb] = False, True
-        pres[xs, g2, eb], pres[xs, g2, ea] = False, True
-
-
 def _pack(w: np.ndarray, cnt: np.ndarray, num_gpus: int, scen: np.ndarray, z: float, improve_iters: int) -> np.ndarray:
     """Slots `[X, P]` (GPU-major, P = cnt row sum) of local expert ids; no expert twice on one GPU.
 
@@ -187,7 +117,7 @@ def _pack(w: np.ndarray, cnt: np.ndarray, num_gpus: int, scen: np.ndarray, z: fl
         loads[rows, gorder] += iw[:, seg]
     _fix_duplicates(phy, per)
     if improve_iters > 0 and m > 1:
-        _improve(phy, scen / cnt[:, None, :], z, improve_iters)
+        improve(phy, scen / cnt[:, None, :], z, improve_iters)
     return phy.reshape(X, P)
 
 
@@ -304,6 +234,6 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
             use_h = _score(hphy, w, num_gpus) >= _score(phy, w, num_gpus) - 1e-12
             phy = np.where(use_h[:, None], hphy, phy)
     if prev is not None:
-        phy = stick_to_previous(phy, prev, w, num_gpus, stickiness)
+        phy = stick_to_previous(phy, prev, w, scen, z, num_gpus, stickiness, max(improve_iters, 4 * num_gpus))
     log2phy, logcnt = log2phy_from_phy2log(phy, E)
     return torch.from_numpy(np.ascontiguousarray(phy)), log2phy, logcnt

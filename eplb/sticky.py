@@ -1,139 +1,131 @@
-"""Stickiness: turn a fresh placement into one that keeps experts where ``previous`` had them.
+"""Stickiness: a placement close to ``previous`` that is nearly as good as a fresh one.
 
-Per layer, two candidates that both keep the fresh plan's replica counts:
+Per layer, keeping the fresh plan's replica counts:
 
-- *keep and fill*: every GPU keeps the experts it already holds (while the expert still needs
-  replicas), the other replicas go largest first to the least loaded GPU with a free slot that
-  lacks the expert; a GPU left above the target load gives back its largest kept slot and the fill
-  is redone;
-- *relabelled fresh plan*: GPUs are interchangeable, so the fresh plan's GPU contents are matched
-  to the previous GPUs with the largest overlap (greedy matching).
+1. *Adjust*: start from ``previous``. An expert with more replicas than it now needs (or a second
+   copy on one GPU) gives up the copies on its most loaded GPUs; the experts that need more replicas
+   go, largest load per replica first, to the least loaded GPU with a freed slot that lacks them.
+2. *Search*: the swap search of the fresh planner (same robust objective) runs only until the
+   layer's robust maximum GPU load is within ``1 + stickiness`` of the fresh plan's; every swap
+   moves two slots, so only swaps that pay are made.
+3. If a layer still misses that bound, the fresh plan is used with its GPUs relabelled to match
+   ``previous`` as far as possible (GPUs are interchangeable).
 
-The target is the fresh plan's maximum GPU load times ``1 + stickiness``; the candidate meeting
-it with fewer moved slots wins. Finally each GPU's kept experts return to their previous slot index.
+Finally every GPU's kept experts go back to their previous slot index.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .search import improve, robust_max
+
 __all__ = ["stick_to_previous"]
 
 
-def _loads(sets: list, per: np.ndarray) -> np.ndarray:
-    return np.array([sum(per[e] for e in s) for s in sets])
-
-
-def _moves(sets: list, prev_sets: list) -> int:
-    moved = 0
-    for s, q in zip(sets, prev_sets):
-        rest = list(q)
-        for e in s:
-            if e in rest:
-                rest.remove(e)
+def _adjust(prev: np.ndarray, cnt: np.ndarray, per: np.ndarray, G: int, m: int):
+    """``prev`` `[P]` to a placement `[G, m]` with replica counts ``cnt``, moving as little as possible."""
+    slots = prev.reshape(G, m).copy()
+    loads = per[slots].sum(1)
+    have = np.zeros_like(cnt)
+    free = np.zeros((G, m), bool)
+    # Release second copies on one GPU, then surplus copies on the most loaded GPUs.
+    for g in range(G):
+        seen = set()
+        for j in range(m):
+            e = int(slots[g, j])
+            if e in seen:
+                free[g, j] = True
             else:
-                moved += 1
-    return moved
+                seen.add(e)
+                have[e] += 1
+    surplus = np.nonzero(have > cnt)[0]
+    for e in surplus:
+        pos = np.argwhere((slots == e) & ~free)
+        order = np.argsort(-loads[pos[:, 0]], kind="stable")[: have[e] - cnt[e]]
+        for g, j in pos[order]:
+            free[g, j] = True
+        have[e] = cnt[e]
+    loads = np.where(free, 0.0, per[slots]).sum(1)
+    slots[free] = -1
+    need = np.repeat(np.arange(len(cnt)), np.maximum(cnt - have, 0))
+    need = need[np.argsort(-per[need], kind="stable")]
+    nfree = free.sum(1)
+    for e in need:
+        ok = (nfree > 0) & ~(slots == e).any(1)
+        if not ok.any():
+            return None
+        g = int(np.argmin(np.where(ok, loads, np.inf)))
+        j = int(np.nonzero(slots[g] < 0)[0][0])
+        slots[g, j] = e
+        loads[g] += per[e]
+        nfree[g] -= 1
+    return slots
 
 
-def _keep_and_fill(prev_sets, cnt, per, m, target, max_rounds=64):
-    G = len(prev_sets)
-    banned = [set() for _ in range(G)]  # experts a GPU was asked to give back
-    best = None
-    for _ in range(max_rounds):
-        remaining = cnt.copy()
-        sets = [[] for _ in range(G)]
-        kept = [[] for _ in range(G)]
-        for g in range(G):
-            for e in prev_sets[g]:
-                if remaining[e] > 0 and e not in sets[g] and e not in banned[g]:
-                    sets[g].append(e)
-                    kept[g].append(e)
-                    remaining[e] -= 1
-        loads = _loads(sets, per)
-        todo = np.repeat(np.arange(len(cnt)), remaining)
-        todo = todo[np.argsort(-per[todo], kind="stable")]
-        free = np.array([m - len(s) for s in sets])
-        ok = True
-        for e in todo:
-            cand = np.where((free > 0) & np.array([e not in s for s in sets]), loads, np.inf)
-            g = int(np.argmin(cand))
-            if not np.isfinite(cand[g]):
-                ok = False
-                break
-            sets[g].append(int(e))
-            loads[g] += per[e]
-            free[g] -= 1
-        if not ok:
-            return best
-        best = sets
-        over = np.nonzero(loads > target)[0]
-        if over.size == 0:
-            return sets
-        progressed = False
-        for g in over:
-            ks = [e for e in kept[g]]
-            if ks:
-                banned[g].add(max(ks, key=lambda e: per[e]))
-                progressed = True
-        if not progressed:
-            return sets
-    return best
-
-
-def _relabel(fresh_sets, prev_sets):
-    G = len(fresh_sets)
-    E = 1 + max(max(s) for s in fresh_sets + prev_sets)
+def _relabel(fresh: np.ndarray, prev: np.ndarray, G: int, m: int, E: int) -> np.ndarray:
+    """``fresh`` `[P]` with whole GPUs permuted to overlap ``prev`` `[P]` the most (greedy matching)."""
     a = np.zeros((G, E))
     b = np.zeros((G, E))
-    for g in range(G):
-        np.add.at(a[g], fresh_sets[g], 1.0)
-        np.add.at(b[g], prev_sets[g], 1.0)
+    np.add.at(a, (np.repeat(np.arange(G), m), fresh), 1.0)
+    np.add.at(b, (np.repeat(np.arange(G), m), prev), 1.0)
     overlap = np.minimum(a[:, None, :], b[None, :, :]).sum(-1)  # [fresh GPU, previous GPU]
-    out = [None] * G
-    order = np.argsort(-overlap, axis=None, kind="stable")
+    out = np.empty((G, m), np.int64)
     used_f, used_p = np.zeros(G, bool), np.zeros(G, bool)
-    for k in order:
+    for k in np.argsort(-overlap, axis=None, kind="stable"):
         f, p = divmod(int(k), G)
         if not used_f[f] and not used_p[p]:
-            out[p] = fresh_sets[f]
+            out[p] = fresh[f * m:(f + 1) * m]
             used_f[f] = used_p[p] = True
     return out
 
 
-def _positions(sets, prev_sets, m):
-    row = []
-    for s, q in zip(sets, prev_sets):
-        slot = [-1] * m
-        rest = list(s)
-        for j, e in enumerate(q):
+def _keep_positions(slots: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """Within each GPU, put experts that were there before back into their previous slot index."""
+    G, m = slots.shape
+    out = np.empty_like(slots)
+    for g in range(G):
+        rest = list(slots[g])
+        row = [-1] * m
+        for j, e in enumerate(prev[g]):
             if e in rest:
-                slot[j] = e
+                row[j] = e
                 rest.remove(e)
         for j in range(m):
-            if slot[j] < 0:
-                slot[j] = rest.pop(0)
-        row.extend(slot)
-    return row
+            if row[j] < 0:
+                row[j] = rest.pop(0)
+        out[g] = row
+    return out
 
 
-def stick_to_previous(fresh: np.ndarray, previous: np.ndarray, w: np.ndarray, num_gpus: int,
-                      stickiness: float) -> np.ndarray:
-    """Placement `[L, P]` close to ``previous`` `[L, P]` with at most ``1 + stickiness`` times ``fresh``'s max load."""
+def stick_to_previous(fresh: np.ndarray, previous: np.ndarray, w: np.ndarray, scen: np.ndarray, z: float,
+                      num_gpus: int, stickiness: float, max_iters: int) -> np.ndarray:
+    """Placement `[L, P]` near ``previous`` `[L, P]` whose robust max GPU load is within ``1 + stickiness`` of ``fresh``'s.
+
+    ``w`` `[L, E]` planning load, ``scen`` `[L, S, E]` scenario loads, ``z`` the robustness weight.
+    """
     L, P = fresh.shape
-    m = P // num_gpus
+    E = w.shape[1]
+    G, m = num_gpus, P // num_gpus
+    cnt = np.zeros((L, E), np.int64)
+    np.add.at(cnt, (np.arange(L)[:, None], fresh), 1)
+    ws = scen / np.maximum(cnt, 1)[:, None, :]
+    target = robust_max(fresh.reshape(L, G, m), ws, z) * (1 + stickiness) + 1e-12
+    start = np.empty((L, G, m), np.int64)
+    adjusted = np.ones(L, bool)
+    for layer in range(L):
+        s = _adjust(previous[layer], cnt[layer], w[layer] / np.maximum(cnt[layer], 1), G, m)
+        if s is None:
+            adjusted[layer] = False
+            s = _relabel(fresh[layer], previous[layer], G, m, E)
+        start[layer] = s
+    if m > 1:
+        improve(start, ws, z, max_iters, target=target)
+    missed = robust_max(start, ws, z) > target
     out = np.empty_like(fresh)
     for layer in range(L):
-        cnt = np.bincount(fresh[layer], minlength=w.shape[1])
-        per = w[layer] / np.maximum(cnt, 1)
-        fresh_sets = [list(map(int, fresh[layer, g * m:(g + 1) * m])) for g in range(num_gpus)]
-        prev_sets = [list(map(int, previous[layer, g * m:(g + 1) * m])) for g in range(num_gpus)]
-        target = _loads(fresh_sets, per).max() * (1 + stickiness) + 1e-12
-        cands = [_relabel(fresh_sets, prev_sets)]
-        kf = _keep_and_fill(prev_sets, cnt, per, m, target)
-        if kf is not None:
-            cands.append(kf)
-        scored = [(_loads(s, per).max() > target, _moves(s, prev_sets), i) for i, s in enumerate(cands)]
-        best = cands[min(scored)[2]]
-        out[layer] = _positions(best, prev_sets, m)
+        s = start[layer]
+        if missed[layer] or not adjusted[layer]:
+            s = _relabel(fresh[layer], previous[layer], G, m, E)
+        out[layer] = _keep_positions(s, previous[layer].reshape(G, m)).reshape(-1)
     return out

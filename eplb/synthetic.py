@@ -49,7 +49,7 @@ class Workload:
     mixture_concentration: float = 30.0
     step_concentration: float = 60.0
     drift: float = 0.05
-    probe_tokens: int = 4096
+    probe_tokens: int = 2048
 
     def __post_init__(self):
         if self.num_experts % self.num_groups != 0:
@@ -103,12 +103,14 @@ class _Model:
         D, L, E = self.logpop.shape
         probs = np.empty((D, L, E))
         for d in range(D):
-            lp = torch.from_numpy(self.logpop[d]).float()  # [L, E]
-            u = torch.rand(L, wl.probe_tokens, E, generator=self.gen).clamp_min(1e-20)
-            idx = _route((lp[:, None, :] - torch.log(-torch.log(u))).reshape(-1, E), wl.topk, wl.num_groups,
-                         wl.topk_groups)
-            cnt = torch.zeros(L, E).scatter_add_(1, idx.view(L, -1), torch.ones(L, wl.probe_tokens * wl.topk))
-            probs[d] = (cnt / cnt.sum(1, keepdim=True)).numpy()
+            for lo in range(0, L, 8):  # 8 layers at a time bounds the memory of the probe
+                lp = torch.from_numpy(self.logpop[d, lo:lo + 8]).float()  # [l, E]
+                n = lp.shape[0]
+                u = torch.rand(n, wl.probe_tokens, E, generator=self.gen).clamp_min(1e-20)
+                idx = _route((lp[:, None, :] - torch.log(-torch.log(u))).reshape(-1, E), wl.topk, wl.num_groups,
+                             wl.topk_groups)
+                cnt = torch.zeros(n, E).scatter_add_(1, idx.view(n, -1), torch.ones(n, wl.probe_tokens * wl.topk))
+                probs[d, lo:lo + n] = (cnt / cnt.sum(1, keepdim=True)).numpy()
         return probs
 
     def window(self) -> tuple[np.ndarray, np.ndarray]:

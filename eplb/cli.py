@@ -1,0 +1,271 @@
+"""``python -m eplb``: plan a placement from statistics, score a placement, write synthetic statistics.
+
+    python -m eplb simulate -o stats.npy --later later.npy --preset deepseek-v3-decode
+    python -m eplb plan stats.npy --replicas 288 --gpus 144 --nodes 18 --groups 8 -o placement.json
+    python -m eplb report later.npy placement.json
+
+Bad input (NaN, negative counts, wrong rank or shape, slots not divisible by GPUs, GPUs not
+divisible by nodes, ...) prints one ``error: ...`` line, exits with status 2 and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import metrics
+from .io import atomic_write, load_placement, load_stats, save_placement, save_stats
+from .placement import DEFAULT_HEDGE, POLICIES, rebalance_experts
+from .synthetic import PRESETS, simulate_counts
+
+__all__ = ["main"]
+
+LAYER_CHUNK = 8  # layers planned per call (plans are per layer, so chunking changes nothing but the progress bar)
+
+
+class CliError(Exception):
+    pass
+
+
+class Progress:
+    """A one-line text bar on stderr (only on a terminal unless forced)."""
+
+    def __init__(self, label: str, mode: str):
+        self.label = label
+        self.on = mode == "always" or (mode == "auto" and sys.stderr.isatty())
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.on:
+            return
+        width = 30
+        fill = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} "
+                         f"{time.perf_counter() - self.t0:.1f}s")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _histogram(loads: np.ndarray, bins: int = 10, width: int = 40) -> list[str]:
+    """Text histogram of per-GPU load relative to each layer's mean, pooled over layers."""
+    rel = (loads / np.maximum(loads.mean(1, keepdims=True), 1e-300)).ravel()
+    lo, hi = float(rel.min()), float(rel.max())
+    if hi - lo < 1e-9:
+        return [f"  {lo:5.2f}       |{'#' * width} {rel.size}"]
+    counts, edges = np.histogram(rel, bins=bins, range=(lo, hi))
+    top = max(int(counts.max()), 1)
+    return [f"  {a:5.2f}-{b:5.2f} |{'#' * int(round(width * c / top)):<{width}} {c}"
+            for a, b, c in zip(edges[:-1], edges[1:], counts)]
+
+
+def _report_lines(phy2log: np.ndarray, stats: np.ndarray, num_gpus: int, before: Optional[np.ndarray],
+                  previous: Optional[np.ndarray], label_before: str) -> list[str]:
+    L, P = phy2log.shape
+    per_layer = metrics.balancedness(phy2log, stats, num_gpus, per_layer=True)
+    lines = []
+    after = f"{per_layer.mean():.4f}"
+    if before is not None:
+        b0 = metrics.balancedness(before, stats, num_gpus)
+        lines.append(f"balancedness (mean/max GPU load, layer average): before {b0:.4f} ({label_before}) -> after {after}")
+    else:
+        lines.append(f"balancedness (mean/max GPU load, layer average): {after} ({label_before})")
+    worst = int(per_layer.argmin())
+    lines.append(f"worst layer: {worst} ({per_layer[worst]:.4f}); best layer: {int(per_layer.argmax())} "
+                 f"({per_layer.max():.4f})")
+    lines.append(f"same-GPU duplicate slots: {metrics.same_gpu_duplicates(phy2log, num_gpus)}")
+    if previous is not None:
+        moved = metrics.slots_moved(phy2log, previous, num_gpus)
+        lines.append(f"slots moved vs previous: {moved} of {L * P} ({100.0 * moved / (L * P):.1f}%)")
+    lines.append("per-GPU load relative to the layer mean (all layers):")
+    lines.extend(_histogram(metrics.gpu_loads(phy2log, stats, num_gpus)))
+    return lines
+
+
+def _plot(path: str, phy2log: np.ndarray, stats: np.ndarray, num_gpus: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    loads = metrics.gpu_loads(phy2log, stats, num_gpus)
+    rel = loads / np.maximum(loads.mean(1, keepdims=True), 1e-300)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    im = ax.imshow(rel, aspect="auto", cmap="viridis")
+    ax.set_xlabel("GPU")
+    ax.set_ylabel("layer")
+    ax.set_title("per-GPU load / layer mean")
+    fig.colorbar(im, ax=ax)
+
+    def write(tmp):
+        fig.savefig(tmp, format="png", dpi=100)
+    atomic_write(path, write)
+    plt.close(fig)
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _baseline(L: int, E: int, P: int, num_gpus: int) -> Optional[np.ndarray]:
+    """No replicas, experts in order (the placement without EPLB), when E slots divide over the GPUs."""
+    if E % num_gpus != 0:
+        return None
+    return np.tile(np.arange(E), (L, 1))
+
+
+def cmd_plan(a) -> int:
+    for path in (a.output, a.pt, a.png):
+        if path is not None and os.path.isdir(path):
+            raise CliError(f"{path} is a directory; give a file name")
+    if not a.output.lower().endswith((".json", ".pt")):
+        raise CliError(f"--output {a.output}: use a .json or .pt file name")
+    if a.pt is not None and not a.pt.lower().endswith(".pt"):
+        raise CliError(f"--pt {a.pt}: use a .pt file name")
+    if a.png is not None and not _have_matplotlib():
+        raise CliError("--png needs matplotlib (pip install matplotlib); run without --png for the text report")
+    stats = load_stats(a.stats)
+    L, E = stats.shape[-2:]
+    previous = None
+    if a.previous is not None:
+        previous, _ = load_placement(a.previous)
+        if previous.shape != (L, a.replicas):
+            raise CliError(f"--previous {a.previous}: phy2log shape {previous.shape} must be [{L}, {a.replicas}]")
+    kw = dict(max_replicas_per_expert=a.max_replicas_per_expert, policy=a.policy, hedge=a.hedge,
+              stickiness=a.stickiness)
+    # Validate everything once on a single layer before the long run (errors before any output).
+    rebalance_experts(stats[..., :1, :], a.replicas, a.groups, a.nodes, a.gpus, **kw,
+                      previous=None if previous is None else previous[:1])
+    bar = Progress("planning", a.progress)
+    parts = []
+    for lo in range(0, L, LAYER_CHUNK):
+        hi = min(L, lo + LAYER_CHUNK)
+        p, _, _ = rebalance_experts(stats[..., lo:hi, :], a.replicas, a.groups, a.nodes, a.gpus, **kw,
+                                    previous=None if previous is None else previous[lo:hi])
+        parts.append(p.numpy())
+        bar(hi, L)
+    phy2log = np.concatenate(parts, 0)
+    from .placement import log2phy_from_phy2log
+    log2phy, logcnt = log2phy_from_phy2log(phy2log, E)
+    phy_t = torch.from_numpy(phy2log)
+    meta = {"num_replicas": a.replicas, "num_groups": a.groups, "num_nodes": a.nodes, "num_gpus": a.gpus,
+            "policy": a.policy, "stats": os.path.basename(a.stats)}
+    save_placement(a.output, phy_t, log2phy, logcnt, meta)
+    if a.pt is not None:
+        save_placement(a.pt, phy_t, log2phy, logcnt, meta)
+    if a.png is not None:
+        _plot(a.png, phy2log, stats, a.gpus)
+    before = previous if previous is not None else _baseline(L, E, a.replicas, a.gpus)
+    label = "previous placement" if previous is not None else "no replicas, experts in order"
+    if before is None:
+        label = f"after; no baseline: {E} experts do not divide over {a.gpus} GPUs"
+    print(f"eplb plan: {L} layers x {E} experts -> {a.replicas} slots on {a.gpus} GPUs ({a.nodes} nodes, "
+          f"{a.groups} groups), policy {a.policy}; written {a.output}" + (f", {a.pt}" if a.pt else ""))
+    print("\n".join(_report_lines(phy2log, stats, a.gpus, before, previous, label)))
+    return 0
+
+
+def cmd_report(a) -> int:
+    stats = load_stats(a.stats)
+    phy2log, meta = load_placement(a.placement)
+    num_gpus = a.gpus if a.gpus is not None else meta.get("num_gpus")
+    if num_gpus is None:
+        raise CliError(f"{a.placement} does not record num_gpus; pass --gpus")
+    L, E = stats.shape[-2:]
+    if phy2log.shape[0] != L:
+        raise CliError(f"placement has {phy2log.shape[0]} layers but the statistics have {L}")
+    if phy2log.min() < 0 or phy2log.max() >= E:
+        raise CliError(f"placement expert ids must be in [0, {E}), got [{phy2log.min()}, {phy2log.max()}]")
+    if phy2log.shape[1] % num_gpus != 0:
+        raise CliError(f"slots={phy2log.shape[1]} must be divisible by num_gpus={num_gpus}")
+    missing = int(sum(E - len(np.unique(row)) for row in phy2log))
+    print(f"eplb report: {a.placement} ({phy2log.shape[1]} slots on {num_gpus} GPUs) on {a.stats} ({L} x {E})")
+    if missing:
+        print(f"experts without a slot: {missing} (summed over layers)")
+    print("\n".join(_report_lines(phy2log, stats, int(num_gpus), None, None, "this placement")))
+    return 0
+
+
+def cmd_simulate(a) -> int:
+    for path in (a.output, a.later):
+        if path is not None and not path.lower().endswith((".npy", ".pt", ".json")):
+            raise CliError(f"{path}: use a .npy, .pt or .json file name ([steps, layers, experts])")
+    wl = PRESETS[a.preset]
+    over = {k: v for k, v in (("num_layers", a.layers), ("num_steps", a.steps), ("tokens_per_step", a.tokens))
+            if v is not None}
+    try:
+        wl = dataclasses.replace(wl, **over)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    for k, v in over.items():
+        if v < 1:
+            raise CliError(f"--{k.replace('num_', '').replace('_per_step', '')} must be >= 1, got {v}")
+    counts = simulate_counts(wl, 2 if a.later else 1, seed=a.seed, progress=Progress("simulating", a.progress))
+    save_stats(a.output, counts[0])
+    if a.later:
+        save_stats(a.later, counts[1])
+    print(f"eplb simulate: {a.preset}, {wl.num_steps} steps x {wl.num_layers} layers x {wl.num_experts} experts "
+          f"({wl.tokens_per_step} tokens/step, top-{wl.topk}), seed {a.seed}; written {a.output}"
+          + (f" and the next window {a.later}" if a.later else ""))
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise CliError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m eplb", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    pl = sub.add_parser("plan", help="plan a placement from statistics ([L, E] or [S, L, E])")
+    pl.add_argument("stats", help="statistics file: .npy, .pt, .json or .csv")
+    pl.add_argument("--replicas", type=int, required=True, help="physical slots per layer (multiple of --gpus)")
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--groups", type=int, default=1, help="expert groups (hierarchical policy)")
+    pl.add_argument("--policy", choices=POLICIES, default="auto")
+    pl.add_argument("--max-replicas-per-expert", type=int, default=None)
+    pl.add_argument("--hedge", type=float, default=DEFAULT_HEDGE, help="robustness weight for [S, L, E] input")
+    pl.add_argument("--previous", default=None, help="placement in force now (.json/.pt): keep experts in place")
+    pl.add_argument("--stickiness", type=float, default=0.01)
+    pl.add_argument("-o", "--output", required=True, help="placement file (.json or .pt)")
+    pl.add_argument("--pt", default=None, help="also write the placement as .pt")
+    pl.add_argument("--png", default=None, help="per-GPU load heat map (needs matplotlib)")
+    pl.add_argument("--progress", choices=("auto", "always", "never"), default="auto")
+    pl.set_defaults(fn=cmd_plan)
+    rp = sub.add_parser("report", help="score a placement file against statistics")
+    rp.add_argument("stats")
+    rp.add_argument("placement")
+    rp.add_argument("--gpus", type=int, default=None, help="GPUs (default: from the placement file)")
+    rp.set_defaults(fn=cmd_report)
+    sm = sub.add_parser("simulate", help="write synthetic per-step statistics [S, L, E]")
+    sm.add_argument("-o", "--output", required=True)
+    sm.add_argument("--later", default=None, help="also write the next (drifted) window here")
+    sm.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v3-decode")
+    sm.add_argument("--layers", type=int, default=None)
+    sm.add_argument("--steps", type=int, default=None)
+    sm.add_argument("--tokens", type=int, default=None, help="tokens per step")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--progress", choices=("auto", "always", "never"), default="auto")
+    sm.set_defaults(fn=cmd_simulate)
+    return p
+
+
+def main(argv=None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        return args.fn(args)
+    except (CliError, ValueError, TypeError, OSError, RuntimeError) as exc:
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
