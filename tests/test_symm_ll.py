@@ -9,13 +9,21 @@ every kernel (PTX checks), and a CUDA-graph capture/replay on one GPU (``gpu`` m
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
+import pickle
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from moe_ep import RankTimeoutError
 from moe_ep.backends.symm_ll import (
@@ -25,9 +33,16 @@ from moe_ep.backends.symm_ll import (
     virtual_low_latency_step,
 )
 from moe_ep.symm import create_symm_buffer, create_virtual_symm_buffers
-from moe_ep.testing import assert_bitwise_equal, launch
+from moe_ep.testing import RankFailure, assert_bitwise_equal
 from moe_ep.testing.inputs import make_all_inputs
 from moe_ep.testing.refs import ref_low_latency_combine, ref_low_latency_dispatch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Virtual ranks: the interpreter on CPU here; on a GPU machine (no TRITON_INTERPRET) the same cases run compiled.
+DEV = torch.device("cpu") if INTERPRET else torch.device("cuda")
+# Forked CPU ranks (shm provider) need the interpreter: on a GPU machine run `TRITON_INTERPRET=1 pytest -m "not gpu"`.
+cpu_ranks = pytest.mark.skipif(not INTERPRET, reason="CPU ranks run kernels in the Triton interpreter (TRITON_INTERPRET=1)")
+gpu_compiled = pytest.mark.skipif(INTERPRET, reason="compiled kernels on a GPU (TRITON_INTERPRET is set)")
 
 FORMATS = {  # name: (use_fp8, round_scale, use_ue8m0)
     "bf16": (False, False, False),
@@ -79,8 +94,12 @@ def _check_combine(rank, out, ys, idxs, ws, T, E):
 
 def _virtual(world, T, hidden, E, K, timeout_s=10.0):
     nbytes = SymmLowLatency.size_hint(T, hidden, world, E, K)
-    bufs = create_virtual_symm_buffers(world, nbytes, SymmLowLatency.num_signals(world), timeout_s=timeout_s)
+    bufs = create_virtual_symm_buffers(world, nbytes, SymmLowLatency.num_signals(world), device=DEV, timeout_s=timeout_s)
     return bufs, [SymmLowLatency(b, owner=7) for b in bufs]
+
+
+def _dev(ts):
+    return [t.to(DEV) for t in ts]
 
 
 # ---------------------------------------------------------------------- virtual ranks
@@ -101,15 +120,17 @@ VIRTUAL_CASES = [
 def test_virtual_ranks_steps(world, n, hidden, E, K, T, routing, fmts):
     bufs, paths = _virtual(world, T, hidden, E, K)
     L = E // world
-    stats = [torch.zeros(L, dtype=torch.int32) for _ in range(world)]
+    stats = [torch.zeros(L, dtype=torch.int32, device=DEV) for _ in range(world)]
     expected_stats = [torch.zeros(L, dtype=torch.int32) for _ in range(world)]
     for step, fmt in enumerate(fmts):
         inputs = _inputs(world, n, hidden, E, K, 31 + step, routing)
         xs, idxs, ws = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
         ys = [_expert_outputs(r, xs, idxs, T, E) for r in range(world)]
         use_fp8, rs, ue = FORMATS[fmt]
-        results, outs = virtual_low_latency_step(paths, xs, idxs, ws, T, E, use_fp8=use_fp8, round_scale=rs,
-                                                 use_ue8m0=ue, expert_fn=lambda r, _res: ys[r], stats=stats)
+        ys_d = _dev(ys)
+        results, outs = virtual_low_latency_step(paths, _dev(xs), _dev(idxs), _dev(ws), T, E, use_fp8=use_fp8,
+                                                 round_scale=rs, use_ue8m0=ue, expert_fn=lambda r, _res: ys_d[r],
+                                                 stats=stats)
         for r in range(world):
             expected_stats[r] += _check_dispatch(r, results[r], xs, idxs, T, E, fmt)
             assert_bitwise_equal(stats[r], expected_stats[r], f"rank {r} cumulative stats")
@@ -130,7 +151,8 @@ def test_virtual_two_in_flight_return_hook_order():
     states = []
     for b, fmt in zip(batches, fmts):
         use_fp8, rs, ue = FORMATS[fmt]
-        states.append([p.dispatch_send(i.x, i.topk_idx, T, E, use_fp8=use_fp8, round_scale=rs, use_ue8m0=ue)
+        states.append([p.dispatch_send(i.x.to(DEV), i.topk_idx.to(DEV), T, E, use_fp8=use_fp8, round_scale=rs,
+                                       use_ue8m0=ue)
                        for p, i in zip(paths, b)])
     results = [[p.dispatch_recv(s) for p, s in zip(paths, st)] for st in states]
     cstates = []
@@ -143,9 +165,9 @@ def test_virtual_two_in_flight_return_hook_order():
         for r, p in enumerate(paths):
             buf = p.get_next_low_latency_combine_buffer(results[m][r].handle)
             buf.copy_(ys[r])
-            out = torch.full((b[r].x.shape[0], hidden), float("nan"), dtype=torch.bfloat16)
-            row.append(p.combine_send(buf, b[r].topk_idx, b[r].topk_weights, results[m][r].handle, zero_copy=True,
-                                      out=out))
+            out = torch.full((b[r].x.shape[0], hidden), float("nan"), dtype=torch.bfloat16, device=DEV)
+            row.append(p.combine_send(buf, b[r].topk_idx.to(DEV), b[r].topk_weights.to(DEV), results[m][r].handle,
+                                      zero_copy=True, out=out))
         cstates.append((row, ys))
     for m, (row, ys) in enumerate(cstates):
         b = batches[m]
@@ -160,9 +182,13 @@ def test_virtual_two_in_flight_return_hook_order():
 def test_virtual_receive_before_send_names_rank():
     bufs, paths = _virtual(2, 4, 128, 4, 2, timeout_s=0.3)
     inputs = _inputs(2, 3, 128, 4, 2, 5)
-    st = paths[0].dispatch_send(inputs[0].x, inputs[0].topk_idx, 4, 4, use_fp8=False, round_scale=False, use_ue8m0=False)
+    st = paths[0].dispatch_send(inputs[0].x.to(DEV), inputs[0].topk_idx.to(DEV), 4, 4, use_fp8=False, round_scale=False,
+                                use_ue8m0=False)
     with pytest.raises(RankTimeoutError) as info:  # rank 1 never sent
         paths[0].dispatch_recv(st)
+        if DEV.type == "cuda":  # GPU status checks are non-blocking: force it
+            torch.cuda.synchronize()
+            bufs[0].check_status("test", blocking=True)
     assert info.value.missing_ranks == [1] and "rank(s) [1]" in str(info.value)
 
 
@@ -197,6 +223,77 @@ def test_buffer_memory_vs_deepep():
 
 
 # ---------------------------------------------------------------------- real processes (shm)
+def _child(conn, store_path, rank, world, timeout_s, fn, args):
+    status, payload = "ok", None
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        payload = fn(rank, world, *args)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        status, payload = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    conn.send_bytes(pickle.dumps((status, payload)))
+    conn.close()
+    os._exit(0)
+
+
+def launch(fn, world, *args, timeout_s=120.0):
+    """``moe_ep.testing.launch`` semantics, but the ranks rendezvous through a ``FileStore``.
+
+    NOTES: ``moe_ep.testing.launch`` forks rank r+1 while its TCPStore server thread is serving rank r's
+    connection; a child forked at the wrong moment inherits a held lock and blocks forever in
+    ``torch.set_num_threads`` (seen at 8 ranks in about one full run of this file in three, all ranks then
+    stuck in ``init_process_group``). Here the parent runs no thread while it forks.
+    """
+    ctx = mp.get_context("fork")
+    tmp = tempfile.mkdtemp(prefix="moe_ep_ll_")
+    procs, conns = [], []
+    results, errors = [None] * world, {}
+    try:
+        for rank in range(world):
+            recv_conn, send_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(send_conn, os.path.join(tmp, "store"), rank, world, timeout_s, fn, args),
+                            daemon=True)
+            p.start()
+            send_conn.close()
+            procs.append(p)
+            conns.append(recv_conn)
+        pending = set(range(world))
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            for r in sorted(pending):
+                if conns[r].poll(0):
+                    try:
+                        status, payload = pickle.loads(conns[r].recv_bytes())
+                    except EOFError:
+                        status, payload = "error", f"rank {r} died without a result"
+                    pending.discard(r)
+                    if status == "ok":
+                        results[r] = payload
+                    else:
+                        errors[r] = payload
+                elif not procs[r].is_alive():
+                    pending.discard(r)
+                    errors[r] = f"rank {r} died (exit code {procs[r].exitcode}) without a result"
+            if errors:  # give the others a moment to report their own errors
+                deadline = min(deadline, time.monotonic() + 5.0)
+            time.sleep(0.005)
+        for r in pending:
+            errors[r] = f"rank {r} did not finish within {timeout_s:.1f} s; killed"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=5)
+        for c in conns:
+            c.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if errors:
+        details = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise RankFailure(f"rank(s) {sorted(errors)} failed:\n{details}", sorted(errors))
+    return results
+
+
 def _rank_steps(rank, world, n, hidden, E, K, T, routing, fmts, seed):
     symm = create_symm_buffer(None, SymmLowLatency.size_hint(T, hidden, world, E, K), SymmLowLatency.num_signals(world),
                               timeout_s=30)
@@ -231,6 +328,7 @@ PROCESS_CASES = [
 ]
 
 
+@cpu_ranks
 @pytest.mark.parametrize("world,n,hidden,E,K,T,routing,fmts", PROCESS_CASES,
                          ids=[f"R{c[0]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[6]}" for c in PROCESS_CASES])
 def test_processes(world, n, hidden, E, K, T, routing, fmts):
@@ -268,6 +366,7 @@ def _rank_two_in_flight(rank, world, steps):
     return True
 
 
+@cpu_ranks
 def test_processes_two_micro_batches_in_flight():
     assert launch(_rank_two_in_flight, 3, 3, timeout_s=240) == [True] * 3
 
@@ -288,6 +387,7 @@ def _rank_silent(rank, world):
     return None
 
 
+@cpu_ranks
 def test_processes_silent_rank_is_named():
     assert launch(_rank_silent, 3, timeout_s=60) == [[2], [2], "silent"]
 
@@ -409,6 +509,7 @@ def test_compiles_for_sm90(compiled, case):
 
 # ---------------------------------------------------------------------- CUDA graph (GPU only)
 @pytest.mark.gpu
+@gpu_compiled
 @pytest.mark.parametrize("fmt", ["ue8m0", "bf16"])
 def test_cuda_graph_capture_and_replay_virtual_ranks(fmt):
     """Capture dispatch send+recv and combine send+recv of 4 virtual ranks on one GPU in one CUDA graph, then
@@ -463,6 +564,7 @@ def test_cuda_graph_capture_and_replay_virtual_ranks(fmt):
 
 
 @pytest.mark.gpu
+@gpu_compiled
 @pytest.mark.parametrize("fmt", ["fp8", "ue8m0", "bf16"])
 def test_gpu_virtual_ranks_deepseek_shapes(fmt):
     """8 virtual ranks on one GPU at DeepSeek-V3 decode shapes (T=128, hidden 7168, 256 experts, top-8), compiled
