@@ -258,9 +258,10 @@ def _ll_dispatch_recv_kernel(
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
     buf32 = buf_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
 
-    # Step 1: every source has published (the offsets need all earlier sources' counts).
+    # Step 1: sources 0..s have published (the offsets need the earlier sources' counts), so copying
+    # source s's tokens overlaps with waiting for later sources.
     n_s = tl.full([], 0, tl.int32)
-    for sp in range(R):
+    for sp in range(s + 1):
         v = wait_ne(my_sig + DISP_FULL + sp, 0, status_ptr, sp, timeout_ns)
         n_s = tl.where(sp == s, v - 1, n_s)
     ok = tl.load(status_ptr, volatile=True) == 0
@@ -268,8 +269,8 @@ def _ll_dispatch_recv_kernel(
     tl.debug_barrier()
     RT = R * T
 
-    # Step 2: valid rows per local expert (one program).
-    if (s == 0) & (b == 0):
+    # Step 2: valid rows per local expert (one program of the last source: it has seen every source).
+    if (s == R - 1) & (b == 0):
         rr = tl.arange(0, RP)
         ll = tl.arange(0, LP)
         cnt = tl.load(buf32 + cnt_off // 4 + rr[:, None] * L + ll[None, :],
@@ -333,6 +334,8 @@ def _ll_dispatch_recv_kernel(
                      mask=d_ok[:, None] & w_ok[None, :])
 
     # Step 5: the last program resets the full words and frees every source's slot (busy = 0 there).
+    # NOTES: every program arrives after its own waits and the programs of source R-1 waited on every
+    # source, so when the last one arrives every full word has been observed and every read is done.
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
         for sp in range(R):
