@@ -32,12 +32,13 @@ class LoadRecorder:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.num_layers, self.num_experts, self.window = num_layers, num_experts, window
-        self.buffer = torch.zeros(window, num_layers, num_experts, dtype=torch.int64, device=device)
-        self.num_steps = 0  # steps closed so far (the open step is buffer[num_steps % window])
+        # window closed steps plus the open one: ring of window + 1 rows, the open step at num_steps % (window + 1)
+        self.buffer = torch.zeros(window + 1, num_layers, num_experts, dtype=torch.int64, device=device)
+        self.num_steps = 0  # steps closed so far
 
     @property
     def _cur(self) -> torch.Tensor:
-        return self.buffer[self.num_steps % self.window]
+        return self.buffer[self.num_steps % (self.window + 1)]
 
     def _layer(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
@@ -76,7 +77,7 @@ class LoadRecorder:
     def counts(self, per_step: bool = False) -> torch.Tensor:
         """Closed steps in the window: `[L, E]` summed, or `[S, L, E]` oldest first (int64, S <= window)."""
         s = min(self.num_steps, self.window)
-        idx = (torch.arange(self.num_steps - s, self.num_steps) % self.window).to(self.buffer.device)
+        idx = (torch.arange(self.num_steps - s, self.num_steps) % (self.window + 1)).to(self.buffer.device)
         per = self.buffer.index_select(0, idx)
         return per if per_step else per.sum(0)
 
