@@ -79,14 +79,15 @@ def _status_ok(status_ptr, like):
 
 @triton.jit
 def _bf16_bits(v):
-    """float32 -> bfloat16 bit pattern (int16), round to nearest even, NaN -> 0x7FC0 (torch's CPU cast).
+    """float32 -> bfloat16 bit pattern (int16), round to nearest even; NaN -> 0x7FFF.
 
-    NOTES: the interpreter's ``.to(tl.bfloat16)`` truncates; integer rounding gives the same bits as
-    torch (and as ``cvt.rn.bf16.f32``) everywhere."""
+    NOTES: the interpreter's ``.to(tl.bfloat16)`` truncates; integer rounding gives torch's bits on every
+    backend. NaN becomes the canonical 0x7FFF of ``cvt.rn.bf16.f32`` (torch's CUDA cast); torch's CPU cast
+    gives 0xFFFF or 0x7FC0 depending on its code path, so NaN payloads are not part of the contract."""
     bits = v.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(is_nan, 0x7FC0, rounded).to(tl.int16)
+    return tl.where(is_nan, 0x7FFF, rounded).to(tl.int16)
 
 
 @triton.jit
