@@ -1,9 +1,13 @@
 """Low-latency path of the ``symm`` backend (moe_ep.backends.symm_ll + moe_ep.kernels.low_latency).
 
-Virtual ranks (one process, phases launched rank by rank) and forked CPU ranks over shm (real
-concurrency), in the interpreter; every output bitwise against moe_ep.testing.refs. Also: timeouts
-naming the silent rank, capacity errors before any kernel, buffer size vs DeepEP, sm90 compilation of
-every kernel (PTX checks), and a CUDA-graph capture/replay on one GPU (``gpu`` marker).
+Virtual ranks (one process, phases launched rank by rank: the interpreter on CPU, compiled on a GPU
+machine) and forked CPU ranks over shm (real concurrency, interpreter only); every output bitwise
+against moe_ep.testing.refs. Also: timeouts naming the silent rank, capacity errors before any kernel,
+buffer size vs DeepEP, sm90 compilation of every kernel (PTX checks), and on a GPU (``gpu`` marker) a
+CUDA-graph capture/replay and DeepSeek-V3 decode shapes.
+
+On a GPU machine: ``pytest tests/test_symm_ll.py`` (compiled) and
+``TRITON_INTERPRET=1 pytest tests/test_symm_ll.py -m "not gpu"`` (the forked CPU ranks).
 """
 
 from __future__ import annotations
