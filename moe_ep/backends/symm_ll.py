@@ -8,7 +8,9 @@ in a CUDA graph and replayed.
 
 Compared with DeepEP's low-latency buffers (every rank keeps ``E * T`` message slots, one per
 (expert, source token)), a token travels once per destination *rank* and the receiver places its rows
-from a header, so the receive area is ``R * T`` messages and the combine area ``T * K`` rows.
+from a header, so the receive area is ``R * T`` messages and the combine area ``T * K`` rows: 58.9 MB per
+rank for DeepSeek-V3 decode at EP8 (T=128, hidden 7168, 256 experts, top-8), against 1.91 GB for
+DeepEP's ``get_low_latency_rdma_size_hint`` (:func:`ll_buffer_bytes`, :func:`deepep_ll_buffer_bytes`).
 
 Double buffering: dispatch and combine each alternate between two slots (a host-side toggle per
 call, baked into a captured graph), so two dispatches (or two combines) may be in flight at once,
