@@ -267,7 +267,7 @@ def _child(conn, store_path, rank, world, timeout_s, fn, args):
     os._exit(0)
 
 
-def launch(fn, world, *args, timeout_s=120.0):
+def launch_ranks(fn, world, *args, timeout_s=120.0):
     """``moe_ep.testing.launch`` semantics, but the ranks rendezvous through a ``FileStore``.
 
     NOTES: ``moe_ep.testing.launch`` forks rank r+1 while its TCPStore server thread is serving rank r's
@@ -363,7 +363,7 @@ PROCESS_CASES = [
 @pytest.mark.parametrize("world,n,hidden,E,K,T,routing,fmts", PROCESS_CASES,
                          ids=[f"R{c[0]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[6]}" for c in PROCESS_CASES])
 def test_processes(world, n, hidden, E, K, T, routing, fmts):
-    assert launch(_rank_steps, world, n, hidden, E, K, T, routing, fmts, 90 + world, timeout_s=240) == [True] * world
+    assert launch_ranks(_rank_steps, world, n, hidden, E, K, T, routing, fmts, 90 + world, timeout_s=240) == [True] * world
 
 
 def _rank_two_in_flight(rank, world, steps):
@@ -399,7 +399,7 @@ def _rank_two_in_flight(rank, world, steps):
 
 @cpu_ranks
 def test_processes_two_micro_batches_in_flight():
-    assert launch(_rank_two_in_flight, 3, 3, timeout_s=240) == [True] * 3
+    assert launch_ranks(_rank_two_in_flight, 3, 3, timeout_s=240) == [True] * 3
 
 
 def _rank_silent(rank, world):
@@ -420,7 +420,7 @@ def _rank_silent(rank, world):
 
 @cpu_ranks
 def test_processes_silent_rank_is_named():
-    assert launch(_rank_silent, 3, timeout_s=60) == [[2], [2], "silent"]
+    assert launch_ranks(_rank_silent, 3, timeout_s=60) == [[2], [2], "silent"]
 
 
 # ---------------------------------------------------------------------- sm90 compilation
