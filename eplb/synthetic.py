@@ -95,8 +95,8 @@ class _Model:
         self.logpop = base[None] + self.rng.normal(0, wl.domain_spread, (D, L, E)) + group  # [D, L, E]
         self.base_mix = self.rng.dirichlet(np.full(D, 2.0))
 
-        self.probs = self._route_probs()  # [D, L, E]
-        self.walk = np.zeros_like(self.probs)
+        self.probs = None  # [D, L, E] per-domain selection probabilities, routed on first use
+        self.walk = np.zeros_like(self.logpop)
 
     def _route_probs(self) -> np.ndarray:
         wl = self.wl
@@ -116,6 +116,8 @@ class _Model:
     def window(self) -> tuple[np.ndarray, np.ndarray]:
         """Advance the drift; return (mixture [D], per-domain selection probabilities [D, L, E])."""
         wl = self.wl
+        if self.probs is None:
+            self.probs = self._route_probs()
         self.walk += self.rng.normal(0, wl.drift, self.walk.shape)
         mix = self.rng.dirichlet(wl.mixture_concentration * self.base_mix + 1e-3)
         p = self.probs * np.exp(self.walk)
@@ -152,16 +154,21 @@ def simulate_counts(workload: Workload, num_windows: int = 3, seed: int = 0,
     return out
 
 
-def sample_topk(workload: Workload, num_tokens: int, layer: int = 0, seed: int = 0) -> torch.Tensor:
-    """Route ``num_tokens`` tokens of one layer through the model's first window (one step's mixture).
+def sample_topk(workload: Workload, num_tokens: int, layer: int = 0, seed: int = 0, step: int = 0) -> torch.Tensor:
+    """Route ``num_tokens`` tokens of one layer and one step of the workload drawn with ``seed``.
+
+    The tokens' domains follow a step mixture drawn around the base mixture; ``step`` selects
+    independent draws of the same workload (the one `simulate_counts` with this seed describes).
 
     Returns:
         topk_idx: `[num_tokens, topk]` with `torch.int64`, no expert twice per token.
     """
     wl = workload
     model = _Model(wl, seed)
-    mix = model.rng.dirichlet(wl.step_concentration * model.base_mix + 1e-3)
-    dom = torch.from_numpy(model.rng.choice(len(mix), size=num_tokens, p=mix))
+    rng = np.random.default_rng([seed, step, 1])
+    gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
+    mix = rng.dirichlet(wl.step_concentration * model.base_mix + 1e-3)
+    dom = torch.from_numpy(rng.choice(len(mix), size=num_tokens, p=mix))
     lp = torch.from_numpy(model.logpop[:, layer]).float()[dom]  # [N, E]
-    u = torch.rand(num_tokens, wl.num_experts, generator=model.gen).clamp_min(1e-20)
+    u = torch.rand(num_tokens, wl.num_experts, generator=gen).clamp_min(1e-20)
     return _route(lp - torch.log(-torch.log(u)), wl.topk, wl.num_groups, wl.topk_groups)
