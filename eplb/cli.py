@@ -237,7 +237,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-replicas-per-expert", type=int, default=None)
     pl.add_argument("--hedge", type=float, default=DEFAULT_HEDGE, help="robustness weight for [S, L, E] input")
     pl.add_argument("--previous", default=None, help="placement in force now (.json/.pt): keep experts in place")
-    pl.add_argument("--stickiness", type=float, default=0.01)
+    pl.add_argument("--stickiness", type=float, default=0.03,
+                    help="keep experts in place while the robust max GPU load stays within 1 + this of a fresh plan")
     pl.add_argument("-o", "--output", required=True, help="placement file (.json or .pt)")
     pl.add_argument("--pt", default=None, help="also write the placement as .pt")
     pl.add_argument("--png", default=None, help="per-GPU load heat map (needs matplotlib)")

@@ -2,9 +2,9 @@
 
 Algorithm (vectorised over layers, numpy):
 
-1. Planning weight. `[L, E]` statistics are used as they are; per-step statistics `[S, L, E]` give the
-   mean plus ``hedge`` times the per-step standard deviation, so experts whose load swings get
-   more room (their later load is the least predictable).
+1. Planning load and scenarios. `[L, E]` statistics are used as they are (one scenario). Per-step
+   statistics `[S, L, E]` are cut into up to 8 chunks of consecutive steps (the scenarios); the
+   planning load is their mean plus ``hedge / 2`` standard deviations.
 2. Replica counts: greedy water-filling, each extra slot to the expert with the highest load per
    replica (minimises the largest slot), at most ``max_replicas_per_expert`` and at most one
    replica per GPU of the scope (global: all GPUs, hierarchical: the node's GPUs).
@@ -13,12 +13,15 @@ Algorithm (vectorised over layers, numpy):
    GPU gets exactly one slot per round (equal slots per GPU by construction); with two slots per
    GPU this is the optimal largest-with-smallest pairing.
 4. Same-GPU duplicates are swapped away (with the slot of closest load on a GPU that lacks the
-   expert), then a swap search lowers the most loaded GPU of every layer while it pays.
+   expert), then a swap search (`eplb.search`) lowers every layer's most loaded GPU while it pays.
+   It scores a GPU by its *robust* load, mean + ``hedge`` x standard deviation over the scenarios:
+   experts whose loads rise and fall together are spread apart, so the plan holds when the traffic
+   mix drifts (with `[L, E]` input: the plain load).
 5. Policy: ``hierarchical`` packs expert groups to nodes first (less cross-node traffic), then
    places each node's experts on its GPUs; ``global`` ignores nodes; ``auto`` plans both where
    groups divide over nodes and keeps, per layer, hierarchical when it is at least as balanced.
-6. With ``previous`` (see `eplb.sticky`), experts stay on their GPU unless that costs more than
-   ``stickiness`` of the best maximum GPU load.
+6. With ``previous`` (see `eplb.sticky`), experts stay on their GPU unless that leaves the robust
+   maximum GPU load more than ``stickiness`` above a fresh plan's.
 """
 
 from __future__ import annotations
@@ -85,10 +88,19 @@ def _fix_duplicates(phy: np.ndarray, per: np.ndarray) -> None:
     for x, g, j in zip(xs.tolist(), gs.tolist(), js.tolist()):
         rowp = phy[x]
         e = int(s[x, g, j])
+        if (rowp[g] == e).sum() < 2:  # already resolved (the row was laid out anew)
+            continue
         slot = int(np.nonzero(rowp[g] == e)[0][-1])
         ok = ~(rowp == e).any(-1)[:, None] & ~np.isin(rowp, rowp[g])
         if not ok.any():
-            raise RuntimeError("cannot remove a same-GPU duplicate: more replicas of one expert than GPUs")
+            # No single swap fixes it (few GPUs, most experts on all of them): lay the row out anew,
+            # replicas grouped by expert dealt round-robin over the GPUs (at most one copy per GPU
+            # since no expert has more copies than GPUs); the swap search rebalances it after.
+            cnt = np.bincount(rowp.ravel(), minlength=per.shape[1])
+            order = np.argsort(-per[x], kind="stable")
+            items = np.repeat(order, cnt[order])
+            rowp[np.arange(items.size) % G, np.arange(items.size) // G] = items
+            continue
         diff = np.where(ok, np.abs(per[x][rowp] - per[x][e]), np.inf)
         g2, j2 = np.unravel_index(int(np.argmin(diff)), diff.shape)
         rowp[g, slot], rowp[g2, j2] = rowp[g2, j2], rowp[g, slot]
@@ -171,7 +183,7 @@ def _score(phy, w, num_gpus):
 def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int, num_groups: int, num_nodes: int,
                       num_gpus: int, *, previous: Optional[Union[torch.Tensor, np.ndarray]] = None,
                       max_replicas_per_expert: Optional[int] = None, policy: str = "auto",
-                      hedge: float = DEFAULT_HEDGE, stickiness: float = 0.01,
+                      hedge: float = DEFAULT_HEDGE, stickiness: float = 0.03,
                       improve_iters: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Place ``num_replicas`` physical slots (hot experts replicated) on ``num_gpus`` GPUs.
 
@@ -185,11 +197,13 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
         num_nodes: server nodes (``num_gpus`` a multiple of it).
         num_gpus: GPUs; slot p lives on GPU ``p // (P // num_gpus)``.
         previous: optional `[L, P]` ``phy2log`` in force now: experts stay on their GPU (and slot)
-            unless moving lowers the maximum GPU load by more than ``stickiness`` (relative).
+            unless keeping them leaves the maximum GPU load more than ``stickiness`` (relative) above
+            a fresh plan's.
         max_replicas_per_expert: optional cap on replicas of one expert (always <= GPUs of the scope).
         policy: ``"auto"`` (hierarchical per layer where groups divide over nodes and it is at least as
             balanced, else global), ``"global"`` or ``"hierarchical"``.
-        hedge: with `[S, L, E]` input, plan on mean + hedge * std over steps.
+        hedge: with `[S, L, E]` input, the robustness weight: GPUs are scored by mean + hedge * std of
+            their load over chunks of steps (0: plan on the mean).
         stickiness: relative maximum-load slack allowed to keep experts in place (with ``previous``).
         improve_iters: swap-search iterations per layer (0 disables it).
 

@@ -135,7 +135,7 @@ def test_previous_moves_little_and_stays_balanced():
     drift = base * np.exp(rng.normal(0, 0.1, base.shape))
     prev, _, _ = eplb.rebalance_experts(base, 192, 8, 4, 32)
     fresh, _, _ = eplb.rebalance_experts(drift, 192, 8, 4, 32)
-    sticky, _, _ = eplb.rebalance_experts(drift, 192, 8, 4, 32, previous=prev)
+    sticky, _, _ = eplb.rebalance_experts(drift, 192, 8, 4, 32, previous=prev, stickiness=0.01)
     assert slots_moved(sticky, prev, 32) < slots_moved(fresh, prev, 32)
     assert slots_moved(sticky, prev, 32) <= 0.25 * 4 * 192
     # The bound holds on the planning load: max load within 1% of the fresh plan's.
