@@ -1,7 +1,7 @@
 """Fork launcher for multi-rank tests and demos on one machine.
 
 ``launch(fn, world_size, *args)`` forks ``world_size`` processes, each joins a gloo process group
-(the rendezvous store is hosted by the parent on a free port, so concurrent tests never collide),
+(the rendezvous is a FileStore in a fresh temporary directory, so concurrent tests never collide),
 runs ``fn(rank, world_size, *args, **kwargs)`` and sends its return value back. A rank that raises,
 dies, or is still running when ``timeout_s`` passes makes ``launch`` kill every rank and raise
 :class:`RankFailure` naming the rank(s) and carrying their tracebacks.
@@ -14,7 +14,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -31,7 +33,7 @@ class RankFailure(RuntimeError):
         self.failed_ranks = failed_ranks
 
 
-def _child(conn, store_port: int, rank: int, world_size: int, backend: str, pg_timeout_s: float,
+def _child(conn, store_path: str, rank: int, world_size: int, backend: str, pg_timeout_s: float,
            fn: Callable, args: tuple, kwargs: dict, num_threads: int) -> None:
     status, payload = "ok", None
     try:
@@ -39,8 +41,8 @@ def _child(conn, store_port: int, rank: int, world_size: int, backend: str, pg_t
         import torch.distributed as dist
 
         torch.set_num_threads(num_threads)
-        store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
-                              timeout=timedelta(seconds=pg_timeout_s))
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(timedelta(seconds=pg_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
         if backend == "nccl":
@@ -73,18 +75,19 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     Returns:
         the list of the ranks' return values, indexed by rank.
     """
-    import torch.distributed as dist
-
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("fork")
-    server = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=timeout_s))
-    port = server.port
+    # NOTES: a FileStore, not a TCPStore hosted here: a TCPStore server runs a thread in this process,
+    # and a child forked while that thread holds a lock (it serves the ranks already started) can
+    # block forever on it (seen at 8 ranks: a child stuck in torch.set_num_threads). The parent runs
+    # no thread while it forks.
+    tmpdir = tempfile.mkdtemp(prefix="moe_ep_launch_")
+    store_path = os.path.join(tmpdir, "store")
     procs, conns = [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(child_conn, port, rank, world_size, backend,
+        p = ctx.Process(target=_child, args=(child_conn, store_path, rank, world_size, backend,
                                              pg_timeout_s or timeout_s, fn, args, kwargs, num_threads),
                         daemon=True)
         p.start()
@@ -146,7 +149,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
             p.join(timeout=5)
         for c in conns:
             c.close()
-        del server
+        shutil.rmtree(tmpdir, ignore_errors=True)
     if errors:
         ranks = sorted(errors)
         details = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in ranks)
