@@ -13,21 +13,13 @@ On a GPU machine: ``pytest tests/test_symm_ll.py`` (compiled) and
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import pickle
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moe_ep import RankTimeoutError
 from moe_ep.backends.symm_ll import (
@@ -37,7 +29,7 @@ from moe_ep.backends.symm_ll import (
     virtual_low_latency_step,
 )
 from moe_ep.symm import create_symm_buffer, create_virtual_symm_buffers
-from moe_ep.testing import RankFailure, assert_bitwise_equal
+from moe_ep.testing import assert_bitwise_equal, launch
 from moe_ep.testing.inputs import make_all_inputs
 from moe_ep.testing.refs import ref_low_latency_combine, ref_low_latency_dispatch
 
@@ -254,77 +246,6 @@ def test_buffer_memory_vs_deepep():
 
 
 # ---------------------------------------------------------------------- real processes (shm)
-def _child(conn, store_path, rank, world, timeout_s, fn, args):
-    status, payload = "ok", None
-    try:
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-        payload = fn(rank, world, *args)
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        status, payload = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    conn.send_bytes(pickle.dumps((status, payload)))
-    conn.close()
-    os._exit(0)
-
-
-def launch_ranks(fn, world, *args, timeout_s=120.0):
-    """``moe_ep.testing.launch`` semantics, but the ranks rendezvous through a ``FileStore``.
-
-    NOTES: ``moe_ep.testing.launch`` forks rank r+1 while its TCPStore server thread is serving rank r's
-    connection; a child forked at the wrong moment inherits a held lock and blocks forever in
-    ``torch.set_num_threads`` (seen at 8 ranks in about one full run of this file in three, all ranks then
-    stuck in ``init_process_group``). Here the parent runs no thread while it forks.
-    """
-    ctx = mp.get_context("fork")
-    tmp = tempfile.mkdtemp(prefix="moe_ep_ll_")
-    procs, conns = [], []
-    results, errors = [None] * world, {}
-    try:
-        for rank in range(world):
-            recv_conn, send_conn = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(send_conn, os.path.join(tmp, "store"), rank, world, timeout_s, fn, args),
-                            daemon=True)
-            p.start()
-            send_conn.close()
-            procs.append(p)
-            conns.append(recv_conn)
-        pending = set(range(world))
-        deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            for r in sorted(pending):
-                if conns[r].poll(0):
-                    try:
-                        status, payload = pickle.loads(conns[r].recv_bytes())
-                    except EOFError:
-                        status, payload = "error", f"rank {r} died without a result"
-                    pending.discard(r)
-                    if status == "ok":
-                        results[r] = payload
-                    else:
-                        errors[r] = payload
-                elif not procs[r].is_alive():
-                    pending.discard(r)
-                    errors[r] = f"rank {r} died (exit code {procs[r].exitcode}) without a result"
-            if errors:  # give the others a moment to report their own errors
-                deadline = min(deadline, time.monotonic() + 5.0)
-            time.sleep(0.005)
-        for r in pending:
-            errors[r] = f"rank {r} did not finish within {timeout_s:.1f} s; killed"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-        for p in procs:
-            p.join(timeout=5)
-        for c in conns:
-            c.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    if errors:
-        details = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-        raise RankFailure(f"rank(s) {sorted(errors)} failed:\n{details}", sorted(errors))
-    return results
-
-
 def _rank_steps(rank, world, n, hidden, E, K, T, routing, fmts, seed):
     symm = create_symm_buffer(None, SymmLowLatency.size_hint(T, hidden, world, E, K), SymmLowLatency.num_signals(world),
                               timeout_s=30)
@@ -363,7 +284,7 @@ PROCESS_CASES = [
 @pytest.mark.parametrize("world,n,hidden,E,K,T,routing,fmts", PROCESS_CASES,
                          ids=[f"R{c[0]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[6]}" for c in PROCESS_CASES])
 def test_processes(world, n, hidden, E, K, T, routing, fmts):
-    assert launch_ranks(_rank_steps, world, n, hidden, E, K, T, routing, fmts, 90 + world, timeout_s=240) == [True] * world
+    assert launch(_rank_steps, world, n, hidden, E, K, T, routing, fmts, 90 + world, timeout_s=240) == [True] * world
 
 
 def _rank_two_in_flight(rank, world, steps):
@@ -399,7 +320,7 @@ def _rank_two_in_flight(rank, world, steps):
 
 @cpu_ranks
 def test_processes_two_micro_batches_in_flight():
-    assert launch_ranks(_rank_two_in_flight, 3, 3, timeout_s=240) == [True] * 3
+    assert launch(_rank_two_in_flight, 3, 3, timeout_s=240) == [True] * 3
 
 
 def _rank_silent(rank, world):
@@ -420,7 +341,7 @@ def _rank_silent(rank, world):
 
 @cpu_ranks
 def test_processes_silent_rank_is_named():
-    assert launch_ranks(_rank_silent, 3, timeout_s=60) == [[2], [2], "silent"]
+    assert launch(_rank_silent, 3, timeout_s=60) == [[2], [2], "silent"]
 
 
 # ---------------------------------------------------------------------- sm90 compilation
