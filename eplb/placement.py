@@ -40,6 +40,7 @@ __all__ = ["rebalance_experts", "planning_weight", "replica_counts", "log2phy_fr
 POLICIES = ("auto", "global", "hierarchical")
 DEFAULT_HEDGE = 2.0
 MAX_SCENARIOS = 8
+NUM_PARTNERS = 1 << 30  # swap partners on all GPUs (fewer: faster, measurably less balanced)
 
 
 def planning_weight(weight: np.ndarray, hedge: float = DEFAULT_HEDGE) -> tuple[np.ndarray, np.ndarray, float]:
@@ -129,7 +130,7 @@ def _pack(w: np.ndarray, cnt: np.ndarray, num_gpus: int, scen: np.ndarray, z: fl
         loads[rows, gorder] += iw[:, seg]
     _fix_duplicates(phy, per)
     if improve_iters > 0 and m > 1:
-        improve(phy, scen / cnt[:, None, :], z, improve_iters)
+        improve(phy, scen / cnt[:, None, :], z, improve_iters, num_partners=NUM_PARTNERS)
     return phy.reshape(X, P)
 
 

@@ -22,21 +22,22 @@ def robust_max(phy: np.ndarray, ws: np.ndarray, z: float) -> np.ndarray:
     return _robust(mV, (B * B).mean(1), z).max(1)
 
 
-def improve(phy: np.ndarray, ws: np.ndarray, z: float, max_iters: int, target: Optional[np.ndarray] = None) -> int:
+def improve(phy: np.ndarray, ws: np.ndarray, z: float, max_iters: int, target: Optional[np.ndarray] = None,
+            num_partners: int = 1 << 30) -> int:
     """Swap search in place on the robust GPU load ``mean_s + z * std_s`` over scenarios.
 
     ``phy`` `[X, G, m]` local ids; ``ws`` `[X, S, n]` load per replica in S scenarios (S = 1: the plain
     load). Each iteration takes every layer's most loaded GPU h and swaps one of its slots with the slot
     anywhere else that lowers ``max(robust(h), robust(other GPU))`` the most, while that beats
     ``robust(h)``. New loads follow from means of products, so one iteration costs O(S * m * P) per row.
-    A row stops early once its robust maximum is <= ``target[row]``. Returns the iterations run.
+    Partner slots are those of the ``num_partners`` least loaded GPUs (all GPUs by default). A row
+    stops early once its robust maximum is <= ``target[row]``. Returns the iterations run.
     """
     X, G, m = phy.shape
     S, n = ws.shape[1:]
     rows = np.arange(X)
     pres = np.zeros((X, G, n), bool)
     pres[rows[:, None, None], np.arange(G)[None, :, None], phy] = True
-    gos = np.repeat(np.arange(G), m)  # GPU of each slot
     active = np.ones(X, bool)
     wt = np.ascontiguousarray(ws.transpose(0, 2, 1))  # [X, n, S]
     it = 0
@@ -61,9 +62,17 @@ def improve(phy: np.ndarray, ws: np.ndarray, z: float, max_iters: int, target: O
             xs, k, ph, B, V, mV, sqV, h, rh = (a[~done] for a in (xs, k, ph, B, V, mV, sqV, h, rh))
             k = np.arange(xs.size)
         A = B.reshape(xs.size, G, m, S)[k, h]  # [x, m, S]
+        # Partners: the slots of the num_partners least loaded GPUs (the best swap almost always lands there).
+        if num_partners < G:
+            low = np.argpartition(rob, num_partners, axis=1)[:, :num_partners]  # [x, K]
+            cs = (low[:, :, None] * m + np.arange(m)).reshape(xs.size, -1)  # [x, K*m] candidate slots
+        else:
+            cs = np.broadcast_to(np.arange(G * m), (xs.size, G * m))
+        B = np.take_along_axis(B, cs[:, :, None], 1)  # [x, C, S]
+        gcs = cs // m  # GPU of each candidate
         mA, mB = A.mean(2), B.mean(2)
-        mean_h = mV[k, h][:, None, None] - mA[:, :, None] + mB[:, None, :]  # [x, m, P]
-        mean_g = mV[:, gos][:, None, :] + mA[:, :, None] - mB[:, None, :]
+        mean_h = mV[k, h][:, None, None] - mA[:, :, None] + mB[:, None, :]  # [x, m, C]
+        mean_g = np.take_along_axis(mV, gcs, 1)[:, None, :] + mA[:, :, None] - mB[:, None, :]
         if z > 0:
             Vh = V[k, h]  # [x, S]
             As = A / S
@@ -71,17 +80,17 @@ def improve(phy: np.ndarray, ws: np.ndarray, z: float, max_iters: int, target: O
             AA, BB = (A * A).mean(2), (B * B).mean(2)
             AB = As @ Bt  # [x, m, P]
             VhA, VhB = (As @ Vh[:, :, None])[..., 0], (Vh[:, None, :] @ Bt)[:, 0] / S
-            Vg = V[:, gos]  # [x, P, S]
+            Vg = V[k[:, None], gcs]  # [x, C, S]
             VgA, VgB = As @ Vg.transpose(0, 2, 1), (Vg * B).mean(2)
             common = AA[:, :, None] + BB[:, None, :] - 2 * AB
             sq_h = sqV[k, h][:, None, None] + common - 2 * VhA[:, :, None] + 2 * VhB[:, None, :]
-            sq_g = sqV[:, gos][:, None, :] + common + 2 * VgA - 2 * VgB[:, None, :]
+            sq_g = np.take_along_axis(sqV, gcs, 1)[:, None, :] + common + 2 * VgA - 2 * VgB[:, None, :]
             score = np.maximum(_robust(mean_h, sq_h, z), _robust(mean_g, sq_g, z))
         else:
             score = np.maximum(mean_h, mean_g)
-        a_e, b_e = phy[xs, h], ph  # [x, m], [x, P]
-        ok = np.broadcast_to(gos[None, None, :] != h[:, None, None], score.shape).copy()
-        ok &= ~pres[xs[:, None, None], gos[None, None, :], a_e[:, :, None]]
+        a_e, b_e = phy[xs, h], np.take_along_axis(ph, cs, 1)  # [x, m], [x, C]
+        ok = np.broadcast_to((gcs != h[:, None])[:, None, :], score.shape).copy()
+        ok &= ~pres[xs[:, None, None], gcs[:, None, :], a_e[:, :, None]]
         ok &= ~pres[xs[:, None], h[:, None], b_e][:, None, :]
         score = np.where(ok, score, np.inf).reshape(xs.size, -1)
         flat = score.argmin(1)
@@ -89,9 +98,10 @@ def improve(phy: np.ndarray, ws: np.ndarray, z: float, max_iters: int, target: O
         active[xs[~gain]] = False
         if not gain.any():
             break
-        xs, flat, h = xs[gain], flat[gain], h[gain]
-        ai, bi = np.divmod(flat, G * m)
-        g2, j2 = np.divmod(bi, m)
+        C = cs.shape[1]
+        xs, flat, h, cs = xs[gain], flat[gain], h[gain], cs[gain]
+        ai, ci = np.divmod(flat, C)
+        g2, j2 = np.divmod(cs[np.arange(xs.size), ci], m)
         ea, eb = phy[xs, h, ai], phy[xs, g2, j2]
         phy[xs, h, ai], phy[xs, g2, j2] = eb, ea
         pres[xs, h, ea], pres[xs, h, eb] = False, True
