@@ -63,7 +63,7 @@ def _hash(x: torch.Tensor) -> torch.Tensor:
 
 
 def replica_shares(counts: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, num_gpus: int,
-                   slots_per_gpu: int, iters: int = 12) -> torch.Tensor:
+                   slots_per_gpu: int, iters: int = 8) -> torch.Tensor:
     """Selections per replica for the ``balanced`` policy.
 
     Arguments:
@@ -79,37 +79,35 @@ def replica_shares(counts: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Te
     dev = counts.device
     valid = torch.arange(X, device=dev)[None, :] < logcnt[:, None]  # [E, X]
     gpu = torch.where(valid, log2phy.clamp_min(0) // slots_per_gpu, torch.zeros_like(log2phy))
+    # One-hot replica -> GPU map `[E * X, G]`: GPU loads and their gather back are one matmul each.
+    onehot = (gpu.reshape(-1, 1) == torch.arange(num_gpus, device=dev)[None, :]) & valid.reshape(-1, 1)
+    onehot = onehot.to(torch.float32)
     cnt = logcnt.clamp_min(1).to(torch.float32)
-    c = counts.to(torch.float32)
-    even = torch.where(valid, (c / cnt)[:, None], torch.zeros((), device=dev))
-
-    def gpu_loads(s):
-        return torch.zeros(num_gpus, device=dev).scatter_add_(0, gpu.reshape(-1), s.reshape(-1))
+    c = counts.to(torch.float32)[:, None]
+    zero = torch.zeros((), device=dev)
+    big = torch.full((), 3.0e38, device=dev)
+    even = torch.where(valid, c / cnt[:, None], zero)
+    k = torch.arange(1, X + 1, device=dev, dtype=torch.float32)[None, :]
+    last = torch.full((E, 1), 3.0e38, device=dev)
 
     s = even
-    big = torch.tensor(3.0e38, device=dev)
     for _ in range(iters):
-        loads = gpu_loads(s)
-        other = torch.where(valid, loads[gpu] - s, big)  # load of each replica's GPU without this expert
+        on_gpu = (onehot @ (s.reshape(1, -1) @ onehot).reshape(-1, 1)).view(E, X)  # load of each replica's GPU
+        other = torch.where(valid, on_gpu - s, big)  # ... without this expert's share
         # Water level lam with sum_r max(0, lam - other_r) = c over the expert's replicas.
-        o_sorted, _ = torch.sort(other, dim=1)
-        csum = torch.cumsum(torch.where(o_sorted < big, o_sorted, torch.zeros((), device=dev)), 1)
-        k = torch.arange(1, X + 1, device=dev, dtype=torch.float32)[None, :]
-        lam_k = (c[:, None] + csum) / k  # level if the k lowest GPUs are filled
-        nxt = torch.cat([o_sorted[:, 1:], torch.full((E, 1), 3.0e38, device=dev)], 1)
-        ok = (lam_k <= nxt) & (o_sorted < big)
-        first = torch.argmax(ok.to(torch.int8), dim=1, keepdim=True)
-        lam = lam_k.gather(1, first)
-        fill = torch.where(valid, (lam - other).clamp_min(0), torch.zeros((), device=dev))
-        s = 0.5 * s + 0.5 * fill
+        o_sorted = torch.sort(other, dim=1).values
+        lam_k = (c + torch.cumsum(torch.where(o_sorted < big, o_sorted, zero), 1)) / k  # level filling the k lowest
+        ok = (lam_k <= torch.cat([o_sorted[:, 1:], last], 1)) & (o_sorted < big)
+        lam = lam_k.gather(1, torch.argmax(ok.to(torch.int8), dim=1, keepdim=True))
+        s = torch.lerp(s, torch.where(valid, (lam - other).clamp_min(0), zero), 0.5)  # damped: all experts move at once
     # Keep the balanced split only where it lowers the maximum GPU load (else the even split).
-    better = gpu_loads(s).max() < gpu_loads(even).max()
+    better = (s.reshape(1, -1) @ onehot).max() < (even.reshape(1, -1) @ onehot).max()
     return torch.where(better, s, even)
 
 
 def map_topk(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, policy: str = "static", *,
              seed: Union[int, torch.Tensor] = 0, num_gpus: Optional[int] = None, num_slots: Optional[int] = None,
-             iters: int = 12) -> torch.Tensor:
+             iters: int = 8) -> torch.Tensor:
     """Map logical expert ids to physical slots (replicas) for one MoE layer.
 
     Arguments:
