@@ -127,3 +127,18 @@ def test_module_entry_point(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
     r = subprocess.run([sys.executable, "-m", "eplb", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "plan" in r.stdout
+
+
+def test_png_only_with_matplotlib(stats, tmp_path, capsys):
+    try:
+        import matplotlib  # noqa: F401
+        have = True
+    except ImportError:
+        have = False
+    argv = ["plan", stats / "s.npy", "--replicas", 288, "--gpus", 144, "-o", tmp_path / "p.json", "--png",
+            tmp_path / "p.png"]
+    rc, out, err = run(argv, capsys)
+    if have:
+        assert rc == 0 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert rc == 2 and "matplotlib" in err and os.listdir(tmp_path) == []
