@@ -199,7 +199,8 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
         num_gpus: GPUs; slot p lives on GPU ``p // (P // num_gpus)``.
         previous: optional `[L, P]` ``phy2log`` in force now: experts stay on their GPU (and slot)
             unless keeping them leaves the maximum GPU load more than ``stickiness`` (relative) above
-            a fresh plan's.
+            a fresh plan's. The sticky plan keeps the fresh plan's replica counts but not the
+            hierarchical policy's group-per-node layout.
         max_replicas_per_expert: optional cap on replicas of one expert (always <= GPUs of the scope).
         policy: ``"auto"`` (hierarchical per layer where groups divide over nodes and it is at least as
             balanced, else global), ``"global"`` or ``"hierarchical"``.
