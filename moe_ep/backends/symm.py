@@ -33,10 +33,14 @@ from .base import Backend, LowLatencyDispatchResult
 __all__ = ["SymmBackend", "virtual_backends"]
 
 
-def _paths():
-    from .symm_ll import SymmLowLatency
+def _normal_path():
     from .symm_normal import SymmNormal
-    return SymmNormal, SymmLowLatency
+    return SymmNormal
+
+
+def _ll_path():
+    from .symm_ll import SymmLowLatency
+    return SymmLowLatency
 
 
 def _default_device(group) -> torch.device:
@@ -62,33 +66,46 @@ class SymmBackend(Backend):
                  device: Optional[torch.device] = None, _symm_buffers: Optional[tuple] = None):
         super().__init__(group, rank, world_size, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                          low_latency_mode=low_latency_mode, timeout_s=timeout_s)
-        SymmNormal, SymmLowLatency = _paths()
         if _symm_buffers is not None:  # virtual ranks
             normal_buf, ll_buf = _symm_buffers
         else:
             device = torch.device(device) if device is not None else _default_device(group)
-            normal_buf = create_symm_buffer(group, num_nvl_bytes, SymmNormal.num_signals(world_size), device=device,
-                                            provider=provider, timeout_s=timeout_s)
-            ll_buf = None
+            normal_buf = ll_buf = None
+            if num_nvl_bytes > 0:
+                normal_buf = create_symm_buffer(group, num_nvl_bytes, _normal_path().num_signals(world_size),
+                                                device=device, provider=provider, timeout_s=timeout_s)
             if low_latency_mode:
-                ll_buf = create_symm_buffer(group, num_rdma_bytes, SymmLowLatency.num_signals(world_size),
+                if num_rdma_bytes <= 0:
+                    raise ValueError("backend 'symm' with low_latency_mode=True needs num_rdma_bytes > 0 (see "
+                                     "SymmBackend.get_low_latency_size_hint)")
+                ll_buf = create_symm_buffer(group, num_rdma_bytes, _ll_path().num_signals(world_size),
                                             device=device, provider=provider, timeout_s=timeout_s)
-        self.device = normal_buf.device
-        self.normal = SymmNormal(normal_buf, id(self))
-        self.ll = SymmLowLatency(ll_buf, id(self)) if ll_buf is not None else None
+            if normal_buf is None and ll_buf is None:
+                raise ValueError("backend 'symm' needs num_nvl_bytes > 0 (normal mode, see "
+                                 "SymmBackend.get_normal_size_hint) and/or low_latency_mode=True with num_rdma_bytes > 0")
         self._buffers = [b for b in (normal_buf, ll_buf) if b is not None]
+        self.device = self._buffers[0].device
+        self._normal = _normal_path()(normal_buf, id(self)) if normal_buf is not None else None
+        self.ll = _ll_path()(ll_buf, id(self)) if ll_buf is not None else None
+
+    @property
+    def normal(self):
+        if self._normal is None:
+            raise ValueError("normal-mode calls on backend 'symm' need num_nvl_bytes > 0 (see "
+                             "SymmBackend.get_normal_size_hint)")
+        return self._normal
 
     # ------------------------------------------------------------------ size hints
     @staticmethod
     def get_normal_size_hint(num_max_tokens: int, hidden: int, num_topk: int, num_ranks: int) -> int:
         """``num_nvl_bytes`` that lets every rank dispatch ``num_max_tokens`` tokens (BF16 or FP8)."""
-        return _paths()[0].size_hint(num_max_tokens, hidden, num_topk, num_ranks)
+        return _normal_path().size_hint(num_max_tokens, hidden, num_topk, num_ranks)
 
     @staticmethod
     def get_low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                   num_experts: int, num_topk: int = 8) -> int:
         """``num_rdma_bytes`` for low-latency calls up to these shapes."""
-        return _paths()[1].size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
+        return _ll_path().size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
 
     def _check_device(self, t: torch.Tensor) -> None:
         if t.device.type != self.device.type or (t.device.index is not None and self.device.index is not None
@@ -196,12 +213,13 @@ def virtual_backends(world_size: int, *, num_nvl_bytes: int, num_rdma_bytes: int
     (a receive launched before every rank's send raises :class:`moe_ep.RankTimeoutError`). Inputs
     are not validated here: pass what :class:`moe_ep.Buffer` would accept.
     """
-    SymmNormal, SymmLowLatency = _paths()
-    normal = create_virtual_symm_buffers(world_size, num_nvl_bytes, SymmNormal.num_signals(world_size), device=device,
-                                         timeout_s=timeout_s)
+    normal = [None] * world_size
+    if num_nvl_bytes > 0:
+        normal = create_virtual_symm_buffers(world_size, num_nvl_bytes, _normal_path().num_signals(world_size),
+                                             device=device, timeout_s=timeout_s)
     ll = [None] * world_size
     if low_latency_mode:
-        ll = create_virtual_symm_buffers(world_size, num_rdma_bytes, SymmLowLatency.num_signals(world_size),
+        ll = create_virtual_symm_buffers(world_size, num_rdma_bytes, _ll_path().num_signals(world_size),
                                          device=device, timeout_s=timeout_s)
     return [SymmBackend(None, r, world_size, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                         low_latency_mode=low_latency_mode, timeout_s=timeout_s, _symm_buffers=(normal[r], ll[r]))

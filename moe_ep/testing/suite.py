@@ -11,11 +11,12 @@ from .refs import ref_combine, ref_dispatch, ref_low_latency_combine, ref_low_la
 __all__ = ["check_buffer_case"]
 
 
-def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch", **buffer_kwargs) -> bool:
+def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch", *,
+                      modes: tuple = ("normal", "low_latency"), **buffer_kwargs) -> bool:
     """Normal dispatch (BF16 and FP8), combine, cached dispatch, num_worst_tokens, and low-latency
     dispatch/combine for one case on ``moe_ep.Buffer(backend=backend)``; every output is checked
     against :mod:`moe_ep.testing.refs` (bitwise). Run it on every rank, e.g. through
-    :func:`moe_ep.testing.launch`.
+    :func:`moe_ep.testing.launch`. ``modes`` selects the normal and/or low-latency checks.
 
     ``case`` keys: seed, n (int or per-rank list), hidden, E, k, routing (see
     :func:`moe_ep.testing.inputs.make_rank_inputs`), and optional align, worst (num_worst_tokens), T.
@@ -35,74 +36,75 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
     ws = [i.topk_weights for i in inputs]
     buf = moe_ep.Buffer(None, low_latency_mode=True, backend=backend, timeout_s=30, **buffer_kwargs)
 
-    # layout
-    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(me.topk_idx, num_experts)
     num_local = num_experts // world
-    exp_in_rank = torch.zeros(me.topk_idx.shape[0], world, dtype=torch.bool)
-    for t, row in enumerate(inputs[rank].topk_idx.tolist()):
-        for e in row:
-            if e >= 0:
-                exp_in_rank[t, e // num_local] = True
-    assert per_rdma is None
-    assert_bitwise_equal(in_rank, exp_in_rank, "is_token_in_rank")
-    assert_bitwise_equal(per_rank, exp_in_rank.sum(0).int(), "num_tokens_per_rank")
-    valid = inputs[rank].topk_idx[inputs[rank].topk_idx >= 0]
-    assert_bitwise_equal(per_expert, torch.bincount(valid, minlength=num_experts).int(), "num_tokens_per_expert")
+    if "normal" in modes:
+        # layout
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(me.topk_idx, num_experts)
+        exp_in_rank = torch.zeros(me.topk_idx.shape[0], world, dtype=torch.bool)
+        for t, row in enumerate(inputs[rank].topk_idx.tolist()):
+            for e in row:
+                if e >= 0:
+                    exp_in_rank[t, e // num_local] = True
+        assert per_rdma is None
+        assert_bitwise_equal(in_rank, exp_in_rank, "is_token_in_rank")
+        assert_bitwise_equal(per_rank, exp_in_rank.sum(0).int(), "num_tokens_per_rank")
+        valid = inputs[rank].topk_idx[inputs[rank].topk_idx >= 0]
+        assert_bitwise_equal(per_expert, torch.bincount(valid, minlength=num_experts).int(), "num_tokens_per_expert")
 
-    # normal dispatch, BF16, expert_alignment
-    align = case.get("align", 1)
-    recv_x, r_idx, r_w, per_list, handle, ev = buf.dispatch(
-        me.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=me.topk_idx, topk_weights=me.topk_weights, expert_alignment=align, async_finish=async_finish)
-    ev.current_stream_wait()
-    ex_x, _, ex_idx, ex_w, ex_list = ref_dispatch(rank, xs, idxs, ws, num_experts, expert_alignment=align)
-    assert_bitwise_equal(recv_x, ex_x, "recv_x")
-    assert_bitwise_equal(r_idx, ex_idx, "recv_topk_idx")
-    assert_bitwise_equal(r_w, ex_w, "recv_topk_weights")
-    assert per_list == ex_list
-
-    # combine: every rank scales its received rows by (rank + 1)
-    def y_of(r, rx):
-        return (rx.float() * (r + 1)).to(torch.bfloat16)
-
-    all_recv = [ref_dispatch(r, xs, idxs, ws, num_experts) for r in range(world)]
-    ys = [y_of(r, all_recv[r][0]) for r in range(world)]
-    bias = (torch.randn(me.x.shape, generator=torch.Generator().manual_seed(seed + 77 + rank)).to(torch.bfloat16),)
-    comb, comb_w, _ = buf.combine(y_of(rank, recv_x), handle, topk_weights=r_w, bias=(bias[0].to(dev),))
-    ex_comb, ex_cw = ref_combine(rank, ys, idxs, num_experts, [a[3] for a in all_recv], bias)
-    assert_bitwise_equal(comb, ex_comb, "combined_x")
-    assert_bitwise_equal(comb_w, ex_cw, "combined_topk_weights")
-    # the reduced weights equal the originals, with 0 at the holes
-    orig = inputs[rank]
-    assert_bitwise_equal(comb_w, torch.where(orig.topk_idx >= 0, orig.topk_weights, 0.0), "combined weights = original")
-
-    # cached dispatch with FP8 payload
-    if hidden % 128 == 0:
-        (cx, cs), c_idx, c_w, c_list, _, _ = buf.dispatch((me.x_fp8, me.x_scales), handle=handle)
-        assert c_idx is None and c_w is None and c_list == per_list
-        ex_q, ex_s, *_ = ref_dispatch(rank, [i.x_fp8 for i in inputs], idxs, ws, num_experts,
-                                      x_scales=[i.x_scales for i in inputs])
-        assert_bitwise_equal(cx, ex_q, "cached recv_x fp8")
-        assert_bitwise_equal(cs, ex_s, "cached recv scales")
-
-    # num_worst_tokens: static shapes, -1 padding
-    worst = case.get("worst", 0)
-    if worst:
-        wx, w_idx, w_w, _, w_handle, _ = buf.dispatch(
+        # normal dispatch, BF16, expert_alignment
+        align = case.get("align", 1)
+        recv_x, r_idx, r_w, per_list, handle, ev = buf.dispatch(
             me.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=me.topk_idx, topk_weights=me.topk_weights, num_worst_tokens=worst)
-        m = ex_x.shape[0]
-        assert wx.shape[0] == worst and w_idx.shape[0] == worst
-        assert_bitwise_equal(wx[:m], ex_x, "worst recv_x")
-        assert bool((w_idx[m:] == -1).all()) and bool((w_w[m:] == 0).all())
-        wy = torch.zeros(worst, hidden, dtype=torch.bfloat16, device=dev)
-        wy[:m] = y_of(rank, ex_x).to(dev)
-        wc, _, _ = buf.combine(wy, w_handle)
-        assert_bitwise_equal(wc, ref_combine(rank, ys, idxs, num_experts)[0], "worst combine")
+            topk_idx=me.topk_idx, topk_weights=me.topk_weights, expert_alignment=align, async_finish=async_finish)
+        ev.current_stream_wait()
+        ex_x, _, ex_idx, ex_w, ex_list = ref_dispatch(rank, xs, idxs, ws, num_experts, expert_alignment=align)
+        assert_bitwise_equal(recv_x, ex_x, "recv_x")
+        assert_bitwise_equal(r_idx, ex_idx, "recv_topk_idx")
+        assert_bitwise_equal(r_w, ex_w, "recv_topk_weights")
+        assert per_list == ex_list
+
+        # combine: every rank scales its received rows by (rank + 1)
+        def y_of(r, rx):
+            return (rx.float() * (r + 1)).to(torch.bfloat16)
+
+        all_recv = [ref_dispatch(r, xs, idxs, ws, num_experts) for r in range(world)]
+        ys = [y_of(r, all_recv[r][0]) for r in range(world)]
+        bias = (torch.randn(me.x.shape, generator=torch.Generator().manual_seed(seed + 77 + rank)).to(torch.bfloat16),)
+        comb, comb_w, _ = buf.combine(y_of(rank, recv_x), handle, topk_weights=r_w, bias=(bias[0].to(dev),))
+        ex_comb, ex_cw = ref_combine(rank, ys, idxs, num_experts, [a[3] for a in all_recv], bias)
+        assert_bitwise_equal(comb, ex_comb, "combined_x")
+        assert_bitwise_equal(comb_w, ex_cw, "combined_topk_weights")
+        # the reduced weights equal the originals, with 0 at the holes
+        orig = inputs[rank]
+        assert_bitwise_equal(comb_w, torch.where(orig.topk_idx >= 0, orig.topk_weights, 0.0), "combined weights = original")
+
+        # cached dispatch with FP8 payload
+        if hidden % 128 == 0:
+            (cx, cs), c_idx, c_w, c_list, _, _ = buf.dispatch((me.x_fp8, me.x_scales), handle=handle)
+            assert c_idx is None and c_w is None and c_list == per_list
+            ex_q, ex_s, *_ = ref_dispatch(rank, [i.x_fp8 for i in inputs], idxs, ws, num_experts,
+                                          x_scales=[i.x_scales for i in inputs])
+            assert_bitwise_equal(cx, ex_q, "cached recv_x fp8")
+            assert_bitwise_equal(cs, ex_s, "cached recv scales")
+
+        # num_worst_tokens: static shapes, -1 padding
+        worst = case.get("worst", 0)
+        if worst:
+            wx, w_idx, w_w, _, w_handle, _ = buf.dispatch(
+                me.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=me.topk_idx, topk_weights=me.topk_weights, num_worst_tokens=worst)
+            m = ex_x.shape[0]
+            assert wx.shape[0] == worst and w_idx.shape[0] == worst
+            assert_bitwise_equal(wx[:m], ex_x, "worst recv_x")
+            assert bool((w_idx[m:] == -1).all()) and bool((w_w[m:] == 0).all())
+            wy = torch.zeros(worst, hidden, dtype=torch.bfloat16, device=dev)
+            wy[:m] = y_of(rank, ex_x).to(dev)
+            wc, _, _ = buf.combine(wy, w_handle)
+            assert_bitwise_equal(wc, ref_combine(rank, ys, idxs, num_experts)[0], "worst combine")
 
     # low-latency dispatch / combine
     T = case.get("T", max(n if isinstance(n, int) else max(n), 1))
-    if hidden % 128 == 0:
+    if "low_latency" in modes and hidden % 128 == 0:
         for use_fp8, round_scale, use_ue8m0, hook in ((True, False, False, False), (True, True, False, True),
                                                       (True, True, True, False), (False, False, False, True)):
             stats = torch.zeros(num_local, dtype=torch.int32, device=dev)
