@@ -9,12 +9,10 @@ not a power of two, and the PDL instructions only when asked for.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from moe_ep.testing.sm90 import compile_in_subprocess
 
 SCRIPT = r'''
 import json, os, re, sys
@@ -74,21 +72,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def compiled():
-    try:
-        from triton.backends.nvidia import compiler  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    if proc.returncode != 0:
-        pytest.fail(f"compiling the kernels for sm90 failed:\n{proc.stderr[-4000:]}")
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    if any("skip" in r for r in results):
-        pytest.skip(f"ASTSource API differs in this Triton: {results[0].get('skip')}")
+    results = compile_in_subprocess(SCRIPT, CASES, "the quant kernels")
     return dict(zip(range(len(CASES)), results, strict=True))
 
 

@@ -12,10 +12,7 @@ On a GPU machine: ``pytest tests/test_symm_ll.py`` (compiled) and
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -29,6 +26,7 @@ from moe_ep.backends.symm_ll import (
     virtual_low_latency_step,
 )
 from moe_ep.symm import create_symm_buffer, create_virtual_symm_buffers
+from moe_ep.testing.sm90 import compile_in_subprocess
 from moe_ep.testing import assert_bitwise_equal, launch
 from moe_ep.testing.inputs import make_all_inputs
 from moe_ep.testing.refs import ref_low_latency_combine, ref_low_latency_dispatch
@@ -422,21 +420,7 @@ COMPILE_CASES = ["send_fp8_native", "send_fp8_soft", "send_ue8m0_native", "send_
 
 @pytest.fixture(scope="module")
 def compiled():
-    try:
-        from triton.backends.nvidia import compiler  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(COMPILE_CASES)], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-    if proc.returncode != 0:
-        pytest.fail(f"compiling the low-latency kernels for sm90 failed:\n{proc.stderr[-4000:]}")
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    if any("skip" in r for r in results.values()):
-        pytest.skip(f"ASTSource API differs in this Triton: {results}")
-    return results
+    return compile_in_subprocess(COMPILE_SCRIPT, COMPILE_CASES, "the low-latency kernels")
 
 
 @pytest.mark.parametrize("case", COMPILE_CASES)

@@ -1,0 +1,43 @@
+"""Compile Triton kernels for an H100 target (sm90) on a machine without a GPU, from tests.
+
+The interpreter accepts code that compiled Triton refuses, so every kernel is also compiled ahead of
+time with the installed Triton's own ptxas. That has to happen in a process without
+``TRITON_INTERPRET`` (the flag is read when ``@triton.jit`` functions are defined), so tests pass a
+script here; it receives the cases as JSON in ``sys.argv[1]`` and prints its results as JSON on its
+last line of output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+__all__ = ["compile_in_subprocess"]
+
+
+def compile_in_subprocess(script: str, cases: Any, what: str, timeout_s: float = 300.0) -> Any:
+    """Run ``script`` with ``cases`` in a fresh interpreter without ``TRITON_INTERPRET`` and return its
+    JSON result. Skips the calling test when this Triton has no NVIDIA backend or the script reports a
+    ``"skip"`` (an ASTSource API that differs); fails it, with the compiler's stderr, when compiling fails."""
+    import pytest
+
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"compiling {what} for sm90 failed:\n{proc.stderr[-4000:]}")
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    values = results.values() if isinstance(results, dict) else results
+    if any(isinstance(r, dict) and "skip" in r for r in values):
+        pytest.skip(f"ASTSource API differs in this Triton: {results}")
+    return results
