@@ -141,3 +141,32 @@ def test_bad_arguments():
         create_symm_buffer(None, 16, 1, provider="virtual")
     with pytest.raises(ValueError, match="world_size"):
         create_virtual_symm_buffers(0, 16, 1)
+
+
+def _spawned_rank(rank, world_size, store_path, queue):
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+        queue.put((rank, _rank_roundtrip(rank, world_size, 2)))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, repr(exc)))
+
+
+def test_shm_with_spawned_processes(tmp_path):
+    """The shm provider does not rely on fork: spawned ranks map each other's segments by name."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_spawned_rank, args=(r, 2, str(tmp_path / "store"), queue), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert results == {0: True, 1: True}, results
