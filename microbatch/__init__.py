@@ -1,0 +1,18 @@
+"""Two-microbatch overlap: one microbatch communicates while the other computes.
+
+- :func:`split_batch` cuts a batch (prefill: balanced tokens, decode: halves by sequences).
+- A layer is a list of operations with :data:`YIELD` points; :func:`run_two_microbatches` runs two
+  microbatches stage by stage on one thread (:mod:`microbatch.executor`).
+- :class:`Communicator` hides how dispatch / combine move data (low-latency hooks, normal-mode
+  events, the torch all-to-all) behind send / receive halves (:mod:`microbatch.comm`).
+- :func:`moe_layer_schedule` builds DeepSeek-like prefill and decode schedules (:mod:`microbatch.schedules`).
+"""
+
+from .comm import Communicator, LowLatencyCommunicator, NormalCommunicator, TorchA2ACommunicator
+from .executor import YIELD, YieldPoint, run_single, run_two_microbatches, stages
+from .schedules import moe_layer_schedule
+from .split import MicrobatchSplit, split_batch
+
+__all__ = ["split_batch", "MicrobatchSplit", "YIELD", "YieldPoint", "stages", "run_single", "run_two_microbatches",
+           "Communicator", "LowLatencyCommunicator", "NormalCommunicator", "TorchA2ACommunicator",
+           "moe_layer_schedule"]
