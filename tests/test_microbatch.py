@@ -189,3 +189,38 @@ def _rank_llwrong(rank, world):
 
 def test_communicator_order_errors():
     assert launch(_rank_llwrong, 1, timeout_s=60) == [True]
+
+
+def _rank_graph(rank, world):
+    """Decode layer, two microbatches over the symm low-latency path, captured in one CUDA graph and
+    replayed with new data; every replay equals the eager single-batch layer."""
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = 16
+    buf = moe_ep.Buffer(None, low_latency_mode=True, backend="symm", device=dev, timeout_s=30,
+                        num_rdma_bytes=SymmBackend.get_low_latency_size_hint(n, H, world, E, K))
+    W = {k: v.to(dev) for k, v in _weights().items()}
+    ops = moe_layer_schedule(LowLatencyCommunicator(buf, n, E), mode="decode", **_compute(W, rank, world))
+    static = torch.randn(n, H, device=dev).to(torch.bfloat16)
+    a, b = {"hidden": static[: n // 2]}, {"hidden": static[n // 2:]}
+    run_two_microbatches(ops, a, b)  # warm-up (compiles the kernels)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_two_microbatches(ops, a, b)
+    for step in range(3):
+        static.copy_(torch.randn(n, H, device=dev).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        out = torch.cat([a["out"], b["out"]])
+        expected = run_single(ops, {"hidden": static.clone()})["out"]
+        assert_bitwise_equal(out, expected, f"replay {step}")
+    buf.check_status()
+    return True
+
+
+@pytest.mark.gpu
+def test_decode_two_microbatches_cuda_graph():
+    assert launch(_rank_graph, 1, backend="nccl", timeout_s=300) == [True]
