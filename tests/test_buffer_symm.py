@@ -41,7 +41,6 @@ def _case(world, n, hidden, E, k, routing, extra):
 @pytest.mark.parametrize("world,n,hidden,E,k,routing,extra", CASES,
                          ids=[f"R{c[0]}-N{c[1]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[5]}" for c in CASES])
 def test_suite_processes(world, n, hidden, E, k, routing, extra):
-    pytest.importorskip("moe_ep.backends.symm_normal")
     case = _case(world, n, hidden, E, k, routing, extra)
     kwargs = _sizes(world, n, hidden, E, k, extra)
     assert launch(check_buffer_case, world, case, "symm", timeout_s=300, **kwargs) == [True] * world
@@ -120,7 +119,6 @@ def _virtual_step(backends, inputs, E, T, use_fp8, round_scale, use_ue8m0, align
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_virtual_ranks_repeated_steps(world):
-    pytest.importorskip("moe_ep.backends.symm_normal")
     E, k, hidden = 4 * world, 4, 256
     n = [5, 0, 7, 1][:world]
     T = 8

@@ -1,0 +1,277 @@
+"""Normal-mode (prefill) path of the ``symm`` backend: device-initiated intranode dispatch / combine.
+
+Each operation is a send launch and a receive launch (:mod:`moe_ep.kernels.intranode`). A token
+travels once per destination rank as one message row of int32 words, packed on the sender by torch
+ops on the device (payload | FP8 scales | top-k ids | top-k weights); the receiver unpacks views of
+the received rows. Dispatch reads the receive counts on the host once (to size ``recv_x``) unless
+``num_worst_tokens`` is set, in which case no call reads device data on the host. The layout
+(``get_dispatch_layout``) is computed by torch ops on the device, without host synchronisation.
+
+Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message width ``W``)::
+
+    [0, nbytes / 2)          dispatch area: [R sources][cap_d rows][W_d words]   cap_d = nbytes / 2 / (R * 4 * W_d)
+    [nbytes / 2, nbytes)     combine area:  [R ranks][cap_c rows][W_c words]     W_c = H / 2 + K (bf16 row, weights)
+
+A rank may send at most ``min(cap_d, cap_c)`` tokens per call (checked before anything is written;
+:meth:`SymmNormal.size_hint` gives the bytes for a token count). DeepSeek-V3 prefill (4096 tokens
+per rank, hidden 7168, top-8, EP8): 2 * 8 * 4096 * 4 * (7168 / 2 + 8) = 941 MB per rank with BF16
+payloads (FP8: 2 * 8 * 4096 * (7168 + 224 + 96) = 491 MB); DeepEP's default normal-mode buffer is
+1 GB of NVLink memory per rank (``num_nvl_bytes=1e9`` in its examples), streamed in chunks.
+
+Limits of this release: hidden must be even (rows are int32 words); dispatch's packing and
+unpacking are extra passes over the data in torch (fusing them into the kernels is the next step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from ..kernels.intranode import (
+    _combine_recv_kernel,
+    _gather_recv_kernel,
+    _recv_counts_kernel,
+    _scatter_send_kernel,
+    signal_layout,
+)
+from ..kernels.pdl import INTERPRET
+from ..symm import SymmBuffer
+from .base import DispatchHandle, DispatchResult
+from .torch_a2a import layout_from_topk
+
+__all__ = ["SymmNormal", "SymmNormalHandle"]
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Rows of ``t`` `[M, ...]` as `[M, words]` int32 (the row byte size must be a multiple of 4)."""
+    t = t.contiguous()
+    if t.shape[0] == 0:
+        return torch.empty(0, (t.shape[1:].numel() * t.element_size()) // 4, dtype=torch.int32, device=t.device)
+    return t.reshape(t.shape[0], -1).view(torch.int32)
+
+
+def _unwords(w: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    if w.shape[0] == 0:
+        return torch.empty(0, cols, dtype=dtype, device=w.device)
+    return w.contiguous().view(dtype).reshape(w.shape[0], cols)
+
+
+@dataclasses.dataclass
+class SymmNormalHandle(DispatchHandle):
+    send_pos: torch.Tensor = None  # [N, R] int32 slot of token t at rank d (-1: not sent)
+    recv_counts: torch.Tensor = None  # [R] int32 rows received from each source (device)
+    num_topk: int = 0
+    num_recv_tokens_per_expert_list: list = None
+
+
+@dataclasses.dataclass
+class _SendState:
+    handle: object
+    n: int
+    hidden: int
+    dtype: torch.dtype
+    has_scales: bool
+    num_topk: int
+    num_experts: int
+    words: int
+    cap: int
+    pos: torch.Tensor
+    counts: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    num_tokens_per_rank: torch.Tensor
+
+
+@dataclasses.dataclass
+class _CombineState:
+    handle: SymmNormalHandle
+    words: int
+    cap: int
+    has_w: bool
+
+
+class SymmNormal:
+    """Normal-mode dispatch / combine of one rank over its :class:`~moe_ep.symm.SymmBuffer` (phases as
+    methods; see :class:`moe_ep.backends.symm.SymmBackend`)."""
+
+    def __init__(self, symm: SymmBuffer, owner: int):
+        self.symm = symm
+        self.owner = owner
+        self.sig = signal_layout(symm.world_size)
+        self._interp = INTERPRET or symm.device.type != "cuda"
+
+    @staticmethod
+    def num_signals(world_size: int) -> int:
+        return signal_layout(world_size)["WORDS"]
+
+    @staticmethod
+    def _dispatch_words(hidden: int, num_topk: int, fp8: bool, with_topk: bool = True) -> int:
+        payload = (hidden + 4 * (hidden // 128)) if fp8 else 2 * hidden
+        return (payload + (12 * num_topk if with_topk else 0)) // 4
+
+    @staticmethod
+    def size_hint(num_max_tokens: int, hidden: int, num_topk: int, world_size: int) -> int:
+        """``num_nvl_bytes`` that lets every rank send ``num_max_tokens`` tokens (BF16 or FP8, with top-k)."""
+        w = max(SymmNormal._dispatch_words(hidden, num_topk, False), hidden // 2 + num_topk)
+        return (2 * world_size * max(num_max_tokens, 1) * 4 * w + 255) // 256 * 256
+
+    def _cap(self, words: int) -> int:
+        return (self.symm.nbytes // 2) // (self.symm.world_size * 4 * max(words, 1))
+
+    def _blocks(self, words: int) -> tuple[int, int]:
+        if self._interp:
+            return 64, triton.next_power_of_2(max(words, 16))
+        return 16, 256
+
+    # ------------------------------------------------------------------ layout
+    def layout(self, topk_idx: torch.Tensor, num_experts: int):
+        return layout_from_topk(topk_idx, num_experts, self.symm.world_size)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch_send(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                      topk_idx, topk_weights, num_experts) -> _SendState:
+        self.symm.check_usable()
+        R, (n, hidden) = self.symm.world_size, x.shape
+        if (hidden * x.element_size()) % 4:
+            raise ValueError(f"backend 'symm' normal mode needs hidden * element size to be a multiple of 4 bytes, "
+                             f"got hidden={hidden} with {x.dtype}")
+        if handle is not None:
+            pos, counts = handle.send_pos, handle.num_tokens_per_rank.to(torch.int32)
+            is_token_in_rank, k = handle.is_token_in_rank, handle.num_topk
+        else:
+            in_rank = is_token_in_rank.to(torch.int32)
+            pos = torch.where(is_token_in_rank, in_rank.cumsum(0, dtype=torch.int32) - 1, -1).to(torch.int32)
+            counts, k = num_tokens_per_rank.to(torch.int32), topk_idx.shape[1]
+        parts = [_words(x.view(torch.uint8) if x.element_size() == 1 else x)]
+        if x_scales is not None:
+            parts.append(_words(x_scales.float()))
+        if handle is None:
+            parts += [_words(topk_idx), _words(topk_weights)]
+        rows = torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0].contiguous()
+        words = rows.shape[1]
+        cap = min(self._cap(words), self._cap(hidden // 2 + k))
+        if n > cap:
+            need = SymmNormal.size_hint(n, hidden, k, R)
+            raise ValueError(f"backend 'symm': {n} tokens do not fit this rank's normal-mode buffer (at most {cap} "
+                             f"for hidden={hidden}, top-{k}): pass num_nvl_bytes >= {need} "
+                             f"(SymmBackend.get_normal_size_hint)")
+        bt, bw = self._blocks(words)
+        L = self.sig
+        _scatter_send_kernel[(R, max(1, triton.cdiv(n, bt)))](
+            rows, pos.contiguous(), counts.contiguous(), self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
+            self.symm.rank, n, R, words, self.symm.rank * cap * words, self.symm.timeout_ns,
+            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
+        self.symm.check_status("dispatch (send)")
+        return _SendState(handle, n, hidden, x.dtype, x_scales is not None, k, num_experts, words, cap, pos, counts,
+                          is_token_in_rank, num_tokens_per_rank)
+
+    def dispatch_recv(self, st: _SendState, *, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
+        R, dev, L = self.symm.world_size, self.symm.device, self.sig
+        counts = torch.zeros(R, dtype=torch.int32, device=dev)
+        if num_worst_tokens > 0:
+            m = num_worst_tokens
+            max_rows = min(st.cap, m)
+        else:
+            _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
+                                      self.symm.timeout_ns, FULL=L["DISP_FULL"])
+            self.symm.check_status("dispatch (receive)")
+            host = counts.tolist()  # NOTES: the one host read of this path (outputs are sized by it)
+            m, max_rows = sum(host), max(host)
+        out = torch.zeros(m, st.words, dtype=torch.int32, device=dev)
+        bt, bw = self._blocks(st.words)
+        _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
+            out, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
+            self.symm.rank, R, st.words, st.cap, 0, m, self.symm.timeout_ns,
+            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw)
+        self.symm.check_status("dispatch (receive)")
+        if num_worst_tokens > 0 and dev.type == "cpu" and int(counts.sum()) > m:
+            raise RuntimeError(f"rank {self.symm.rank} received {int(counts.sum())} tokens, more than "
+                               f"num_worst_tokens={m}")
+        # Unpack the rows (views of the received words).
+        h = st.hidden
+        xw = (h * (1 if st.has_scales else 2)) // 4
+        recv_x = _unwords(out[:, :xw], torch.uint8 if st.has_scales else st.dtype, h)
+        if st.has_scales:
+            recv_x = recv_x.view(st.dtype)
+        off = xw
+        recv_scales = None
+        if st.has_scales:
+            recv_scales = _unwords(out[:, off:off + h // 128], torch.float32, h // 128)
+            off += h // 128
+        valid = torch.arange(m, device=dev) < counts.sum()
+        recv_idx = recv_w = None
+        if st.handle is None:
+            k, num_local = st.num_topk, st.num_experts // R
+            gidx = _unwords(out[:, off:off + 2 * k], torch.int64, k)
+            w = _unwords(out[:, off + 2 * k:off + 3 * k], torch.float32, k)
+            lo = self.symm.rank * num_local
+            is_local = (gidx >= lo) & (gidx < lo + num_local) & valid[:, None]
+            recv_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
+            recv_w = torch.where(is_local, w, torch.zeros_like(w))
+            if num_worst_tokens > 0:
+                per_expert = []  # NOTES: like DeepEP: no host read with num_worst_tokens, so no list
+            else:
+                c = torch.bincount(recv_idx[recv_idx >= 0], minlength=num_local).tolist()
+                per_expert = [(v + expert_alignment - 1) // expert_alignment * expert_alignment for v in c]
+            handle = SymmNormalHandle(owner=self.owner, num_tokens=st.n, num_recv_tokens=m, hidden=h,
+                                      is_token_in_rank=st.is_token_in_rank, num_tokens_per_rank=st.num_tokens_per_rank,
+                                      send_pos=st.pos, recv_counts=counts, num_topk=k,
+                                      num_recv_tokens_per_expert_list=per_expert)
+        else:
+            handle = st.handle
+            if m != handle.num_recv_tokens:
+                raise ValueError(f"cached dispatch received {m} rows but the handle expects {handle.num_recv_tokens} "
+                                 "(num_worst_tokens must match the original call)")
+            per_expert = handle.num_recv_tokens_per_expert_list
+        if num_worst_tokens > 0:  # padding rows: zeros (out was zero-initialised)
+            recv_x = recv_x.clone()
+        return DispatchResult(recv_x.contiguous(), None if recv_scales is None else recv_scales.contiguous(),
+                              recv_idx, recv_w, list(per_expert), handle)
+
+    # ------------------------------------------------------------------ combine
+    def combine_send(self, x: torch.Tensor, handle: SymmNormalHandle, topk_weights) -> _CombineState:
+        self.symm.check_usable()
+        R, dev, L = self.symm.world_size, self.symm.device, self.sig
+        m, h = handle.num_recv_tokens, handle.hidden
+        counts = handle.recv_counts
+        ends = counts.cumsum(0)
+        rows_idx = torch.arange(m, device=dev)
+        src = torch.searchsorted(ends, rows_idx, right=True)  # source rank of each received row
+        valid = src < R
+        src_c = src.clamp(max=R - 1)
+        slot = rows_idx - (ends[src_c] - counts[src_c])
+        pos = torch.full((m, R), -1, dtype=torch.int32, device=dev)
+        pos[rows_idx[valid], src_c[valid]] = slot[valid].to(torch.int32)
+        parts = [_words(x)]
+        if topk_weights is not None:
+            parts.append(_words(topk_weights))
+        rows = torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0].contiguous()
+        words = rows.shape[1]
+        cap = self._cap(h // 2 + handle.num_topk)
+        bt, bw = self._blocks(words)
+        _scatter_send_kernel[(R, max(1, triton.cdiv(m, bt)))](
+            rows, pos, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
+            self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, self.symm.timeout_ns,
+            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
+        self.symm.check_status("combine (send)")
+        return _CombineState(handle, words, cap, topk_weights is not None)
+
+    def combine_recv(self, st: _CombineState, bias: tuple):
+        R, dev, L = self.symm.world_size, self.symm.device, self.sig
+        handle = st.handle
+        n, h, k = handle.num_tokens, handle.hidden, handle.num_topk
+        acc = torch.zeros(n, h, dtype=torch.float32, device=dev)
+        for b in bias:  # the reference order: bias terms first
+            acc += b.float()
+        out = torch.empty(n, h, dtype=torch.bfloat16, device=dev)
+        wout = torch.empty(n, k, dtype=torch.float32, device=dev) if st.has_w else acc
+        bt, hc = (64, triton.next_power_of_2(h)) if self._interp else (16, 256)
+        _combine_recv_kernel[(max(1, triton.cdiv(n, bt)), triton.cdiv(h, hc))](
+            acc, out.view(torch.int16), wout, handle.send_pos, self.symm.buffer_ptrs, self.symm.signal_ptrs,
+            self.symm.status, self.symm.rank, n, R, st.words, st.cap, self.symm.nbytes // 8, self.symm.timeout_ns,
+            H=h, K=max(k, 1), KP=triton.next_power_of_2(max(k, 1)), HAS_W=st.has_w,
+            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], RECV_CNT=L["COMB_RECV_CNT"], BLOCK_T=bt, HC=hc,
+            enable_fp_fusion=False)
+        self.symm.check_status("combine (receive)")
+        return out, (wout if st.has_w else None)

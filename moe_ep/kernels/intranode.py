@@ -1,0 +1,200 @@
+"""Normal-mode (prefill) dispatch / combine kernels of the ``symm`` backend, over peer-pointer tables.
+
+Messages are rows of int32 words (the caller packs payload | scales | top-k | weights into one row),
+so one send kernel and one receive kernel serve dispatch, cached dispatch and combine:
+
+- :func:`_scatter_send_kernel` (one launch per rank, grid ``(R destinations, token blocks)``): row ``t``
+  goes to slot ``pos[t, d]`` of this rank's block in destination ``d``'s area (``pos = -1``: not sent).
+  Before writing, every program waits until ``d`` has drained the previous message block (busy word);
+  the last program of ``d`` sets the busy word and publishes ``count + 1`` in ``d``'s full word.
+- :func:`_recv_counts_kernel`: waits for every source and records its row count (the host reads them to
+  size the outputs when ``num_worst_tokens`` is 0).
+- :func:`_gather_recv_kernel` (grid ``(R sources, row blocks)``): copies source ``s``'s rows after the
+  rows of sources ``< s`` (source-rank, then source-token order); the last program resets the full
+  words and frees every source's block (busy = 0 on the source).
+- :func:`_combine_recv_kernel`: per token, float32 sum of the initial value (bias terms), then the rows
+  returned by each rank in ascending rank order, one round-to-nearest-even cast to BF16; the reduced
+  top-k weights likewise.
+
+Signals (int32 words of each rank's signal region, see :func:`signal_layout`)::
+
+    FULL  + s   on receiver: source s's block is complete (value count + 1); receiver resets it
+    BUSY  + d   on sender: d has not drained our block yet (1); d resets it to 0 after copying
+    *_CNT       local arrive_last counters (nobody waits on them)
+
+NOTES: a timed-out wait leaves ``status`` set; programs then mask their writes and the last program
+does not publish, so peers time out too (naming this rank) instead of reading half-written rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .low_latency import _bf16_bits, _status_ok
+from .signals import arrive_last, signal_release, wait_ne
+
+__all__ = ["signal_layout", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
+           "_combine_recv_kernel"]
+
+
+def signal_layout(world_size: int) -> dict:
+    """Word offsets of the normal-mode signal arrays (dispatch and combine have their own)."""
+    R = world_size
+    return {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "DISP_SEND_CNT": 4 * R,
+            "COMB_SEND_CNT": 5 * R, "DISP_RECV_CNT": 6 * R, "COMB_RECV_CNT": 6 * R + 1,
+            "WORDS": (6 * R + 2 + 7) // 8 * 8}
+
+
+@triton.jit
+def _words(ptrs, r):
+    """Base of rank ``r``'s region as an int32 pointer."""
+    return tl.load(ptrs + r).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def _scatter_send_kernel(
+    src_ptr,  # [N, W] int32 message rows
+    pos_ptr,  # [N, R] int32 slot of row t at destination d, -1 = not sent
+    counts_ptr,  # [R] int32 rows sent to each destination
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, N, R, W, block_off, timeout_ns,  # block_off: words from the region start to our block at d
+    FULL: tl.constexpr, BUSY: tl.constexpr, SEND_CNT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    d = tl.program_id(0)
+    c = tl.program_id(1)
+    my_sig = _words(signal_ptrs, rank)
+
+    # Step 1: d has drained our previous block.
+    wait_ne(my_sig + BUSY + d, 1, status_ptr, d, timeout_ns)
+    tl.debug_barrier()
+
+    # Step 2: rows -> our block of d's area: [R sources][cap rows][W words].
+    offs_t = c * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < N
+    pos = tl.load(pos_ptr + offs_t.to(tl.int64) * R + d, mask=t_ok, other=-1)
+    ok = (pos >= 0) & t_ok & _status_ok(status_ptr, offs_t)
+    dst = _words(buffer_ptrs, d) + block_off
+    for w0 in range(0, W, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        m = ok[:, None] & (offs_w < W)[None, :]
+        v = tl.load(src_ptr + offs_t.to(tl.int64)[:, None] * W + offs_w[None, :], mask=m)
+        tl.store(dst + pos.to(tl.int64)[:, None] * W + offs_w[None, :], v, mask=m)
+
+    # Step 3: the last program for d publishes: busy[d] = 1 here, full[rank] = count + 1 on d.
+    tl.debug_barrier()
+    if arrive_last(my_sig + SEND_CNT + d, tl.num_programs(1)):
+        if tl.load(status_ptr, volatile=True) == 0:
+            tl.atomic_xchg(my_sig + BUSY + d, 1, sem="relaxed", scope="sys")
+            signal_release(_words(signal_ptrs, d) + FULL + rank, tl.load(counts_ptr + d) + 1)
+
+
+@triton.jit
+def _recv_counts_kernel(counts_ptr, signal_ptrs, status_ptr, rank, timeout_ns, FULL: tl.constexpr):
+    """Program s: wait for source s and record its row count (the full word stays set)."""
+    s = tl.program_id(0)
+    v = wait_ne(_words(signal_ptrs, rank) + FULL + s, 0, status_ptr, s, timeout_ns)
+    tl.store(counts_ptr + s, tl.maximum(v - 1, 0))
+
+
+@triton.jit
+def _gather_recv_kernel(
+    out_ptr,  # [M, W] int32
+    counts_ptr,  # [R] int32 out: rows received from each source
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, R, W, cap, area_off, M, timeout_ns,
+    FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    s = tl.program_id(0)
+    c = tl.program_id(1)
+    my_sig = _words(signal_ptrs, rank)
+
+    # Step 1: every source's count; source s's rows go after those of the sources before it.
+    offset = 0
+    n_s = 0
+    for sp in range(R):
+        v = wait_ne(my_sig + FULL + sp, 0, status_ptr, sp, timeout_ns)
+        n_sp = tl.maximum(v - 1, 0)
+        offset += tl.where(sp < s, n_sp, 0)
+        n_s = tl.where(sp == s, n_sp, n_s)
+    tl.debug_barrier()
+    if c == 0:
+        tl.store(counts_ptr + s, n_s)
+
+    # Step 2: copy rows of s's block (rows past M, the worst-case size, are dropped).
+    rows = c * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = (rows < n_s) & (offset + rows < M) & _status_ok(status_ptr, rows)
+    src = _words(buffer_ptrs, rank) + area_off + s.to(tl.int64) * cap * W
+    for w0 in range(0, W, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        m = ok[:, None] & (offs_w < W)[None, :]
+        v = tl.load(src + rows.to(tl.int64)[:, None] * W + offs_w[None, :], mask=m)
+        tl.store(out_ptr + (offset + rows).to(tl.int64)[:, None] * W + offs_w[None, :], v, mask=m)
+
+    # Step 3: the last program resets the full words and frees our block on every source.
+    # NOTES: every program waited on every source before arriving, so the last one knows all reads are done.
+    tl.debug_barrier()
+    if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
+        for sp in range(R):
+            tl.atomic_xchg(my_sig + FULL + sp, 0, sem="relaxed", scope="sys")
+        for sp in range(R):
+            signal_release(_words(signal_ptrs, sp) + BUSY + rank, 0)
+
+
+@triton.jit
+def _combine_recv_kernel(
+    acc_ptr,  # [N, H] float32: the bias terms' sum (the initial value)
+    out_ptr,  # [N, H] bf16 as int16
+    wout_ptr,  # [N, K] float32 (HAS_W)
+    pos_ptr,  # [N, R] int32: slot of token t in rank d's block (-1: not sent there)
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, N, R, W, cap, area_off, timeout_ns,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
+    FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HC: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    my_sig = _words(signal_ptrs, rank)
+
+    # Step 1: every rank has returned its rows.
+    for d in range(R):
+        wait_ne(my_sig + FULL + d, 0, status_ptr, d, timeout_ns)
+    tl.debug_barrier()
+
+    # Step 2: float32 sum in ascending rank order, one cast (the torch backend's order, bitwise).
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < N
+    ok = _status_ok(status_ptr, offs_t) & t_ok
+    offs_h = pid_h * HC + tl.arange(0, HC)
+    h_ok = offs_h < H
+    t64 = offs_t.to(tl.int64)
+    acc = tl.load(acc_ptr + t64[:, None] * H + offs_h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+    kk = tl.arange(0, KP)
+    wacc = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+    base = _words(buffer_ptrs, rank) + area_off
+    for d in range(R):
+        p = tl.load(pos_ptr + t64 * R + d, mask=t_ok, other=-1)
+        v = (p >= 0) & ok
+        row = base + (tl.where(v, p, 0).to(tl.int64) + d * cap) * W  # int32 pointer per token
+        y = tl.load(row.to(tl.pointer_type(tl.bfloat16), bitcast=True)[:, None] + offs_h[None, :],
+                    mask=v[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.where(v[:, None], y, 0.0)
+        if HAS_W:
+            wv = tl.load((row + H // 2).to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + kk[None, :],
+                         mask=v[:, None] & (kk < K)[None, :], other=0.0)
+            wacc += tl.where(v[:, None], wv, 0.0)
+    tl.store(out_ptr + t64[:, None] * H + offs_h[None, :], _bf16_bits(acc), mask=t_ok[:, None] & h_ok[None, :])
+    if HAS_W:
+        if pid_h == 0:
+            tl.store(wout_ptr + t64[:, None] * K + kk[None, :], wacc, mask=t_ok[:, None] & (kk < K)[None, :])
+
+    # Step 3: the last program resets the full words and frees our block on every rank.
+    tl.debug_barrier()
+    if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
+        for d in range(R):
+            tl.atomic_xchg(my_sig + FULL + d, 0, sem="relaxed", scope="sys")
+        for d in range(R):
+            signal_release(_words(signal_ptrs, d) + BUSY + rank, 0)
