@@ -1,0 +1,112 @@
+"""symm normal mode: capacity and input errors before anything is written, a silent rank named by the
+timeout, and every kernel compiled for sm90 (the semantic checks are in tests/test_buffer_symm.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ep import RankTimeoutError
+from moe_ep.backends.symm import SymmBackend, virtual_backends
+from moe_ep.testing.inputs import make_all_inputs
+from moe_ep.testing.sm90 import compile_in_subprocess
+
+E, K, H = 8, 4, 128
+
+
+def _send(b, inp, handle=None):
+    lay = b.get_dispatch_layout(inp.topk_idx, E)
+    return b.dispatch_send(inp.x, None, handle=handle, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                           num_tokens_per_expert=lay[2], topk_idx=inp.topk_idx, topk_weights=inp.topk_weights,
+                           num_experts=E)
+
+
+def test_capacity_error_before_anything_is_written():
+    bs = virtual_backends(2, num_nvl_bytes=SymmBackend.get_normal_size_hint(4, H, K, 2), timeout_s=5)
+    inputs = make_all_inputs(2, 9, H, E, K, seed=3)
+    with pytest.raises(ValueError, match="num_nvl_bytes >= "):
+        _send(bs[0], inputs[0])
+    for b in bs:  # nothing was written: data and signals untouched
+        assert int(b.normal.symm.buffer.abs().sum()) == 0 and int(b.normal.symm.signals.abs().sum()) == 0
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
+        bs[0].dispatch_send(torch.zeros(2, 3, dtype=torch.bfloat16), None, handle=None, num_tokens_per_rank=None,
+                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                            num_experts=E)
+
+
+def test_silent_rank_is_named_and_buffer_refuses_later_calls():
+    bs = virtual_backends(2, num_nvl_bytes=SymmBackend.get_normal_size_hint(8, H, K, 2), timeout_s=0.3)
+    inputs = make_all_inputs(2, 5, H, E, K, seed=4)
+    st = _send(bs[1], inputs[1])  # rank 0 never sends
+    with pytest.raises(RankTimeoutError) as info:
+        bs[1].dispatch_recv(st, expert_alignment=1, num_worst_tokens=0)
+    assert info.value.missing_ranks == [0]
+    with pytest.raises(RuntimeError, match="unusable"):
+        _send(bs[1], inputs[1])
+
+
+def test_no_normal_buffer_is_a_clear_error():
+    bs = virtual_backends(2, num_nvl_bytes=0, num_rdma_bytes=1 << 20, low_latency_mode=True)
+    with pytest.raises(ValueError, match="num_nvl_bytes > 0"):
+        bs[0].get_dispatch_layout(torch.zeros(1, 1, dtype=torch.int64), E)
+
+
+SCRIPT = r'''
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_ep.kernels import intranode as m
+
+
+def compile_one(name, sig, const, fp_fusion=True):
+    kern = getattr(m, name)
+    full = {n: sig.get(n, "i32") for n in kern.arg_names}
+    for n in const:
+        full[n] = "constexpr"
+    div16 = [n for n in ("src_ptr", "out_ptr", "W", "block_off", "area_off") if n in kern.arg_names]
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    try:
+        src = ASTSource(kern, full, const, attrs)
+    except TypeError as exc:
+        return {"skip": str(exc)}
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": fp_fusion})
+    ptx = ck.asm["ptx"]
+    ops = {}
+    for pat in (r"ld\.global\.v4\.b32", r"st\.global\.v4\.b32", r"globaltimer", r"\.release", r"\.acquire", r"fma\.rn\.f32"):
+        ops[pat] = len(re.findall(pat, ptx))
+    return ops
+
+
+P = {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", "buffer_ptrs": "*i64", "signal_ptrs": "*i64",
+     "status_ptr": "*i32", "timeout_ns": "i64", "block_off": "i64", "area_off": "i64", "out_ptr": "*i32",
+     "acc_ptr": "*fp32", "wout_ptr": "*fp32"}
+CASES = {
+    "send": lambda: compile_one("_scatter_send_kernel", P, {"FULL": 0, "BUSY": 8, "SEND_CNT": 32, "BLOCK_T": 16,
+                                                            "BLOCK_W": 256}),
+    "counts": lambda: compile_one("_recv_counts_kernel", P, {"FULL": 0}),
+    "gather": lambda: compile_one("_gather_recv_kernel", P, {"FULL": 0, "BUSY": 8, "RECV_CNT": 48, "BLOCK_T": 16,
+                                                             "BLOCK_W": 256}),
+    "combine": lambda: compile_one("_combine_recv_kernel", dict(P, out_ptr="*i16"),
+                                   {"H": 7168, "K": 8, "KP": 8, "HAS_W": True, "FULL": 16, "BUSY": 24, "RECV_CNT": 49,
+                                    "BLOCK_T": 16, "HC": 256}, fp_fusion=False),
+}
+print(json.dumps({k: CASES[k]() for k in json.loads(sys.argv[1])}))
+'''
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return compile_in_subprocess(SCRIPT, ["send", "counts", "gather", "combine"], "the normal-mode kernels")
+
+
+@pytest.mark.parametrize("name", ["send", "counts", "gather", "combine"])
+def test_compiles_for_sm90(compiled, name):
+    ops = compiled[name]
+    assert ops[r"globaltimer"] > 0, f"waits must be bounded by the GPU timer: {ops}"
+    if name in ("send", "gather", "combine"):
+        assert ops[r"\.release"] > 0, f"signals must be published with release semantics: {ops}"
+    if name in ("send", "gather"):
+        assert ops[r"ld\.global\.v4\.b32"] > 0 and ops[r"st\.global\.v4\.b32"] > 0, f"rows not moved in 16-byte vectors: {ops}"
+    if name == "combine":
+        assert ops[r"fma\.rn\.f32"] == 0, f"no FMA contraction in the reduction: {ops}"
