@@ -14,9 +14,9 @@ Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message
 
 A rank may send at most ``min(cap_d, cap_c)`` tokens per call (checked before anything is written;
 :meth:`SymmNormal.size_hint` gives the bytes for a token count). DeepSeek-V3 prefill (4096 tokens
-per rank, hidden 7168, top-8, EP8): 2 * 8 * 4096 * 4 * (7168 / 2 + 8) = 941 MB per rank with BF16
-payloads (FP8: 2 * 8 * 4096 * (7168 + 224 + 96) = 491 MB); DeepEP's default normal-mode buffer is
-1 GB of NVLink memory per rank (``num_nvl_bytes=1e9`` in its examples), streamed in chunks.
+per rank, hidden 7168, top-8, EP8): ``size_hint`` = 2 * 8 * 4096 * (2 * 7168 + 96) = 946 MB per rank
+(sized for BF16 payloads; FP8 payloads use 491 MB of it); DeepEP's normal-mode buffer in its examples
+is 1 GB of NVLink memory per rank (``num_nvl_bytes=1e9``), streamed in chunks.
 
 Limits of this release: hidden must be even (rows are int32 words); dispatch's packing and
 unpacking are extra passes over the data in torch (fusing them into the kernels is the next step).
