@@ -1,11 +1,15 @@
+import pytest
+
 from moe_ep.__main__ import main as cli_main
 from moe_ep.demo import main
 
 
-def test_demo_runs_and_matches_dense(capsys):
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+def test_demo_runs_and_matches_dense(capsys, backend):
     assert main(["--ranks", "2", "--tokens", "9", "--hidden", "256", "--intermediate", "64", "--experts", "16",
-                 "--repeat", "1", "--device", "cpu"]) == 0
+                 "--repeat", "1", "--device", "cpu", "--backend", backend]) == 0
     out = capsys.readouterr().out
+    assert f"backend={backend}" in out
     assert out.count("OK") == 2 and "MISMATCH" not in out
     assert "normal: dispatch (FP8)" in out and "low-latency: combine (BF16)" in out
 
