@@ -55,6 +55,15 @@ def _words(ptrs, r):
 
 
 @triton.jit
+def _release_blocks(my_sig, signal_ptrs, rank, R, FULL: tl.constexpr, BUSY: tl.constexpr):
+    """Receiver done: reset our full words, then free our block on every sender (busy = 0 there)."""
+    for sp in range(R):
+        tl.atomic_xchg(my_sig + FULL + sp, 0, sem="relaxed", scope="sys")
+    for sp in range(R):
+        signal_release(_words(signal_ptrs, sp) + BUSY + rank, 0)
+
+
+@triton.jit
 def _scatter_send_kernel(
     src_ptr,  # [N, W] int32 message rows
     pos_ptr,  # [N, R] int32 slot of row t at destination d, -1 = not sent
@@ -139,10 +148,7 @@ def _gather_recv_kernel(
     # NOTES: every program waited on every source before arriving, so the last one knows all reads are done.
     tl.debug_barrier()
     if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
-        for sp in range(R):
-            tl.atomic_xchg(my_sig + FULL + sp, 0, sem="relaxed", scope="sys")
-        for sp in range(R):
-            signal_release(_words(signal_ptrs, sp) + BUSY + rank, 0)
+        _release_blocks(my_sig, signal_ptrs, rank, R, FULL, BUSY)
 
 
 @triton.jit
@@ -196,7 +202,4 @@ def _combine_recv_kernel(
     # Step 3: the last program resets the full words and frees our block on every rank.
     tl.debug_barrier()
     if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
-        for d in range(R):
-            tl.atomic_xchg(my_sig + FULL + d, 0, sem="relaxed", scope="sys")
-        for d in range(R):
-            signal_release(_words(signal_ptrs, d) + BUSY + rank, 0)
+        _release_blocks(my_sig, signal_ptrs, rank, R, FULL, BUSY)
