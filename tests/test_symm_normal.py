@@ -52,6 +52,18 @@ def test_silent_rank_is_named_and_buffer_refuses_later_calls():
 
 
 @cpu_kernels
+@pytest.mark.parametrize("R,n,E,K", [(1, 5, 4, 2), (2, 7, 8, 4), (4, 129, 16, 8), (8, 0, 16, 3), (4, 70, 256, 8)])
+def test_layout_kernel_equals_torch(R, n, E, K):
+    from moe_ep.backends.torch_a2a import layout_from_topk
+    from moe_ep.kernels.layout import dispatch_layout
+
+    for inp in make_all_inputs(R, n, H, E, K, seed=n + E):
+        for got, want, name in zip(dispatch_layout(inp.topk_idx, E, R), layout_from_topk(inp.topk_idx, E, R),
+                                   ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@cpu_kernels
 def test_no_normal_buffer_is_a_clear_error():
     bs = virtual_backends(2, num_nvl_bytes=0, num_rdma_bytes=1 << 20, low_latency_mode=True)
     with pytest.raises(ValueError, match="num_nvl_bytes > 0"):
@@ -85,6 +97,21 @@ def compile_one(name, sig, const, fp_fusion=True):
     return ops
 
 
+def compile_layout():
+    from moe_ep.kernels import layout as lm
+    kern = lm._layout_kernel
+    const = {"K": 8, "KP": 8, "R": 8, "RP": 8, "EB": 512, "BLOCK_T": 32}
+    sig = {n: "i32" for n in kern.arg_names}
+    sig.update({"topk_ptr": "*i64", "in_rank_ptr": "*i8", "per_rank_ptr": "*i32", "per_expert_ptr": "*i32"})
+    sig.update({n: "constexpr" for n in const})
+    try:
+        src = ASTSource(kern, sig, const)
+    except TypeError as exc:
+        return {"skip": str(exc)}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return {"atom": len(re.findall(r"(?:atom|red)\.global", ptx)), "globaltimer": 0}
+
+
 P = {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", "buffer_ptrs": "*i64", "signal_ptrs": "*i64",
      "status_ptr": "*i32", "timeout_ns": "i64", "block_off": "i64", "area_off": "i64", "out_ptr": "*i32",
      "acc_ptr": "*fp32", "wout_ptr": "*fp32"}
@@ -94,6 +121,7 @@ CASES = {
     "counts": lambda: compile_one("_recv_counts_kernel", P, {"FULL": 0}),
     "gather": lambda: compile_one("_gather_recv_kernel", P, {"FULL": 0, "BUSY": 8, "RECV_CNT": 48, "BLOCK_T": 16,
                                                              "BLOCK_W": 256}),
+    "layout": lambda: compile_layout(),
     "combine": lambda: compile_one("_combine_recv_kernel", dict(P, out_ptr="*i16"),
                                    {"H": 7168, "K": 8, "KP": 8, "HAS_W": True, "FULL": 16, "BUSY": 24, "RECV_CNT": 49,
                                     "BLOCK_T": 16, "HC": 256}, fp_fusion=False),
@@ -104,12 +132,15 @@ print(json.dumps({k: CASES[k]() for k in json.loads(sys.argv[1])}))
 
 @pytest.fixture(scope="module")
 def compiled():
-    return compile_in_subprocess(SCRIPT, ["send", "counts", "gather", "combine"], "the normal-mode kernels")
+    return compile_in_subprocess(SCRIPT, ["send", "counts", "gather", "combine", "layout"], "the normal-mode kernels")
 
 
-@pytest.mark.parametrize("name", ["send", "counts", "gather", "combine"])
+@pytest.mark.parametrize("name", ["send", "counts", "gather", "combine", "layout"])
 def test_compiles_for_sm90(compiled, name):
     ops = compiled[name]
+    if name == "layout":
+        assert ops["atom"] > 0, f"the layout counts are accumulated atomically: {ops}"
+        return
     assert ops[r"globaltimer"] > 0, f"waits must be bounded by the GPU timer: {ops}"
     if name in ("send", "gather", "combine"):
         assert ops[r"\.release"] > 0, f"signals must be published with release semantics: {ops}"

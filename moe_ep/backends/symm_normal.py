@@ -5,7 +5,7 @@ travels once per destination rank as one message row of int32 words, packed on t
 ops on the device (payload | FP8 scales | top-k ids | top-k weights); the receiver unpacks views of
 the received rows. Dispatch reads the receive counts on the host once (to size ``recv_x``) unless
 ``num_worst_tokens`` is set, in which case no call reads device data on the host. The layout
-(``get_dispatch_layout``) is computed by torch ops on the device, without host synchronisation.
+(``get_dispatch_layout``) is one Triton kernel (:mod:`moe_ep.kernels.layout`), no host synchronisation.
 
 Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message width ``W``)::
 
@@ -36,10 +36,10 @@ from ..kernels.intranode import (
     _scatter_send_kernel,
     signal_layout,
 )
+from ..kernels.layout import dispatch_layout
 from ..kernels.pdl import INTERPRET
 from ..symm import SymmBuffer
 from .base import DispatchHandle, DispatchResult
-from .torch_a2a import layout_from_topk
 
 __all__ = ["SymmNormal", "SymmNormalHandle"]
 
@@ -126,7 +126,7 @@ class SymmNormal:
 
     # ------------------------------------------------------------------ layout
     def layout(self, topk_idx: torch.Tensor, num_experts: int):
-        return layout_from_topk(topk_idx, num_experts, self.symm.world_size)
+        return dispatch_layout(topk_idx, num_experts, self.symm.world_size)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch_send(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
