@@ -3,8 +3,9 @@
 Each operation is a send launch and a receive launch (:mod:`moe_ep.kernels.intranode`). A token
 travels once per destination rank as one message row of int32 words, packed on the sender by torch
 ops on the device (payload | FP8 scales | top-k ids | top-k weights); the receiver unpacks views of
-the received rows. Dispatch reads the receive counts on the host once (to size ``recv_x``) unless
-``num_worst_tokens`` is set, in which case no call reads device data on the host. The layout
+the received rows. Without ``num_worst_tokens``, dispatch reads the receive counts (to size ``recv_x``)
+and the per-expert counts (for the Python list) on the host; with it, no call reads device data on the
+host. The layout
 (``get_dispatch_layout``) is one Triton kernel (:mod:`moe_ep.kernels.layout`), no host synchronisation.
 
 Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message width ``W``)::
@@ -15,8 +16,8 @@ Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message
 A rank may send at most ``min(cap_d, cap_c)`` tokens per call (checked before anything is written;
 :meth:`SymmNormal.size_hint` gives the bytes for a token count). DeepSeek-V3 prefill (4096 tokens
 per rank, hidden 7168, top-8, EP8): ``size_hint`` = 2 * 8 * 4096 * (2 * 7168 + 96) = 946 MB per rank
-(sized for BF16 payloads; FP8 payloads use 491 MB of it); DeepEP's normal-mode buffer in its examples
-is 1 GB of NVLink memory per rank (``num_nvl_bytes=1e9``), streamed in chunks.
+(sized for BF16 payloads; FP8 payloads use 491 MB of it); DeepEP streams chunks through a fixed NVLink
+buffer whose size does not grow with the token count (its config size hint gives about 336 MB here).
 
 Limits of this release: hidden must be even (rows are int32 words); dispatch's packing and
 unpacking are extra passes over the data in torch (fusing them into the kernels is the next step).
@@ -176,7 +177,7 @@ class SymmNormal:
             _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
                                       self.symm.timeout_ns, FULL=L["DISP_FULL"])
             self.symm.check_status("dispatch (receive)")
-            host = counts.tolist()  # NOTES: the one host read of this path (outputs are sized by it)
+            host = counts.tolist()  # NOTES: host reads happen only without num_worst_tokens (outputs sized by them)
             m, max_rows = sum(host), max(host)
         out = torch.zeros(m, st.words, dtype=torch.int32, device=dev)
         bt, bw = self._blocks(st.words)
@@ -242,7 +243,7 @@ class SymmNormal:
         src_c = src.clamp(max=R - 1)
         slot = rows_idx - (ends[src_c] - counts[src_c])
         pos = torch.full((m, R), -1, dtype=torch.int32, device=dev)
-        pos[rows_idx[valid], src_c[valid]] = slot[valid].to(torch.int32)
+        pos[rows_idx, src_c] = torch.where(valid, slot, -1).to(torch.int32)  # no boolean indexing: no host sync
         parts = [_words(x)]
         if topk_weights is not None:
             parts.append(_words(topk_weights))
