@@ -18,7 +18,9 @@ Schedules (stages separated by ``YIELD``; microbatch A runs a stage, then B runs
 - decode, 5 stages: ``attention | gate, dispatch_send | dispatch_recv, experts, combine_send |
   shared_expert | combine_recv, output``: with few tokens per microbatch, the shared expert is given
   a stage of its own so that it always sits under a combine (combine moves BF16, about twice the
-  dispatch's FP8 bytes, so it is the transfer worth hiding).
+  dispatch's FP8 bytes, so it is the transfer worth hiding). Run it with ``offset=1``: with B one stage
+  behind A, every dispatch and combine is in flight under the other microbatch's compute (with
+  ``offset=0`` only B's gate would cover A's dispatch).
 """
 
 from __future__ import annotations
