@@ -13,10 +13,16 @@ Rows, per EP size ``R`` (DeepSeek-V3 shapes by default: hidden 7168, 256 experts
   ``index_select`` into the receive layout; combine: ``index_select`` + weighted sum): what the
   ``torch`` backend costs without its collective, a lower bound for it on one device.
 
-Bytes are counted as DeepEP does (dispatch: selections x (H + H/32 + 16); combine: selections x 2H),
-summed over ranks; times are for all ``R`` ranks (one GPU plays every rank), CUDA-graph replays
-(kernel time without Python launch overhead), median of ``triton.testing.do_bench`` with L2 flushed.
-The memory table compares the low-latency buffer bytes per rank with DeepEP's (DeepSeek-V3 decode shapes).
+Bytes are counted as DeepEP's tests do. Low-latency rows: selections x (H + H/32 + 16) for dispatch,
+selections x 2H for combine. Normal rows move each token once per destination rank, so (like DeepEP's
+intranode test) they count received rows, i.e. token-rank pairs: rows x (H + H/32) for the FP8 dispatch,
+rows x 2H for combine (counting selections there would overstate the bytes by the top-k duplication,
+about 4x at EP2 and 1.5x at EP8 for top-8 of 256 experts). Summed over ranks; times are for all ``R``
+ranks (one GPU plays every rank), CUDA-graph replays (kernel time without Python launch overhead),
+median of ``triton.testing.do_bench`` with L2 flushed.
+The memory tables compare the buffer bytes per rank with DeepEP's for the same shapes: low-latency
+(DeepSeek-V3 decode, T=128) and normal (``--normal-tokens`` per rank; DeepEP's NVL size hint with its
+default 20 SMs = 10 channels and 256-token receive queues, BF16 hidden bytes).
 
     python perf/bench_dispatch.py                 # needs a CUDA GPU
     python perf/bench_dispatch.py --op combine    # what perf/bench_combine.py runs
@@ -100,9 +106,10 @@ def _copy_gbps(device, time_us):
     return n / time_us(lambda: dst.copy_(src)) / 1e3
 
 
-def _torch_baseline(op, xs, idxs, ws, E):
+def _torch_baseline(op, xs, idxs, ws, E, per_token_rank=False):
     """One-process torch equivalent: quantize, then gather every rank's received rows (dispatch), or
-    gather every selection's row and reduce it with its weight (combine)."""
+    gather every selection's row and reduce it with its weight (combine). ``per_token_rank``: one row
+    per (token, rank) pair (normal mode) instead of one per selection (low-latency mode)."""
     from moe_ep.fp8 import per_token_group_quant_fp8_ref
 
     R = len(xs)
@@ -114,12 +121,21 @@ def _torch_baseline(op, xs, idxs, ws, E):
     sel = alli.flatten()
     src_row = torch.arange(allx.shape[0], device=allx.device).repeat_interleave(alli.shape[1])
     per_rank = [src_row[(sel // L) == r] for r in range(R)]  # received rows of rank r (per selection)
+    if per_token_rank:  # normal mode: a token's row travels once to each rank (sorted, unique source rows)
+        per_rank = [torch.unique(rows) for rows in per_rank]
     if op == "dispatch":
         def run():
             q, s = per_token_group_quant_fp8_ref(allx, 128)
             return [(q.index_select(0, rows), s.index_select(0, rows)) for rows in per_rank]
         return run
     ys = [torch.randn(rows.numel(), H, device=allx.device).to(torch.bfloat16) for rows in per_rank]
+    if per_token_rank:  # normal combine: unweighted sum of the returned rows per source token
+        def run_normal():
+            out = torch.zeros(R * n, H, dtype=torch.float32, device=allx.device)
+            for y, rows in zip(ys, per_rank):
+                out.index_add_(0, rows, y.float())
+            return out.to(torch.bfloat16)
+        return run_normal
     w = torch.cat(ws).flatten()
     order = torch.cat([torch.nonzero((sel // L) == r).flatten() for r in range(R)])
 
@@ -173,9 +189,9 @@ def _normal_case(op, R, args, device, time_us):
               for b, (q, s), i, w, lay in zip(bs, qs, idxs, ws, layouts)]
         return [b.dispatch_recv(s, expert_alignment=1, num_worst_tokens=worst) for b, s in zip(bs, st)]
 
-    selections = R * N * K
+    rows = sum(int(lay[0].sum()) for lay in layouts)  # token-rank pairs: the rows that travel (setup, not timed)
     if op == "dispatch":
-        return time_us(dispatch), selections
+        return time_us(dispatch), rows
     res = dispatch()
     ys = [torch.randn(worst, H, device=device).to(torch.bfloat16) for _ in res]
 
@@ -183,7 +199,15 @@ def _normal_case(op, R, args, device, time_us):
         st = [b.combine_send(y, r.handle, None) for b, y, r in zip(bs, ys, res)]
         return [b.combine_recv(s, ()) for b, s in zip(bs, st)]
 
-    return time_us(combine), selections
+    return time_us(combine), rows
+
+
+def deepep_normal_nvl_bytes(hidden: int, num_ranks: int, num_sms: int = 20, num_recv_tokens: int = 256) -> int:
+    """DeepEP's intranode ``Config.get_nvl_buffer_size_hint`` (BF16 hidden bytes, its top-k/scale maxima of
+    128, 8-byte source metadata), restated here for the memory comparison."""
+    channels, per_token = num_sms // 2, 2 * hidden + 8 + 128 * 8 + 128 * 4 + 128 * 4
+    nbytes = channels * num_ranks * (2 + 3) * 4 + channels * num_ranks * num_recv_tokens * per_token
+    return (nbytes + 127) // 128 * 128
 
 
 def main(argv=None) -> int:
@@ -198,12 +222,13 @@ def main(argv=None) -> int:
     time_us = _timer(device, args.rep, graph=not args.no_graph)
     copy = _copy_gbps(device, time_us)
     H = args.hidden
-    per_sel = H + H // 32 + 16 if args.op == "dispatch" else 2 * H
+    per_row = {"LL": H + H // 32 + 16 if args.op == "dispatch" else 2 * H,  # per selection
+               "normal": H + H // 32 if args.op == "dispatch" else 2 * H}  # per token-rank row
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreter)"
     print(f"# symm {args.op}, virtual ranks on {name}, {datetime.date.today()}; hidden {H}, {args.experts} experts, "
           f"top-{args.topk}; copy bandwidth {copy:.0f} GB/s; times for all ranks together")
-    print("| mode | EP | tokens/rank | us | us/rank | GB/s | % of copy | torch us | x torch |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | EP | tokens/rank | rows moved | us | us/rank | GB/s | % of copy | torch us | x torch |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     try:
         import moe_ep.backends.symm_normal  # noqa: F401
         modes = [("LL", args.ll_tokens, _ll_case), ("normal", args.normal_tokens, _normal_case)]
@@ -213,11 +238,11 @@ def main(argv=None) -> int:
         for R in args.ranks:
             if args.experts % R:
                 continue
-            us, selections = case(args.op, R, args, device, time_us)
+            us, rows = case(args.op, R, args, device, time_us)
             xs, idxs, ws = _inputs(R, n, H, args.experts, args.topk, device, seed=2)
-            base = time_us(_torch_baseline(args.op, xs, idxs, ws, args.experts))
-            gbps = selections * per_sel / us / 1e3
-            print(f"| {mode} | {R} | {n} | {us:.1f} | {us / R:.1f} | {gbps:.0f} | {100 * gbps / copy:.0f}% | "
+            base = time_us(_torch_baseline(args.op, xs, idxs, ws, args.experts, per_token_rank=mode == "normal"))
+            gbps = rows * per_row[mode] / us / 1e3
+            print(f"| {mode} | {R} | {n} | {rows} | {us:.1f} | {us / R:.1f} | {gbps:.0f} | {100 * gbps / copy:.0f}% | "
                   f"{base:.1f} | {base / us:.2f} |")
     from moe_ep.backends.symm_ll import deepep_ll_buffer_bytes, ll_buffer_bytes
 
@@ -226,6 +251,14 @@ def main(argv=None) -> int:
     for R in (8, 16, 32, 64):
         ours = ll_buffer_bytes(128, 7168, R, 256, 8) / 1e6
         print(f"| | {R} | {ours:.1f} | {deepep_ll_buffer_bytes(128, 7168, R, 256) / 1e6:.1f} |")
+    if any(m == "normal" for m, _, _ in modes):
+        from moe_ep.backends.symm_normal import SymmNormal
+
+        N, K = args.normal_tokens, args.topk
+        print(f"\n| normal buffer per rank (num_nvl_bytes), {N} tokens/rank, hidden {H}, top-{K} | EP | ours MB | DeepEP MB |")
+        print("| --- | --- | --- | --- |")
+        for R in args.ranks:  # ours grows with the token count (whole messages); DeepEP's queues do not
+            print(f"| | {R} | {SymmNormal.size_hint(N, H, K, R) / 1e6:.2f} | {deepep_normal_nvl_bytes(H, R) / 1e6:.2f} |")
     return 0
 
 

@@ -148,3 +148,14 @@ def test_compiles_for_sm90(compiled, name):
         assert ops[r"ld\.global\.v4\.b32"] > 0 and ops[r"st\.global\.v4\.b32"] > 0, f"rows not moved in 16-byte vectors: {ops}"
     if name == "combine":
         assert ops[r"fma\.rn\.f32"] == 0, f"no FMA contraction in the reduction: {ops}"
+
+
+@pytest.mark.parametrize("fp8,with_topk", [(False, True), (True, True), (True, False), (False, False)])
+def test_message_rows_are_64_byte_multiples(fp8, with_topk):
+    """Triton specialises integer arguments on divisibility by 16 only: a width of 3608 words (BF16 row
+    plus top-8) would make every row move in 4-byte accesses on the GPU. The sm90 compile test passes
+    the divisibility by hand, so this pins the runtime widths."""
+    from moe_ep.backends.symm_normal import SymmNormal
+
+    for hidden, k in ((7168, 8), (4096, 6), (128, 3)):
+        assert SymmNormal._dispatch_words(hidden, k, fp8, with_topk) % 16 == 0

@@ -13,11 +13,14 @@ Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message
     [0, nbytes / 2)          dispatch area: [R sources][cap_d rows][W_d words]   cap_d = nbytes / 2 / (R * 4 * W_d)
     [nbytes / 2, nbytes)     combine area:  [R ranks][cap_c rows][W_c words]     W_c = H / 2 + K (bf16 row, weights)
 
+    (W_d, W_c rounded up to 16 words = 64 bytes so the kernels move rows in 16-byte vectors)
+
 A rank may send at most ``min(cap_d, cap_c)`` tokens per call (checked before anything is written;
 :meth:`SymmNormal.size_hint` gives the bytes for a token count). DeepSeek-V3 prefill (4096 tokens
-per rank, hidden 7168, top-8, EP8): ``size_hint`` = 2 * 8 * 4096 * (2 * 7168 + 96) = 946 MB per rank
-(sized for BF16 payloads; FP8 payloads use 491 MB of it); DeepEP streams chunks through a fixed NVLink
-buffer whose size does not grow with the token count (its config size hint gives about 336 MB here).
+per rank, hidden 7168, top-8, EP8): ``size_hint`` = 2 * 8 * 4096 * 14464 = 948 MB per rank (rows of
+2 * 7168 + 96 bytes padded to 64; sized for BF16 payloads; FP8 payloads use 491 MB of it); DeepEP streams
+chunks through a fixed NVLink buffer whose size does not grow with the token count (its config size hint
+gives about 336 MB here).
 
 Limits of this release: hidden must be even (rows are int32 words); dispatch's packing and
 unpacking are extra passes over the data in torch (fusing them into the kernels is the next step).
@@ -51,6 +54,21 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     if t.shape[0] == 0:
         return torch.empty(0, (t.shape[1:].numel() * t.element_size()) // 4, dtype=torch.int32, device=t.device)
     return t.reshape(t.shape[0], -1).view(torch.int32)
+
+
+def _pad16(words: int) -> int:
+    """Message width rounded up to 16 int32 words (64 bytes): Triton specialises integer arguments on
+    divisibility by 16, and only then moves the rows in 16-byte vectors on the GPU."""
+    return (words + 15) // 16 * 16
+
+
+def _rows(parts: list) -> torch.Tensor:
+    """Concatenate word columns into `[M, W]` int32 message rows, W padded by :func:`_pad16`."""
+    words = sum(p.shape[1] for p in parts)
+    pad = _pad16(words) - words
+    if pad:
+        parts = [*parts, torch.zeros(parts[0].shape[0], pad, dtype=torch.int32, device=parts[0].device)]
+    return torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0].contiguous()
 
 
 def _unwords(w: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
@@ -109,12 +127,12 @@ class SymmNormal:
     @staticmethod
     def _dispatch_words(hidden: int, num_topk: int, fp8: bool, with_topk: bool = True) -> int:
         payload = (hidden + 4 * (hidden // 128)) if fp8 else 2 * hidden
-        return (payload + (12 * num_topk if with_topk else 0)) // 4
+        return _pad16((payload + (12 * num_topk if with_topk else 0)) // 4)
 
     @staticmethod
     def size_hint(num_max_tokens: int, hidden: int, num_topk: int, world_size: int) -> int:
         """``num_nvl_bytes`` that lets every rank send ``num_max_tokens`` tokens (BF16 or FP8, with top-k)."""
-        w = max(SymmNormal._dispatch_words(hidden, num_topk, False), hidden // 2 + num_topk)
+        w = max(SymmNormal._dispatch_words(hidden, num_topk, False), _pad16(hidden // 2 + num_topk))
         return (2 * world_size * max(num_max_tokens, 1) * 4 * w + 255) // 256 * 256
 
     def _cap(self, words: int) -> int:
@@ -149,9 +167,9 @@ class SymmNormal:
             parts.append(_words(x_scales.float()))
         if handle is None:
             parts += [_words(topk_idx), _words(topk_weights)]
-        rows = torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0].contiguous()
+        rows = _rows(parts)
         words = rows.shape[1]
-        cap = min(self._cap(words), self._cap(hidden // 2 + k))
+        cap = min(self._cap(words), self._cap(_pad16(hidden // 2 + k)))
         if n > cap:
             need = SymmNormal.size_hint(n, hidden, k, R)
             raise ValueError(f"backend 'symm': {n} tokens do not fit this rank's normal-mode buffer (at most {cap} "
@@ -247,9 +265,9 @@ class SymmNormal:
         parts = [_words(x)]
         if topk_weights is not None:
             parts.append(_words(topk_weights))
-        rows = torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0].contiguous()
+        rows = _rows(parts)
         words = rows.shape[1]
-        cap = self._cap(h // 2 + handle.num_topk)
+        cap = self._cap(_pad16(h // 2 + handle.num_topk))
         bt, bw = self._blocks(words)
         _scatter_send_kernel[(R, max(1, triton.cdiv(m, bt)))](
             rows, pos, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
