@@ -17,6 +17,9 @@ out=${1:-perf/out/$(date -u +%Y-%m-%d)-${gpu:-nogpu}.md}
   echo '```'
   "$PY" -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -n 40
   echo '```'
+  echo
+  echo '## perf/sm90_report.py (ahead-of-time sm90 compile: registers, spills, smem, occupancy)'
+  timeout 900 "$PY" perf/sm90_report.py --json perf/out/sm90_report.json 2>&1 | grep -v -e FutureWarning -e 'return func'
   for b in perf/bench_*.py; do
     echo
     echo "## $b"

@@ -1,0 +1,547 @@
+"""Resource report for every shipped kernel configuration, compiled ahead of time for H100 (sm90) without a GPU.
+
+Each configuration (the constexprs and ``num_warps`` its launcher picks for DeepSeek-V3 shapes) is compiled
+with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``, bypassing Triton's cache so that
+its own ``ptxas -v`` log (spill stores and loads, registers) can be captured. The cubin
+(``cuobjdump --dump-resource-usage``) gives the registers per thread (checked equal to the log) and the static
+shared memory; the compiled metadata the dynamic shared memory a launch asks for. The PTX is scanned for
+the MMA instruction kind, TMA (``cp.async.bulk.tensor``), the widest global load and store, and the PDL
+instructions (``griddepcontrol``).
+
+Resident warps per SM follow the CUDA occupancy rules for H100 (:data:`H100`): registers are allocated per
+warp in units of 256; a block takes its dynamic shared memory plus the static size or, if larger, the 1 KB
+the runtime reserves per block; at most 64 warps and 32 blocks per SM.
+
+    python perf/sm90_report.py                         # the table (markdown) for every case
+    python perf/sm90_report.py --filter quant          # only cases whose name, kernel or config has "quant"
+    python perf/sm90_report.py --json perf/out/sm90.json
+
+Must run without ``TRITON_INTERPRET`` (the flag is read when ``@triton.jit`` functions are defined): run as a
+script it re-executes itself without the variable; imported with it set, it raises.
+
+HOOK: if ``moe_ep.kernels.grouped_gemm`` exists and defines ``sm90_cases()`` (a list of dicts with keys
+``name, config, kernel, signature, constexprs, num_warps, num_stages`` and optional ``attrs``, ``options``),
+those cases are appended to :data:`CASES` (see :func:`_hook_cases`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Step 0: no interpreter. Before importing triton: triton.language defines @jit functions at import.
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if __name__ == "__main__":
+        _env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], _env)
+    raise RuntimeError("perf/sm90_report.py compiles kernels for sm90 and must be imported in a process without "
+                       "TRITON_INTERPRET (it is set to "
+                       f"{os.environ['TRITON_INTERPRET']!r}); run `python perf/sm90_report.py` or unset it first")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Optional  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (silences its warning)
+
+import triton  # noqa: E402
+
+__all__ = ["H100", "Case", "CASES", "compile_report", "resident_warps", "main"]
+
+# H100 SXM per-SM limits (CUDA C Programming Guide, "Compute capability 9.0" table; occupancy calculator).
+H100 = {
+    "regs_per_sm": 65536,
+    "reg_alloc_unit": 256,  # registers are allocated per warp in units of 256
+    "max_regs_per_thread": 255,
+    "smem_per_sm": 228 * 1024,
+    "smem_per_block": 227 * 1024,  # the most one block may use
+    "smem_reserved_per_block": 1024,  # taken by the CUDA runtime from the SM's shared memory for every block
+    "max_warps_per_sm": 64,
+    "max_blocks_per_sm": 32,
+    "num_sms": 132,
+}
+TARGET_CC = 90
+
+
+# ---------------------------------------------------------------------------------------------- tools
+def _nvidia_bin(tool: str, env_var: str) -> str:
+    """Path of a CUDA binary: ``env_var`` if set, else the one bundled with Triton, else ``PATH``."""
+    path = os.environ.get(env_var)
+    if path:
+        return path
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    if os.path.exists(bundled):
+        return bundled
+    found = shutil.which(tool)
+    if found is None:
+        raise FileNotFoundError(f"{tool} not found: set {env_var} or install a Triton with the NVIDIA backend")
+    return found
+
+
+def _cubin_usage(cubin: bytes, tmp: str) -> dict:
+    """``REG``, ``STACK``, ``SHARED``, ``LOCAL`` of the cubin's kernel (``cuobjdump --dump-resource-usage``)."""
+    path = os.path.join(tmp, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    out = subprocess.run([_nvidia_bin("cuobjdump", "TRITON_CUOBJDUMP_PATH"), "--dump-resource-usage", path],
+                         capture_output=True, text=True, check=True).stdout
+    usage = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+    if "REG" not in usage:
+        raise RuntimeError(f"no resource usage in cuobjdump output:\n{out}")
+    return usage
+
+
+def _parse_ptxas_log(log: str) -> dict:
+    """Registers, stack frame and spill bytes from a ``ptxas -v`` log."""
+    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    regs = re.search(r"Used (\d+) registers", log)
+    if spill is None or regs is None:
+        raise RuntimeError(f"unexpected ptxas -v output:\n{log}")
+    return {"stack": int(spill.group(1)), "spill_stores": int(spill.group(2)), "spill_loads": int(spill.group(3)),
+            "regs": int(regs.group(1))}
+
+
+def _compile_with_ptxas_log(src, target, options: dict):
+    """``triton.compile`` with Triton's own ``ptxas -v`` log captured (cache bypassed so ptxas really runs).
+
+    NOTES: re-running ptxas here with other flags is not the same compile: Triton adds its own options
+    (e.g. ``--regAllocOptLevel=2`` in 3.9) that change register allocation and spills."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.nvidia, "dump_ptxas_log"):
+        raise RuntimeError(f"triton {triton.__version__} has no knobs.nvidia.dump_ptxas_log; this report needs it")
+    saved = (knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile)
+    out = io.StringIO()
+    try:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, True
+        with contextlib.redirect_stdout(out):
+            ck = triton.compile(src, target=target, options=options)
+    finally:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
+    return ck, out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- PTX scan
+_MEM_OP = re.compile(r"(?<![\w.%])((?:ld|st)(?:\.[\w:]+)+)")
+
+
+def _widest(ptx: str, op: str) -> int:
+    """Widest global ``ld`` / ``st`` in bytes (vector count x element bits / 8; 0 when there is none)."""
+    best = 0
+    for m in _MEM_OP.finditer(ptx):
+        parts = m.group(1).split(".")
+        if parts[0] != op or "global" not in parts:
+            continue
+        vec = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d+", p)), 1)
+        bits = next((int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p)), 0)
+        best = max(best, vec * bits // 8)
+    return best
+
+
+def _mma_kind(ptx: str) -> str:
+    """``wgmma <input type>``, ``mma.sync <input type>`` or ``-``."""
+    m = re.search(r"wgmma\.mma_async[\w.:]*", ptx)
+    if m:
+        kind = next((t for t in ("e4m3", "e5m2", "bf16", "f16", "tf32", "s8", "u8") if f".{t}" in m.group(0)), "?")
+        return f"wgmma {kind}"
+    m = re.search(r"\bmma\.sync[\w.:]*", ptx)
+    if m:
+        kind = next((t for t in ("e4m3", "e5m2", "bf16", "f16", "tf32", "s8", "u8") if f".{t}" in m.group(0)), "")
+        return f"mma.sync {kind}".strip()
+    return "-"
+
+
+def _pdl(ptx: str) -> str:
+    """Which PDL instructions the kernel has: ``wait+launch``, ``wait``, ``launch`` or ``-``."""
+    found = [s for s, i in (("wait", "griddepcontrol.wait"), ("launch", "griddepcontrol.launch_dependents"))
+             if i in ptx]
+    return "+".join(found) or "-"
+
+
+# ---------------------------------------------------------------------------------------------- occupancy
+def resident_warps(regs: int, smem_footprint: int, num_warps: int, hw: dict = H100) -> int:
+    """Warps of one kernel resident per SM: blocks limited by registers, shared memory, warps and blocks.
+
+    ``smem_footprint``: bytes of shared memory one block takes from the SM, the runtime's reservation included."""
+    if smem_footprint - hw["smem_reserved_per_block"] > hw["smem_per_block"] or regs > hw["max_regs_per_thread"]:
+        return 0
+    unit = hw["reg_alloc_unit"]
+    regs_per_warp = -(-max(regs, 1) * 32 // unit) * unit
+    by_regs = (hw["regs_per_sm"] // regs_per_warp) // num_warps
+    by_smem = hw["smem_per_sm"] // max(smem_footprint, 1)
+    by_warps = hw["max_warps_per_sm"] // num_warps
+    return min(by_regs, by_smem, by_warps, hw["max_blocks_per_sm"]) * num_warps
+
+
+# ---------------------------------------------------------------------------------------------- compile
+def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3,
+                   attrs: Optional[dict] = None, options: Optional[dict] = None) -> dict:
+    """Compile ``kernel`` for sm90 and measure it.
+
+    Arguments:
+        kernel: a ``@triton.jit`` function; signature: every argument name -> Triton type (``"*bf16"``,
+            ``"i32"``, ``"constexpr"``); constexprs: name -> value; attrs: ``{(arg index,): [["tt.divisibility",
+            16]]}``; options: extra compile options (``enable_fp_fusion`` ...).
+
+    Returns:
+        ``kernel, num_warps, num_stages, regs, spill_stores, spill_loads, stack, local, shared_dynamic,
+        shared_static, shared, resident_warps, mma, tma, ld_bytes, st_bytes, pdl, compile_s``.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **(options or {})}
+    t0 = time.perf_counter()
+    ck, ptxas_log = _compile_with_ptxas_log(ASTSource(kernel, signature, constexprs, attrs or {}),
+                                            GPUTarget("cuda", TARGET_CC, 32), opts)
+    compile_s = time.perf_counter() - t0
+    ptx = ck.asm["ptx"]
+    log = _parse_ptxas_log(ptxas_log)
+    with tempfile.TemporaryDirectory(prefix="sm90_report_") as tmp:
+        cubin = _cubin_usage(ck.asm["cubin"], tmp)
+    if cubin["REG"] != log["regs"]:
+        raise RuntimeError(f"ptxas log says {log['regs']} registers but the cubin {cubin['REG']}: not the same compile")
+    # Dynamic shared memory Triton launches with, and the static shared memory of the cubin. NOTES: on sm90
+    # ptxas puts the runtime's 1 KB per-block reservation into the static size when the kernel uses it
+    # (``.nv.reservedSmem``), so a block's footprint is dynamic + max(static, 1 KB), not dynamic + static + 1 KB.
+    dynamic, static = int(ck.metadata.shared), cubin.get("SHARED", 0)
+    footprint = dynamic + max(static, H100["smem_reserved_per_block"])
+    regs = cubin["REG"]
+    return {
+        "kernel": kernel.__name__, "num_warps": num_warps, "num_stages": num_stages, "regs": regs,
+        "spill_stores": log["spill_stores"], "spill_loads": log["spill_loads"],
+        "stack": max(log["stack"], cubin.get("STACK", 0)), "local": cubin.get("LOCAL", 0),
+        "shared_dynamic": dynamic, "shared_static": static, "shared": dynamic + static,
+        "resident_warps": resident_warps(regs, footprint, num_warps), "mma": _mma_kind(ptx),
+        "tma": "cp.async.bulk.tensor" in ptx, "ld_bytes": _widest(ptx, "ld"), "st_bytes": _widest(ptx, "st"),
+        "pdl": _pdl(ptx), "compile_s": round(compile_s, 2),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- cases
+@dataclasses.dataclass
+class Case:
+    """One shipped configuration: what a launcher passes for a given shape."""
+
+    name: str  # the op, e.g. "quant"
+    config: str  # shape and variant; contains "PDL" exactly when the launch uses PDL
+    kernel: Any
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int = 3
+    attrs: Optional[dict] = None
+    options: Optional[dict] = None
+    error: Optional[str] = None  # set when the case could not even be built (reported as a FAILED row)
+
+
+def _case(name: str, config: str, kernel, pointers: dict, scalars: dict, constexprs: dict, num_warps: int = 4,
+          num_stages: int = 3, options: Optional[dict] = None) -> Case:
+    """A case specialised like a launch would: pointers (torch allocations, 256-byte aligned) and integers
+    divisible by 16 get ``tt.divisibility`` 16, integers equal to 1 become constexpr, the rest i32 / i64."""
+    names = list(kernel.arg_names)
+    given = {**pointers, **scalars, **constexprs}
+    missing, extra = set(names) - set(given), set(given) - set(names)
+    if missing or extra:
+        raise ValueError(f"{kernel.__name__}: case '{config}' misses {sorted(missing)} / has unknown {sorted(extra)}")
+    sig, const, div16 = {}, dict(constexprs), []
+    for n, v in scalars.items():
+        if v == 1:
+            const[n] = 1
+        elif v % 16 == 0:
+            div16.append(n)
+    for n in names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in pointers:
+            sig[n] = pointers[n]
+            div16.append(n)
+        else:
+            sig[n] = "i32" if -2**31 <= scalars[n] < 2**31 else "i64"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return Case(name, config, kernel, sig, const, num_warps, num_stages, attrs, options)
+
+
+def _quant_cases() -> list[Case]:
+    """Per-token-group quant and SiLU-and-mul quant: BF16 in, column-major TMA-aligned scales (DeepGEMM's
+    layout), the ``(BLOCK_M, GROUPS_PER_PROG, num_warps)`` that ``choose_config`` picks on an H100."""
+    import torch
+
+    from moe_ep.fp8 import tma_aligned_size
+    from moe_ep.kernels import quant
+    from moe_ep.kernels.silu_quant import _silu_and_mul_quant_kernel
+
+    real_num_sms = quant._num_sms
+    quant._num_sms = lambda index: H100["num_sms"]  # choose_config asks the device; there is none here
+    try:
+        cases = []
+        # (op, L, T, K): DeepSeek-V3 hidden 7168 and 2048 at prefill (4096 tokens) and decode (128 tokens);
+        # silu: the expert intermediate N=2048 (input 2N), contiguous prefill and masked decode (EP8: 32
+        # local experts x 1024 rows).
+        shapes = [("quant", 1, m, h, False) for h in (7168, 2048) for m in (4096, 128)]
+        shapes += [("silu_quant", 1, 4096, 2048, False), ("silu_quant", 32, 1024, 2048, True)]
+        for op, L, T, K, masked in shapes:
+            G = K // 128
+            for ue8m0 in (False, True):
+                W = (G + 3) // 4 if ue8m0 else 0
+                block_m, gpp, warps = quant.choose_config(L, T, G, 128, ue8m0, False, torch.device("cuda", 0),
+                                                          interpret=False)
+                for pdl in (False, True):
+                    kern = quant._per_token_group_quant_kernel if op == "quant" else _silu_and_mul_quant_kernel
+                    x_cols = K if op == "quant" else 2 * K
+                    tm = tma_aligned_size(T)
+                    cols = (W if ue8m0 else G)
+                    label = (f"{'H' if op == 'quant' else 'N'}={K} {'L=%d ' % L if L > 1 else ''}M={T} "
+                             f"{'masked ' if masked else ''}BM={block_m} GPP={gpp}{' UE8M0' if ue8m0 else ''}"
+                             f"{' PDL' if pdl else ''}")
+                    cases.append(_case(
+                        op, label, kern,
+                        {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*i32" if ue8m0 else "*fp32",
+                         "masked_m_ptr": "*i32" if masked else "*bf16"},
+                        {"T": T, "G": G, "W": W, "stride_xl": T * x_cols, "stride_xt": x_cols,
+                         "stride_ql": T * K, "stride_qt": K, "stride_qk": 1,
+                         "stride_sl": cols * tm, "stride_st": 1, "stride_sg": tm},
+                        {"GROUP_SIZE": 128, "BLOCK_M": block_m, "GROUPS_PER_PROG": gpp, "ROUND_SCALE": ue8m0,
+                         "USE_UE8M0": ue8m0, "HAS_MASK": masked, "NATIVE_FP8": True, "USE_PDL": pdl},
+                        num_warps=warps))
+        return cases
+    finally:
+        quant._num_sms = real_num_sms
+
+
+def _layout_cases() -> list[Case]:
+    """The dispatch layout kernel (``dispatch_layout`` on a GPU: BLOCK_T=32, 4 warps)."""
+    from moe_ep.kernels.layout import _layout_kernel
+
+    N, E, K, R = 4096, 256, 8, 8
+    return [_case("layout", f"N={N} E={E} top-{K} EP{R}", _layout_kernel,
+                  {"topk_ptr": "*i64", "in_rank_ptr": "*i8", "per_rank_ptr": "*i32", "per_expert_ptr": "*i32"},
+                  {"N": N, "E": E, "L": E // R},
+                  {"K": K, "KP": K, "R": R, "RP": R, "EB": triton.next_power_of_2(E + 1), "BLOCK_T": 32})]
+
+
+_SYMM_PTRS = {"buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32"}
+_TIMEOUT_NS = 100 * 10**9  # int64 at launch, as the symm buffer's default timeout is
+_RANK = 3  # a rank that is neither 0 nor 1: no accidental specialisation
+
+
+def _intranode_cases() -> list[Case]:
+    """Normal-mode (prefill) kernels, launched as ``SymmNormal`` does on a GPU: BLOCK_T=16, BLOCK_W=256,
+    combine HC=256, default 4 warps; DeepSeek-V3 H=7168, top-8, EP8, 4096 tokens per rank."""
+    from moe_ep.kernels import intranode as k
+
+    R, N, H, KT = 8, 4096, 7168, 8
+    sig = k.signal_layout(R)
+    pad16 = lambda w: (w + 15) // 16 * 16  # noqa: E731
+    w_disp = pad16((H + 4 * (H // 128)) // 4 + 3 * KT)  # FP8 payload | scales | top-k (int64) | weights
+    w_comb = pad16(2 * H // 4 + KT)  # BF16 payload | weights
+    nbytes = 2 << 30
+    cap = (nbytes // 2) // (R * 4 * w_disp)
+    cases = []
+    for what, words, full, busy, cnt in (("dispatch FP8", w_disp, "DISP_FULL", "DISP_BUSY", "DISP_SEND_CNT"),
+                                         ("combine BF16", w_comb, "COMB_FULL", "COMB_BUSY", "COMB_SEND_CNT")):
+        cases.append(_case("normal_send", f"{what} H={H} N={N} EP{R} W={words}", k._scatter_send_kernel,
+                           {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", **_SYMM_PTRS},
+                           {"rank": _RANK, "N": N, "R": R, "W": words, "block_off": _RANK * cap * words,
+                            "timeout_ns": _TIMEOUT_NS},
+                           {"FULL": sig[full], "BUSY": sig[busy], "SEND_CNT": sig[cnt], "BLOCK_T": 16, "BLOCK_W": 256}))
+    cases.append(_case("normal_recv_counts", f"EP{R}", k._recv_counts_kernel,
+                       {"counts_ptr": "*i32", "signal_ptrs": "*i64", "status_ptr": "*i32"},
+                       {"rank": _RANK, "timeout_ns": _TIMEOUT_NS}, {"FULL": sig["DISP_FULL"]}))
+    cases.append(_case("normal_gather_recv", f"dispatch FP8 H={H} EP{R} W={w_disp}", k._gather_recv_kernel,
+                       {"out_ptr": "*i32", "counts_ptr": "*i32", **_SYMM_PTRS},
+                       {"rank": _RANK, "R": R, "W": w_disp, "cap": cap, "area_off": 0, "M": R * N,
+                        "timeout_ns": _TIMEOUT_NS},
+                       {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "RECV_CNT": sig["DISP_RECV_CNT"],
+                        "BLOCK_T": 16, "BLOCK_W": 256}))
+    cases.append(_case("normal_combine_recv", f"BF16 H={H} top-{KT} N={N} EP{R} +weights", k._combine_recv_kernel,
+                       {"acc_ptr": "*fp32", "out_ptr": "*i16", "wout_ptr": "*fp32", "pos_ptr": "*i32", **_SYMM_PTRS},
+                       {"rank": _RANK, "N": N, "R": R, "W": w_comb, "cap": cap, "area_off": nbytes // 8,
+                        "timeout_ns": _TIMEOUT_NS},
+                       {"H": H, "K": KT, "KP": KT, "HAS_W": True, "FULL": sig["COMB_FULL"], "BUSY": sig["COMB_BUSY"],
+                        "RECV_CNT": sig["COMB_RECV_CNT"], "BLOCK_T": 16, "HC": 256},
+                       options={"enable_fp_fusion": False}))
+    return cases
+
+
+def _low_latency_cases() -> list[Case]:
+    """Low-latency (decode) kernels, launched as ``SymmLowLatency`` does on a GPU; DeepSeek-V3 decode:
+    128 tokens per rank, H=7168, 256 experts, top-8, EP8; message offsets from the backend's own carving."""
+    from moe_ep.backends.symm_ll import _carve
+    from moe_ep.fp8 import tma_aligned_size
+    from moe_ep.kernels import low_latency as k
+
+    R, T, H, E, KT = 8, 128, 7168, 256, 8
+    L, G, RT = E // R, H // 128, R * T
+    sig = k.signal_layout(R)
+    lay = _carve(T, H, R, E, KT)
+    slot_base = lay.slot_bytes  # the second double-buffer slot
+    offs = {"cnt_off": slot_base + lay.cnt_off, "msg_off": slot_base + lay.msg_off, "sig_off": sig["SLOT_WORDS"]}
+    p2 = triton.next_power_of_2
+    cases = []
+    for fmt in ("FP8", "FP8 UE8M0", "BF16"):
+        fp8, ue8m0 = fmt.startswith("FP8"), "UE8M0" in fmt
+        gc = max(min(p2(G), 8), 4 if ue8m0 else 1)
+        cases.append(_case(
+            "ll_dispatch_send", f"{fmt} H={H} T={T} E={E} EP{R}", k._ll_dispatch_send_kernel,
+            {"x_ptr": "*bf16" if fp8 else "*i16", "topk_ptr": "*i64", **_SYMM_PTRS},
+            {"rank": _RANK, "N": T, "T": T, "L": L, "E": E, "R": R, "num_token_progs": T, "timeout_ns": _TIMEOUT_NS,
+             **offs},
+            {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": lay.hdr, "BLOCK_T": 1, "CHUNK_T": 32, "BLOCK_E": 64,
+             "GC": gc, "HC": min(p2(H), 2048), "IS_FP8": fp8, "ROUND_SCALE": ue8m0, "USE_UE8M0": ue8m0,
+             "NATIVE_FP8": fp8, "DISP_BUSY": sig["DISP_BUSY"], "DISP_FULL": sig["DISP_FULL"],
+             "DISP_SEND_CNT": sig["DISP_SEND_CNT"]}))
+        sw = ((G + 3) // 4 if ue8m0 else G) if fp8 else 1
+        tm = tma_aligned_size(RT)
+        cases.append(_case(
+            "ll_dispatch_recv", f"{fmt} H={H} T={T} E={E} EP{R}", k._ll_dispatch_recv_kernel,
+            {"buf_ptr": "*u8", "signal_ptrs": "*i64", "status_ptr": "*i32", "recv_x_ptr": "*u8" if fp8 else "*i16",
+             "recv_s_ptr": "*i32", "recv_count_ptr": "*i32", "stats_ptr": "*i32", "slot_row_ptr": "*i32",
+             "recv_tokens_ptr": "*i32"},
+            {"stride_sl": sw * tm if fp8 else 0, "stride_sg": tm if fp8 else 0, "rank": _RANK, "T": T, "L": L, "R": R,
+             "timeout_ns": _TIMEOUT_NS, **offs},
+            {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": lay.hdr, "SW": sw, "SWP": p2(sw), "BLOCK_T": 4,
+             "HC": min(p2(H), 2048 if fp8 else 1024), "RP": p2(R), "LP": p2(L), "IS_FP8": fp8, "HAS_STATS": True,
+             "DISP_BUSY": sig["DISP_BUSY"], "DISP_FULL": sig["DISP_FULL"], "DISP_RECV_CNT": sig["DISP_RECV_CNT"]}))
+    comb = {"comb_off": slot_base + lay.comb_off, "sig_off": sig["SLOT_WORDS"]}
+    cases.append(_case(
+        "ll_combine_send", f"BF16 H={H} T={T} E={E} EP{R}", k._ll_combine_send_kernel,
+        {"x_ptr": "*i16", "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", **_SYMM_PTRS},
+        {"stride_xl": RT * H, "stride_xr": H, "rank": _RANK, "T": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
+        {"H": H, "K": KT, "KP": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "COMB_BUSY": sig["COMB_BUSY"],
+         "COMB_FULL": sig["COMB_FULL"], "COMB_SEND_CNT": sig["COMB_SEND_CNT"]}))
+    cases.append(_case(
+        "ll_combine_recv", f"BF16 H={H} T={T} top-{KT} EP{R}", k._ll_combine_recv_kernel,
+        {"buf_ptr": "*u8", "topk_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*i16", "signal_ptrs": "*i64",
+         "status_ptr": "*i32"},
+        {"rank": _RANK, "N": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
+        {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "COMB_BUSY": sig["COMB_BUSY"],
+         "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"]},
+        options={"enable_fp_fusion": False}))
+    shipped = {c.kernel.__name__ for c in cases}
+    jitted = {n for n, v in vars(k).items() if n.startswith("_ll_") and isinstance(v, triton.runtime.JITFunction)}
+    if jitted != shipped:
+        raise RuntimeError(f"low_latency.py kernels without a case here: {sorted(jitted - shipped)}")
+    return cases
+
+
+def _hook_cases() -> list[Case]:
+    """HOOK (grouped GEMM): cases from ``moe_ep.kernels.grouped_gemm.sm90_cases()`` when that module exists.
+
+    Each item is a dict with keys ``name, config, kernel, signature, constexprs, num_warps, num_stages`` and
+    optional ``attrs`` / ``options``. A module that exists but fails to import, or whose cases are malformed,
+    gives one FAILED row (not a skip, and not a crash that would hide the other rows)."""
+    if importlib.util.find_spec("moe_ep.kernels.grouped_gemm") is None:
+        return []
+    try:
+        mod = importlib.import_module("moe_ep.kernels.grouped_gemm")
+        if not hasattr(mod, "sm90_cases"):
+            return []
+        return [Case(**d) for d in mod.sm90_cases()]
+    except Exception as exc:  # noqa: BLE001 - reported as a row
+        return [Case("grouped_gemm", "sm90_cases()", None, {}, {}, 0, error=f"{type(exc).__name__}: {exc}")]
+
+
+def _all_cases() -> list[Case]:
+    return [*_quant_cases(), *_layout_cases(), *_intranode_cases(), *_low_latency_cases(), *_hook_cases()]
+
+
+CASES: list[Case] = _all_cases()
+
+
+# ---------------------------------------------------------------------------------------------- output
+COLUMNS = [("kernel", "kernel"), ("config", "config"), ("num_warps", "warps"), ("regs", "regs/thread"),
+           ("spills", "spill st+ld (B)"), ("shared", "smem dyn+static (B)"), ("resident_warps", "warps/SM"), ("mma", "MMA"),
+           ("tma", "TMA"), ("ld", "widest ld"), ("st", "widest st"), ("pdl", "PDL")]
+
+
+def _cell(row: dict, key: str) -> str:
+    if "error" in row and key not in ("kernel", "config"):
+        return "FAILED" if key == "num_warps" else ""
+    if key == "spills":
+        return f"{row['spill_stores']}+{row['spill_loads']}"
+    if key in ("ld", "st"):
+        return f"{row[key + '_bytes']} B" if row[key + "_bytes"] else "-"
+    if key == "shared":
+        return f"{row['shared_dynamic']}+{row['shared_static']}"
+    if key == "tma":
+        return "yes" if row["tma"] else "-"
+    if key == "resident_warps":
+        return f"{row['resident_warps']}/{H100['max_warps_per_sm']}"
+    return str(row[key])
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as one markdown table."""
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(_cell(r, k) for k, _ in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_cases(cases: list[Case]) -> list[dict]:
+    """One row per case (``kernel``, ``config`` plus :func:`compile_report`'s metrics, or ``error``)."""
+    rows = []
+    for c in cases:
+        row = {"name": c.name, "config": c.config}
+        if c.error is not None:
+            row.update(kernel=c.name, error=c.error)
+            rows.append(row)
+            continue
+        try:
+            row.update(compile_report(c.kernel, c.signature, c.constexprs, c.num_warps, c.num_stages, c.attrs,
+                                      c.options))
+        except Exception as exc:  # noqa: BLE001 - one failing configuration must not hide the others
+            row.update(kernel=getattr(c.kernel, "__name__", str(c.kernel)), error=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    """Compile every case (or those matching ``--filter``), print the table, optionally write JSON; returns the rows."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="also write the rows (and triton version, date, commit) to this JSON file")
+    ap.add_argument("--filter", default="", help="only cases whose name, kernel or config contains this substring")
+    args = ap.parse_args(argv)
+    sel = [c for c in CASES if args.filter in f"{c.name} {getattr(c.kernel, '__name__', '')} {c.config}"]
+    if not sel:
+        raise SystemExit(f"no case matches --filter {args.filter!r}")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"# sm90 resource report: triton {triton.__version__}, {date}, commit {_git_commit()}, "
+          f"target sm_90a (H100: {H100['regs_per_sm']} regs, {H100['smem_per_sm'] // 1024} KB smem, "
+          f"{H100['max_warps_per_sm']} warps per SM)\n")
+    rows = run_cases(sel)
+    print(format_table(rows))
+    for r in rows:
+        if "error" in r:
+            print(f"\nFAILED {r['kernel']} [{r['config']}]: {r['error']}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "date": date, "commit": _git_commit(), "target": "sm_90a",
+                       "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""perf/sm90_report.py: every shipped kernel configuration compiles for sm90, without spills, within the
+register file, and with the PDL instructions exactly where the configuration asks for PDL.
+
+The report compiles ahead of time (no GPU needed) in one subprocess without ``TRITON_INTERPRET`` (this test
+process has it set by conftest.py on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moe_ep.testing.sm90 import compile_in_subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPORT = os.path.join(ROOT, "perf", "sm90_report.py")
+
+SCRIPT = r'''
+import contextlib, importlib.util, io, json, os, sys
+import moe_ep
+path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__))), "perf", "sm90_report.py")
+spec = importlib.util.spec_from_file_location("sm90_report", path)
+mod = importlib.util.module_from_spec(spec)
+sys.modules["sm90_report"] = mod  # dataclasses look their module up while the file executes
+spec.loader.exec_module(mod)
+table = io.StringIO()
+with contextlib.redirect_stdout(table):
+    rows = mod.main(json.loads(sys.argv[1]))
+print(json.dumps({"rows": rows, "table": table.getvalue()}))
+'''
+
+# Kernels every report must cover (one row at least each); the grouped GEMM adds its own through the hook.
+KERNELS = {
+    "_per_token_group_quant_kernel", "_silu_and_mul_quant_kernel", "_layout_kernel", "_scatter_send_kernel",
+    "_recv_counts_kernel", "_gather_recv_kernel", "_combine_recv_kernel", "_ll_dispatch_send_kernel",
+    "_ll_dispatch_recv_kernel", "_ll_combine_send_kernel", "_ll_combine_recv_kernel",
+}
+
+# Known spills, (kernel, config) -> what was seen. test_known_spills_are_gone fails (strict xfail) once fixed:
+# then delete the entry, so the configuration is held to zero spills like every other.
+KNOWN_SPILLS = {
+    ("_ll_dispatch_send_kernel", "BF16 H=7168 T=128 E=256 EP8"):
+        "triton 3.9 / ptxas 13.4: 4 B spill stores + 4 B spill loads (8 B stack frame) at 48 registers",
+}
+
+
+@pytest.fixture(scope="module")
+def report():
+    return compile_in_subprocess(SCRIPT, [], "the sm90 report", timeout_s=240.0)
+
+
+@pytest.fixture(scope="module")
+def rows(report):
+    return report["rows"]
+
+
+def _key(row: dict) -> tuple[str, str]:
+    return row["kernel"], row["config"]
+
+
+def test_every_row_compiled(report, rows):
+    failed = [f"{r['kernel']} [{r['config']}]: {r['error']}" for r in rows if "error" in r]
+    assert not failed, "\n".join(failed)
+    missing = KERNELS - {r["kernel"] for r in rows}
+    assert not missing, f"no row for {sorted(missing)}"
+    assert report["table"].count("\n| ") >= len(rows) + 1, report["table"]
+
+
+def test_no_spills(rows):
+    spilled = [f"{r['kernel']} [{r['config']}]: {r['spill_stores']}+{r['spill_loads']} B"
+               for r in rows if (r["spill_stores"] or r["spill_loads"]) and _key(r) not in KNOWN_SPILLS]
+    assert not spilled, "spills in shipped configurations:\n" + "\n".join(spilled)
+
+
+@pytest.mark.xfail(strict=True, reason="known spills: " + "; ".join(f"{k[0]} [{k[1]}]: {v}" for k, v in
+                                                                  KNOWN_SPILLS.items()))
+def test_known_spills_are_gone(rows):
+    by_key = {_key(r): r for r in rows}
+    assert all(by_key[k]["spill_stores"] == by_key[k]["spill_loads"] == 0 for k in KNOWN_SPILLS if k in by_key)
+
+
+def test_registers_fit(rows):
+    for r in rows:
+        assert 0 < r["regs"] <= 255, r
+        assert r["resident_warps"] >= r["num_warps"], f"not even one block fits on an SM: {r}"
+
+
+def test_pdl_exactly_when_asked(rows):
+    for r in rows:
+        asked = "PDL" in r["config"].split()
+        assert (r["pdl"] != "-") == asked, r
+        if asked:
+            assert r["pdl"] == "wait+launch", r
+
+
+def test_script_reexecs_without_interpreter():
+    """Run as a script with TRITON_INTERPRET=1, the report re-executes itself without it and compiles."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="this Triton has no NVIDIA backend")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, REPORT, "--filter", "_recv_counts_kernel"], env=env, capture_output=True,
+                          text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| _recv_counts_kernel |" in proc.stdout, proc.stdout
+
+
+def test_import_refuses_interpreter(monkeypatch):
+    """Imported in a process with TRITON_INTERPRET set, the module raises a clear error instead of compiling."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location("sm90_report_refuse", REPORT)
+    mod = importlib.util.module_from_spec(spec)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        spec.loader.exec_module(mod)
