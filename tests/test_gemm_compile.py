@@ -1,0 +1,68 @@
+"""The grouped GEMM compiles for sm90 without a GPU: wgmma on FP8 operands for every shipped tile (prefill
+and decode), no spills, 16-byte ``cp.async`` operand loads, and with PDL the weight prefetch before
+``griddepcontrol.wait`` with no other global access ahead of it (activations, scales, ``m_indices`` and
+``masked_m`` are the previous kernel's outputs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_ep.testing.sm90 import compile_in_subprocess
+
+SCRIPT = r'''
+import importlib.util, json, os, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import moe_ep
+from moe_ep.kernels.grouped_gemm import sm90_cases
+
+root = os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__)))
+spec = importlib.util.spec_from_file_location("sm90_report", os.path.join(root, "perf", "sm90_report.py"))
+report = importlib.util.module_from_spec(spec)
+sys.modules["sm90_report"] = report
+spec.loader.exec_module(report)
+out = []
+for c in sm90_cases():
+    row = report.compile_report(c["kernel"], c["signature"], c["constexprs"], c["num_warps"], c["num_stages"],
+                                c["attrs"])
+    ck = triton.compile(ASTSource(c["kernel"], c["signature"], c["constexprs"], c["attrs"]),
+                        target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+    lines = ck.asm["ptx"].splitlines()
+    wait = next((i for i, l in enumerate(lines) if "griddepcontrol.wait" in l), None)
+    head = lines[:wait] if wait is not None else []
+    glob = r"\b((ld|st|atom|red)\.global|cp\.async|prefetch)"
+    row.update(config=c["config"],
+               before_wait=sorted({l.split()[0] for l in head if re.search(glob, l)}),
+               prefetches=sum("prefetch.global.L2" in l for l in head),
+               cp_async_16=sum(bool(re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", l)) for l in lines))
+    out.append(row)
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return compile_in_subprocess(SCRIPT, [], "the grouped GEMM")
+
+
+def test_every_tile_is_wgmma_fp8_without_spills(rows):
+    configs = [r["config"] for r in rows]
+    assert any(c.startswith("contiguous") for c in configs) and any("swapAB" in c for c in configs)
+    for r in rows:
+        assert r["mma"] == "wgmma e4m3", r
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        assert r["regs"] <= 255, r
+        assert r["cp_async_16"] > 0, f"operands not loaded with 16-byte cp.async: {r['config']}"
+
+
+def test_pdl_prefetches_weights_before_wait_and_nothing_else(rows):
+    for r in rows:
+        if "PDL" in r["config"]:
+            assert r["pdl"] == "wait+launch", r
+            assert r["prefetches"] > 0, f"no weight prefetch before griddepcontrol.wait: {r['config']}"
+            assert r["before_wait"] == ["prefetch.global.L2"], \
+                f"{r['config']}: global accesses before griddepcontrol.wait: {r['before_wait']}"
+        else:
+            assert r["pdl"] == "-" and r["prefetches"] == 0, r
