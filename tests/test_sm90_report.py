@@ -40,14 +40,6 @@ KERNELS = {
     "_ll_dispatch_recv_kernel", "_ll_combine_send_kernel", "_ll_combine_recv_kernel",
 }
 
-# Known spills, (kernel, config) -> what was seen. test_known_spills_are_gone fails (strict xfail) once fixed:
-# then delete the entry, so the configuration is held to zero spills like every other.
-KNOWN_SPILLS = {
-    ("_ll_dispatch_send_kernel", "BF16 H=7168 T=128 E=256 EP8"):
-        "triton 3.9 / ptxas 13.4: 4 B spill stores + 4 B spill loads (8 B stack frame) at 48 registers",
-}
-
-
 @pytest.fixture(scope="module")
 def report():
     return compile_in_subprocess(SCRIPT, [], "the sm90 report", timeout_s=240.0)
@@ -56,10 +48,6 @@ def report():
 @pytest.fixture(scope="module")
 def rows(report):
     return report["rows"]
-
-
-def _key(row: dict) -> tuple[str, str]:
-    return row["kernel"], row["config"]
 
 
 def test_every_row_compiled(report, rows):
@@ -72,15 +60,8 @@ def test_every_row_compiled(report, rows):
 
 def test_no_spills(rows):
     spilled = [f"{r['kernel']} [{r['config']}]: {r['spill_stores']}+{r['spill_loads']} B"
-               for r in rows if (r["spill_stores"] or r["spill_loads"]) and _key(r) not in KNOWN_SPILLS]
+               for r in rows if r["spill_stores"] or r["spill_loads"]]
     assert not spilled, "spills in shipped configurations:\n" + "\n".join(spilled)
-
-
-@pytest.mark.xfail(strict=True, reason="known spills: " + "; ".join(f"{k[0]} [{k[1]}]: {v}" for k, v in
-                                                                  KNOWN_SPILLS.items()))
-def test_known_spills_are_gone(rows):
-    by_key = {_key(r): r for r in rows}
-    assert all(by_key[k]["spill_stores"] == by_key[k]["spill_loads"] == 0 for k in KNOWN_SPILLS if k in by_key)
 
 
 def test_registers_fit(rows):

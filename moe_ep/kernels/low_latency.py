@@ -215,7 +215,6 @@ def _ll_dispatch_send_kernel(
     else:
         # Step 2': count programs: this rank's tokens per expert, into each owner's count table [R, L].
         offs_e = (pid - num_token_progs) * BLOCK_E + tl.arange(0, BLOCK_E)
-        e_ok = (offs_e < E) & _status_ok(status_ptr, offs_e)
         hist = tl.zeros([BLOCK_E], dtype=tl.int32)
         for c0 in range(0, N, CHUNK_T):
             offs_c = c0 + tl.arange(0, CHUNK_T)
@@ -223,6 +222,9 @@ def _ll_dispatch_send_kernel(
                          other=-1).to(tl.int32)
             ci = tl.reshape(ci, [CHUNK_T * KP])
             hist += tl.sum((offs_e[:, None] == ci[None, :]).to(tl.int32), axis=1)
+        # NOTES: the status word is read after the loop, not before: kept live across it, it was the one value
+        # ptxas spilled (4 B) in the BF16 build. Reading it later only sees a timeout sooner.
+        e_ok = (offs_e < E) & _status_ok(status_ptr, offs_e)
         for d in range(R):
             m = e_ok & (offs_e // L == d)
             base = _peer(buffer_ptrs, d, 0, tl.int32)
