@@ -1,0 +1,111 @@
+"""Host-read traps: prove on a CPU that a code path never reads the device from the host.
+
+A CUDA graph cannot capture a host read of device memory (``Tensor.item``, ``tolist``, ``bool(t)``,
+``nonzero``, copies to the host ...): on a GPU such a read breaks capture or silently freezes a value
+into the graph. On a CPU every tensor lives on the host, so the reads succeed there; this module turns
+them into errors while a block runs, so the graph-safety of a path is checked by any CPU test.
+
+Two exemptions, both work that on a GPU involves no host read of device memory:
+- Triton's interpreter reads tensors on the host to emulate a kernel: the device's work, not the
+  caller's, so reads made inside an interpreted kernel launch are allowed.
+- the symm backend's status-word poll (``check_status``): on a CPU it reads the word directly, on a GPU
+  it reads a pinned host copy queued earlier (and queues nothing while a graph is being captured).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+__all__ = ["HostReadError", "host_reads_trapped"]
+
+
+class HostReadError(RuntimeError):
+    """A host read of tensor data happened inside :func:`host_reads_trapped`."""
+
+
+_state = threading.local()
+_TENSOR_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
+_TORCH_FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique", "bincount")
+
+
+def _in_kernel() -> bool:
+    return getattr(_state, "kernel_depth", 0) > 0
+
+
+def _trapping(name: str, original):
+    def wrapper(*args, **kwargs):
+        if not _in_kernel():
+            raise HostReadError(f"host read of tensor data ({name}) inside host_reads_trapped(): this breaks "
+                                f"CUDA-graph capture and synchronises the stream")
+        return original(*args, **kwargs)
+
+    wrapper.__name__ = getattr(original, "__name__", name)
+    return wrapper
+
+
+def _is_cpu(device) -> bool:
+    return (isinstance(device, str) and device.startswith("cpu")) or \
+        (isinstance(device, torch.device) and device.type == "cpu")
+
+
+def _trapping_to(original):
+    def to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args and not isinstance(args[0], (torch.dtype, torch.Tensor)) else None)
+        if target is not None and _is_cpu(target) and not _in_kernel():
+            raise HostReadError("host read of tensor data (Tensor.to('cpu')) inside host_reads_trapped()")
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _kernel_scope(original):
+    def call(*args, **kwargs):
+        _state.kernel_depth = getattr(_state, "kernel_depth", 0) + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _state.kernel_depth -= 1
+
+    return call
+
+
+@contextlib.contextmanager
+def host_reads_trapped():
+    """Within the block, host reads of tensor data raise :class:`HostReadError`.
+
+    Trapped: ``Tensor.item / tolist / __bool__ / __int__ / __float__ / __index__ / nonzero / cpu / numpy``,
+    ``Tensor.to`` a CPU device, and ``torch.nonzero / argwhere / masked_select / unique / bincount``
+    (their output size depends on the data). Shapes, strides and host ints stay free to use.
+    """
+    saved = []
+    for name in _TENSOR_METHODS:
+        saved.append((torch.Tensor, name, getattr(torch.Tensor, name)))
+    saved.append((torch.Tensor, "to", torch.Tensor.to))
+    for name in _TORCH_FUNCTIONS:
+        saved.append((torch, name, getattr(torch, name)))
+    executor = None
+    try:
+        from triton.runtime import interpreter
+
+        executor = interpreter.GridExecutor
+        saved.append((executor, "__call__", executor.__call__))
+    except ImportError:  # pragma: no cover - Triton without an interpreter
+        pass
+    from ..symm import SymmBuffer
+
+    saved.append((SymmBuffer, "check_status", SymmBuffer.check_status))
+    try:
+        for owner, name, original in saved:
+            if owner is executor or owner is SymmBuffer:
+                setattr(owner, name, _kernel_scope(original))
+            elif name == "to":
+                setattr(owner, name, _trapping_to(original))
+            else:
+                setattr(owner, name, _trapping(f"{getattr(owner, '__name__', owner)}.{name}", original))
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
