@@ -9,7 +9,7 @@ from moe_ep.demo import main
 @pytest.mark.parametrize("backend", ["torch", pytest.param("symm", marks=pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="symm kernels on CPU ranks need the Triton interpreter"))])
 def test_demo_runs_and_matches_dense(capsys, backend):
-    assert main(["--ranks", "2", "--tokens", "9", "--hidden", "256", "--intermediate", "64", "--experts", "16",
+    assert main(["--ranks", "2", "--tokens", "9", "--hidden", "256", "--intermediate", "128", "--experts", "16",
                  "--repeat", "1", "--device", "cpu", "--backend", backend]) == 0
     out = capsys.readouterr().out
     assert f"backend={backend}" in out

@@ -138,6 +138,10 @@ def grouped_fp8_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     num_kb = K // BLOCK_K
+    if not MASKED:
+        # A tile of padding rows only (the tail of an expert's last 128-row block, or an empty block)
+        # skips the MMAs and just writes its zeros.
+        num_kb = tl.where(tl.max(row_ok.to(tl.int32), axis=0) > 0, num_kb, 0)
     for kb in range(0, num_kb):
         k0 = kb * BLOCK_K
         a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :], mask=row_ok[:, None], other=0.0)
