@@ -9,4 +9,13 @@ from .sync import RankTimeoutError
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "EventOverlap", "RankTimeoutError", "__version__"]
+__all__ = ["Buffer", "Config", "EventOverlap", "MoELayer", "RankTimeoutError", "__version__"]
+
+
+def __getattr__(name):
+    # MoELayer pulls in the Triton kernels: imported on first use, so that ``import moe_ep`` stays light
+    # and TRITON_INTERPRET can still be set after it on CPU machines.
+    if name == "MoELayer":
+        from .moe import MoELayer
+        return MoELayer
+    raise AttributeError(f"module 'moe_ep' has no attribute {name!r}")
