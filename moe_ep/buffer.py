@@ -7,6 +7,7 @@ applies DeepEP's stream/event semantics, and delegates the communication to a ba
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Union
 
 import torch
@@ -33,6 +34,27 @@ class Config:
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
         self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+
+def _reports_refusal(what: str):
+    """A call whose own checks raise (ValueError / TypeError) before it met its peers tells them
+    (backends that meet on the host), so every rank raises at once instead of waiting out the timeout."""
+    def deco(method):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            mark = self._impl.arrival_mark()
+            try:
+                return method(self, *args, **kwargs)
+            except (ValueError, TypeError) as exc:
+                self._impl.refuse(what, mark, f"{type(exc).__name__}: {exc}")
+                raise
+        return wrapper
+    return deco
+
+
+def _tensor_key(*tensors) -> tuple:
+    """Identity and version of tensors: equal keys mean the same memory, unmodified since."""
+    return tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -94,6 +116,7 @@ class Buffer:
             from .backends.symm import SymmBackend
             self._impl = SymmBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
         self._comm_streams: dict = {}
+        self._checked_layout = None  # key of the last get_dispatch_layout whose topk_idx was value-checked
 
     # ---------------------------------------------------------------- helpers
     def get_local_buffer_tensor(self, *args, **kwargs):
@@ -116,15 +139,20 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes per rank of a low-latency buffer, laid out as DeepEP does: two alternating halves, each
-        with a send region (``T`` dispatch messages or ``E * T`` combine messages), a receive region
-        (``E * T`` messages of the larger kind) and ``E`` int32 signals; rounded up to 128 bytes."""
+        """Bytes per rank of a low-latency buffer that is enough for every backend and every top-k: the
+        larger of DeepEP's formula (two alternating halves, each with a send region of ``T`` dispatch or
+        ``E * T`` combine messages, a receive region of ``E * T`` messages and ``E`` int32 signals) and the
+        ``symm`` layout at the largest possible top-k (``num_experts``; a smaller top-k needs less:
+        :meth:`moe_ep.backends.symm.SymmBackend.get_low_latency_size_hint` gives the exact size)."""
+        from .backends.symm_ll import ll_buffer_bytes
+
         t, e = num_max_dispatch_tokens_per_rank, num_experts
         dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)  # header + BF16 or FP8+scales
         combine_msg = hidden * 2
         send = max(t * dispatch_msg, e * t * combine_msg)
         recv = e * t * max(dispatch_msg, combine_msg)
-        total = 2 * (send + recv + e * 4)
+        deepep = 2 * (send + recv + e * 4)
+        total = max(deepep, ll_buffer_bytes(t, hidden, num_ranks, e, num_topk=e))
         return (total + 127) // 128 * 128
 
     def _comm_stream(self, device: torch.device):
@@ -170,12 +198,16 @@ class Buffer:
         V.check_num_experts(num_experts, self.group_size)
         if not isinstance(topk_idx, torch.Tensor):
             raise TypeError(f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
+        checked = self._value_checks(topk_idx.device)
         V.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() == 2 else -1, num_experts, topk_idx.device,
-                         self._value_checks(topk_idx.device))
+                         checked)
         out, event = self._run(lambda: self._impl.get_dispatch_layout(topk_idx, num_experts), topk_idx.device,
                                previous_event, async_finish, allocate_on_comm_stream)
+        # A dispatch with this topk_idx and these (unmodified) layout tensors needs no second value check.
+        self._checked_layout = (num_experts, _tensor_key(topk_idx, out[0], out[2], out[3])) if checked else None
         return (*out, event)
 
+    @_reports_refusal("dispatch")
     def dispatch(self, x: Union[torch.Tensor, tuple], handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
                  is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
@@ -219,6 +251,12 @@ class Buffer:
             if n != handle.num_tokens or hidden != handle.hidden:
                 raise ValueError(f"x has shape [{n}, {hidden}] but the handle was made for "
                                  f"[{handle.num_tokens}, {handle.hidden}]")
+            made_with = getattr(handle, "num_worst_tokens", 0)
+            if num_worst_tokens == 0:
+                num_worst_tokens = made_with  # outputs keep the shapes of the dispatch that made the handle
+            elif num_worst_tokens != made_with:
+                raise ValueError(f"cached dispatch: num_worst_tokens={num_worst_tokens} but the handle was made with "
+                                 f"{made_with}")
             num_experts = 0
         else:
             if topk_idx is None or num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
@@ -228,16 +266,26 @@ class Buffer:
                 raise ValueError("num_tokens_per_expert must be a 1D tensor [num_experts]")
             num_experts = num_tokens_per_expert.shape[0]
             V.check_num_experts(num_experts, self.group_size)
-            V.check_topk_idx(topk_idx, n, num_experts, data.device, self._value_checks(data.device))
+            V.check_topk_shape(topk_idx, n, data.device)
             if topk_weights is None:
                 raise ValueError("dispatch without a handle needs topk_weights")
             V.check_topk_weights(topk_weights, topk_idx)
-            if tuple(num_tokens_per_rank.shape) != (self.group_size,):
+            if not isinstance(num_tokens_per_rank, torch.Tensor) or tuple(num_tokens_per_rank.shape) != (self.group_size,):
                 raise ValueError(f"num_tokens_per_rank must have shape [{self.group_size}], got "
-                                 f"{tuple(num_tokens_per_rank.shape)}")
-            if is_token_in_rank.dtype != torch.bool or tuple(is_token_in_rank.shape) != (n, self.group_size):
+                                 f"{tuple(getattr(num_tokens_per_rank, 'shape', ()))}")
+            if not isinstance(is_token_in_rank, torch.Tensor) or is_token_in_rank.dtype != torch.bool or \
+                    tuple(is_token_in_rank.shape) != (n, self.group_size):
                 raise ValueError(f"is_token_in_rank must be torch.bool [{n}, {self.group_size}], got "
-                                 f"{is_token_in_rank.dtype} {tuple(is_token_in_rank.shape)}")
+                                 f"{getattr(is_token_in_rank, 'dtype', type(is_token_in_rank).__name__)} "
+                                 f"{tuple(getattr(is_token_in_rank, 'shape', ()))}")
+            for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                            ("num_tokens_per_expert", num_tokens_per_expert), ("topk_weights", topk_weights)):
+                if t.device != data.device:
+                    raise ValueError(f"{name} is on {t.device}, x on {data.device}")
+            key = (num_experts, _tensor_key(topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
+            if self._value_checks(data.device) and key != self._checked_layout:
+                V.check_dispatch_values(topk_idx, num_experts, self.group_size, num_tokens_per_rank,
+                                        is_token_in_rank, num_tokens_per_expert)
 
         def fn():
             return self._impl.dispatch(
@@ -247,10 +295,14 @@ class Buffer:
                 num_worst_tokens=num_worst_tokens)
 
         res, event = self._run(fn, data.device, previous_event, async_finish, allocate_on_comm_stream)
+        if handle is None:  # what later calls with this handle are checked against
+            res.handle.num_topk = topk_idx.shape[1]
+            res.handle.num_worst_tokens = num_worst_tokens
         recv_x = (res.recv_x, res.recv_x_scales) if res.recv_x_scales is not None else res.recv_x
         return (recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
                 res.handle, event)
 
+    @_reports_refusal("combine")
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, tuple, None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -275,9 +327,12 @@ class Buffer:
             if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
                 got = getattr(topk_weights, 'dtype', type(topk_weights).__name__)
                 raise TypeError(f"topk_weights must be a torch.float32 tensor, got {got}")
-            if topk_weights.dim() != 2 or topk_weights.shape[0] != handle.num_recv_tokens:
-                raise ValueError(f"topk_weights must have {handle.num_recv_tokens} rows (the received tokens), got "
-                                 f"shape {tuple(topk_weights.shape)}")
+            want = (handle.num_recv_tokens, getattr(handle, "num_topk", topk_weights.shape[-1]))
+            if tuple(topk_weights.shape) != want:
+                raise ValueError(f"topk_weights must be [{want[0]}, {want[1]}] (the received tokens x the dispatch's "
+                                 f"top-k), got shape {tuple(topk_weights.shape)}")
+            if topk_weights.device != x.device:
+                raise ValueError(f"topk_weights is on {topk_weights.device}, x on {x.device}")
         biases = V.check_bias(bias, handle.num_tokens, handle.hidden, x.device)
         (combined, combined_w), event = self._run(
             lambda: self._impl.combine(x, handle, topk_weights, biases), x.device, previous_event, async_finish,
@@ -289,6 +344,7 @@ class Buffer:
         if not self.low_latency_mode:
             raise ValueError("low-latency calls need Buffer(..., low_latency_mode=True)")
 
+    @_reports_refusal("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
@@ -337,6 +393,7 @@ class Buffer:
         recv_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
         return recv_x, res.recv_count, res.handle, event, res.hook
 
+    @_reports_refusal("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,

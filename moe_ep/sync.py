@@ -1,9 +1,21 @@
-"""Arrival checks on the process group's store: a bounded wait that names the ranks that are missing.
+"""Arrival checks on the process group's store: a bounded wait that names the ranks that are missing,
+and a comparison of what every rank called.
 
 Collectives of torch.distributed time out with messages that do not say which peer is missing (or,
-with NCCL, may not time out at all). Before each communication call, the ``torch`` backend marks
-its arrival in the rendezvous store and waits, at most ``timeout_s``, for every rank of the group
-to arrive at the same call; a rank that died or never called is named in the ``TimeoutError``.
+with NCCL, may not time out at all), and ranks that disagree on a call's shapes make gloo abort the
+process or NCCL write out of bounds. Before each communication call, the ``torch`` backend writes its
+call signature (kind, hidden size, dtype, top-k, experts, ...) into the rendezvous store and waits, at
+most ``timeout_s``, for every rank of the group to arrive at the same call. Then every rank compares
+all signatures, so all of them raise the same error before any payload moves:
+
+- a rank that died or never called: :class:`RankTimeoutError` naming it (``missing_ranks``);
+- ranks that called different things: :class:`CallMismatchError` (a ``ValueError``) naming the ranks
+  and the fields that differ;
+- a rank that refused its own call (bad input, raised locally): :class:`RemoteRankError` on the others,
+  with that rank's message.
+
+A rank that gives up waiting marks the missing ranks' slots as abandoned (an atomic compare-and-set),
+so a rank that arrives later raises at once instead of entering a collective nobody else will join.
 """
 
 from __future__ import annotations
@@ -13,7 +25,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["ArrivalCheck", "RankTimeoutError"]
+__all__ = ["ArrivalCheck", "CallMismatchError", "RankTimeoutError", "RemoteRankError"]
+
+_ABANDONED = "!abandoned"  # value a waiting rank puts in a late rank's slot when it gives up
+_REFUSED = "!refused"  # prefix of the value a rank writes when its own checks refused the call
 
 _instances: dict[tuple, int] = {}
 
@@ -24,6 +39,33 @@ class RankTimeoutError(TimeoutError):
     def __init__(self, message: str, missing_ranks: list[int]):
         super().__init__(message)
         self.missing_ranks = missing_ranks
+
+
+class CallMismatchError(ValueError):
+    """Ranks of the group made different calls (kind or shapes); raised on every rank before any
+    payload moves. ``ranks`` lists every rank; ``fields`` the fields that differ."""
+
+    def __init__(self, message: str, fields: list[str]):
+        super().__init__(message)
+        self.fields = fields
+
+
+class RemoteRankError(RuntimeError):
+    """Another rank refused this call (its own input checks raised); ``failed_ranks`` names it."""
+
+    def __init__(self, message: str, failed_ranks: list[int]):
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+
+def _encode(what: str, fields: Optional[dict]) -> str:
+    items = ";".join(f"{k}={fields[k]}" for k in sorted(fields)) if fields else ""
+    return f"{what}|{items}"
+
+
+def _decode(value: str) -> tuple[str, dict]:
+    what, _, items = value.partition("|")
+    return what, dict(item.split("=", 1) for item in items.split(";") if item)
 
 
 class ArrivalCheck:
@@ -47,22 +89,69 @@ class ArrivalCheck:
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.prefix}/{seq}/{rank}"
 
-    def arrive(self, what: str) -> None:
-        """Mark this rank's arrival at the next call ``what`` and wait for all ranks (bounded)."""
+    def arrive(self, what: str, fields: Optional[dict] = None) -> None:
+        """Mark this rank's arrival at the next call ``what`` with its signature ``fields`` (values that
+        must agree across ranks), wait for all ranks (bounded) and compare the signatures."""
         if self.world_size == 1:
             return
         seq = self.seq
         self.seq += 1
-        self.store.set(self._key(seq, self.rank), what)
+        mine = _encode(what, fields)
+        # compare_set on a missing key sets it and returns the value; a peer that gave up on this call
+        # has already put _ABANDONED there.
+        got = self.store.compare_set(self._key(seq, self.rank), "", mine).decode()
+        if got != mine:
+            raise RankTimeoutError(
+                f"moe_ep {what}: this rank ({self.rank}) arrived after its peers had given up waiting for it "
+                f"(timeout_s={self.timeout_s:.1f}); the Buffer's call sequence is broken: destroy it", [self.rank])
         keys = [self._key(seq, r) for r in range(self.world_size)]
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
         except Exception as exc:  # DistStoreError / RuntimeError, depending on the torch version
-            missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
+            missing = [r for r in range(self.world_size)
+                       if self.store.compare_set(keys[r], "", _ABANDONED).decode() == _ABANDONED]
             if missing:  # (an empty list: everyone arrived just as the wait gave up)
                 raise RankTimeoutError(
                     f"moe_ep {what}: rank(s) {missing} of the group did not arrive within {self.timeout_s:.1f} s "
                     f"(this is rank {self.rank}; a peer died, hangs, or skipped this call)", missing) from exc
+        values = [v.decode() for v in self.store.multi_get(keys)]
+        self._compare(what, values)
         # Every rank has now finished call seq-1, so nobody waits on our key of seq-2 any more.
         if seq >= 2:
             self.store.delete_key(self._key(seq - 2, self.rank))
+
+    def refuse(self, what: str, message: str) -> None:
+        """This rank's own checks refused call ``what``: take its place in the call sequence and tell the
+        peers (who then raise :class:`RemoteRankError` at once instead of waiting out the timeout)."""
+        if self.world_size == 1:
+            return
+        seq = self.seq
+        self.seq += 1
+        self.store.compare_set(self._key(seq, self.rank), "", f"{_REFUSED}|{what}|{message[:400]}")
+
+    def _compare(self, what: str, values: list[str]) -> None:
+        abandoned = [r for r, v in enumerate(values) if v == _ABANDONED]
+        if abandoned:  # another peer gave up on them: they count as missing here too
+            raise RankTimeoutError(f"moe_ep {what}: rank(s) {abandoned} of the group did not arrive within "
+                                   f"{self.timeout_s:.1f} s (this is rank {self.rank})", abandoned)
+        refused = [(r, v.split("|", 2)) for r, v in enumerate(values) if v.startswith(_REFUSED)]
+        if refused:
+            lines = "; ".join(f"rank {r} refused {parts[1]}: {parts[2]}" for r, parts in refused)
+            raise RemoteRankError(f"moe_ep {what}: {lines} (this is rank {self.rank}; nothing was sent)",
+                                  [r for r, _ in refused])
+        calls = [_decode(v) for v in values]
+        kinds = [c[0] for c in calls]
+        if len(set(kinds)) > 1:
+            listing = ", ".join(f"rank {r}: {k}" for r, k in enumerate(kinds))
+            raise CallMismatchError(f"moe_ep {what}: ranks called different operations ({listing}); this is rank "
+                                    f"{self.rank}, nothing was sent", ["call"])
+        names = sorted(set().union(*(c[1] for c in calls)))
+        diffs = []
+        for name in names:
+            got = [c[1].get(name, "-") for c in calls]
+            if len(set(got)) > 1:
+                diffs.append((name, got))
+        if diffs:
+            detail = "; ".join(f"{name}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(got)) for name, got in diffs)
+            raise CallMismatchError(f"moe_ep {what}: ranks disagree on {detail} (this is rank {self.rank}; nothing "
+                                    "was sent)", [name for name, _ in diffs])

@@ -8,7 +8,7 @@ import torch
 
 from .fp8 import FP8_DTYPE, ceil_div
 
-__all__ = ["split_x", "check_topk_idx", "check_topk_weights", "check_num_experts", "check_low_latency_x",
+__all__ = ["split_x", "check_topk_idx", "check_dispatch_values", "check_topk_weights", "check_num_experts", "check_low_latency_x",
            "check_combine_x", "check_bias"]
 
 GROUP = 128
@@ -58,8 +58,14 @@ def check_num_experts(num_experts: int, world_size: int) -> int:
 
 
 def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.device, check_values: bool = True) -> None:
-    """int64 `[N, K]`; with ``check_values`` (reads the tensor on the host) also values in
-    ``[-1, num_experts)`` and no expert twice in one row."""
+    """int64 `[N, K]`; with ``check_values`` also values in ``[-1, num_experts)`` and no expert twice in
+    one row (one read of the device on the host)."""
+    check_topk_shape(topk_idx, num_tokens, device)
+    if check_values:
+        raise_topk_value_errors(topk_idx, num_experts, topk_value_flags(topk_idx, num_experts).tolist())
+
+
+def check_topk_shape(topk_idx, num_tokens: int, device: torch.device) -> None:
     _check_tensor(topk_idx, "topk_idx")
     if topk_idx.dtype != torch.int64:
         raise TypeError(f"topk_idx must be torch.int64, got {topk_idx.dtype}")
@@ -67,18 +73,54 @@ def check_topk_idx(topk_idx, num_tokens: int, num_experts: int, device: torch.de
         raise ValueError(f"topk_idx must have shape [{num_tokens}, num_topk], got {tuple(topk_idx.shape)}")
     if topk_idx.device != device:
         raise ValueError(f"topk_idx is on {topk_idx.device}, x on {device}")
-    if topk_idx.numel() == 0 or not check_values:
-        return
-    lo, hi = int(topk_idx.min()), int(topk_idx.max())
-    if lo < -1 or hi >= num_experts:
+
+
+def topk_value_flags(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[2]` bool on the device: (an entry outside ``[-1, num_experts)``, an expert twice in a row)."""
+    if topk_idx.numel() == 0:
+        return torch.zeros(2, dtype=torch.bool, device=topk_idx.device)
+    out_of_range = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
+    if topk_idx.shape[1] > 1:
+        srt = topk_idx.sort(dim=1).values
+        dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()
+    else:
+        dup = torch.zeros((), dtype=torch.bool, device=topk_idx.device)
+    return torch.stack([out_of_range, dup])
+
+
+def raise_topk_value_errors(topk_idx: torch.Tensor, num_experts: int, flags: list) -> None:
+    """Raise the precise error for ``flags`` (host values of :func:`topk_value_flags`); reads more of the
+    tensor only when something is wrong."""
+    if flags[0]:
         bad = topk_idx[(topk_idx < -1) | (topk_idx >= num_experts)][0].item()
         raise ValueError(f"topk_idx holds {bad}, outside [-1, {num_experts}) (num_experts={num_experts})")
-    if topk_idx.shape[1] > 1:
-        s = topk_idx.sort(dim=1).values
-        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-        if bool(dup.any()):
-            row = int(dup.any(dim=1).nonzero()[0])
-            raise ValueError(f"token {row} selects the same expert twice: topk_idx[{row}] = {topk_idx[row].tolist()}")
+    if flags[1]:
+        srt = topk_idx.sort(dim=1).values
+        row = int(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1).nonzero()[0])
+        raise ValueError(f"token {row} selects the same expert twice: topk_idx[{row}] = {topk_idx[row].tolist()}")
+
+
+def check_dispatch_values(topk_idx: torch.Tensor, num_experts: int, world_size: int, num_tokens_per_rank: torch.Tensor,
+                          is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> None:
+    """The values of a dispatch's routing, in one read of the device on the host: ``topk_idx`` as in
+    :func:`check_topk_idx`, and the layout tensors equal to what ``topk_idx`` implies (a layout that
+    disagrees with the top-k would make ranks disagree on how many rows move)."""
+    from .backends.torch_a2a import layout_from_topk
+
+    flags = topk_value_flags(topk_idx, num_experts)
+    safe = topk_idx.clamp(-1, num_experts - 1)  # out-of-range entries are reported by the flags above
+    per_rank, per_expert, in_rank = layout_from_topk(safe, num_experts, world_size)
+    layout_flags = torch.stack([
+        (is_token_in_rank != in_rank).any(),
+        (num_tokens_per_rank.to(torch.int64) != is_token_in_rank.sum(0)).any(),
+        (num_tokens_per_expert.to(torch.int64) != per_expert.to(torch.int64)).any()])
+    host = torch.cat([flags, layout_flags]).tolist()
+    raise_topk_value_errors(topk_idx, num_experts, host[:2])
+    names = ("is_token_in_rank", "num_tokens_per_rank", "num_tokens_per_expert")
+    bad = [name for name, f in zip(names, host[2:]) if f]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} disagree(s) with topk_idx: pass the tensors get_dispatch_layout "
+                         f"returned for this topk_idx (num_tokens_per_rank must equal is_token_in_rank.sum(0))")
 
 
 def check_topk_weights(topk_weights, topk_idx: torch.Tensor, name: str = "topk_weights") -> None:

@@ -130,6 +130,15 @@ class Backend(abc.ABC):
                             out: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[Callable[[], None]]]:
         """Weighted low-latency combine; returns ``(combined_x [N, H] bf16, hook or None)``."""
 
+    def arrival_mark(self):
+        """An opaque position in this backend's host-side call sequence (``None``: it has none)."""
+        return None
+
+    def refuse(self, what: str, mark, message: str) -> None:
+        """The Buffer's checks refused call ``what`` on this rank after ``arrival_mark()`` returned ``mark``:
+        backends that meet their peers on the host tell them, so they raise at once instead of waiting
+        (backends without a host-side sequence do nothing; their peers time out naming this rank)."""
+
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The `[L, R*T, H]` bf16 tensor that ``zero_copy`` combine reads in place (backends with a
         registered buffer override this)."""

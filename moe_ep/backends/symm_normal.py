@@ -74,7 +74,10 @@ def _rows(parts: list) -> torch.Tensor:
 def _unwords(w: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     if w.shape[0] == 0:
         return torch.empty(0, cols, dtype=dtype, device=w.device)
-    return w.contiguous().view(dtype).reshape(w.shape[0], cols)
+    w = w.contiguous()  # a one-row slice is already "contiguous" but may start on an odd word
+    if (w.storage_offset() * w.element_size()) % dtype.itemsize:
+        w = w.clone()
+    return w.view(dtype).reshape(w.shape[0], cols)
 
 
 @dataclasses.dataclass
@@ -83,6 +86,7 @@ class SymmNormalHandle(DispatchHandle):
     recv_counts: torch.Tensor = None  # [R] int32 rows received from each source (device)
     num_topk: int = 0
     num_recv_tokens_per_expert_list: list = None
+    recv_counts_host: list = None  # the same counts on the host (None after a num_worst_tokens dispatch)
 
 
 @dataclasses.dataclass
@@ -195,7 +199,10 @@ class SymmNormal:
             _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
                                       self.symm.timeout_ns, FULL=L["DISP_FULL"])
             self.symm.check_status("dispatch (receive)")
-            host = counts.tolist()  # NOTES: host reads happen only without num_worst_tokens (outputs sized by them)
+            if st.handle is not None and st.handle.recv_counts_host is not None:
+                host = st.handle.recv_counts_host  # cached dispatch: the same routing, no host read
+            else:
+                host = counts.tolist()  # NOTES: host reads happen only without num_worst_tokens (outputs sized by them)
             m, max_rows = sum(host), max(host)
         out = torch.zeros(m, st.words, dtype=torch.int32, device=dev)
         bt, bw = self._blocks(st.words)
@@ -236,7 +243,8 @@ class SymmNormal:
             handle = SymmNormalHandle(owner=self.owner, num_tokens=st.n, num_recv_tokens=m, hidden=h,
                                       is_token_in_rank=st.is_token_in_rank, num_tokens_per_rank=st.num_tokens_per_rank,
                                       send_pos=st.pos, recv_counts=counts, num_topk=k,
-                                      num_recv_tokens_per_expert_list=per_expert)
+                                      num_recv_tokens_per_expert_list=per_expert,
+                                      recv_counts_host=None if num_worst_tokens > 0 else host)
         else:
             handle = st.handle
             if m != handle.num_recv_tokens:

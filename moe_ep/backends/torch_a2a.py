@@ -45,7 +45,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     if b.shape[0] == 0:
         return torch.empty(0, cols, dtype=dtype, device=b.device)
-    return b.contiguous().reshape(-1).view(dtype).reshape(b.shape[0], cols)
+    b = b.contiguous().reshape(-1)  # a one-row slice is already "contiguous" but may start misaligned
+    if b.storage_offset() % dtype.itemsize:
+        b = b.clone()
+    return b.view(dtype).reshape(-1, cols)
 
 
 # torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
@@ -95,6 +98,13 @@ class TorchBackend(Backend):
         self.arrival = ArrivalCheck(group, rank, world_size, self.timeout_s)
         self._combine_buffers: dict = {}
 
+    def arrival_mark(self):
+        return self.arrival.seq
+
+    def refuse(self, what: str, mark, message: str) -> None:
+        if mark is not None and self.arrival.seq == mark:  # the call never reached its arrival
+            self.arrival.refuse(what, message)
+
     # ------------------------------------------------------------------ collectives
     def _a2a(self, send: torch.Tensor, recv_counts: list, send_counts: list, row_bytes: int,
              async_op: bool = False):
@@ -113,7 +123,10 @@ class TorchBackend(Backend):
         R = self.world_size
         n, hidden = x.shape
         is_fp8 = x_scales is not None
-        self.arrival.arrive("dispatch")
+        self.arrival.arrive("dispatch", {
+            "hidden": hidden, "x": "fp8" if is_fp8 else str(x.dtype).replace("torch.", ""),
+            "cached": handle is not None, "topk": "-" if topk_idx is None else topk_idx.shape[1],
+            "num_experts": num_experts or "-"})
         if handle is not None:
             send_idx, send_counts, recv_counts = handle.send_token_idx, handle.send_counts, handle.recv_counts
             num_local = 0
@@ -195,7 +208,8 @@ class TorchBackend(Backend):
     def combine(self, x, handle, topk_weights, bias):
         hidden, n = handle.hidden, handle.num_tokens
         num_valid = sum(handle.recv_counts)
-        self.arrival.arrive("combine")
+        self.arrival.arrive("combine", {"hidden": hidden,
+                                        "topk_weights": "-" if topk_weights is None else topk_weights.shape[1]})
         parts = [_bytes(x[:num_valid])]
         if topk_weights is not None:
             k = topk_weights.shape[1]
@@ -230,7 +244,9 @@ class TorchBackend(Backend):
         n, hidden = x.shape
         k = topk_idx.shape[1]
         dev = x.device
-        self.arrival.arrive("low_latency_dispatch")
+        self.arrival.arrive("low_latency_dispatch", {
+            "hidden": hidden, "T": T, "num_experts": num_experts, "topk": k, "use_fp8": use_fp8,
+            "round_scale": round_scale, "use_ue8m0": use_ue8m0})
         # Step 1: quantize on the sender (1x128 groups) and build this rank's slab [T, row].
         if use_fp8:
             q, s = per_token_group_quant_fp8_ref(x, 128, round_scale=round_scale)
@@ -322,7 +338,8 @@ class TorchBackend(Backend):
             raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns but dispatch had {k}")
         if handle.sel_expert is None:
             raise ValueError("the dispatch of this handle has not been received yet: call its hook first")
-        self.arrival.arrive("low_latency_combine")
+        self.arrival.arrive("low_latency_combine", {"hidden": hidden, "T": T, "num_experts": handle.num_experts,
+                                                    "topk": k})
         # Step 1: slot (src_rank, token, k) of the send buffer takes this rank's output for that selection
         # (a gather of R*T*K rows; slots of other ranks' experts carry junk that the receiver masks).
         e_idx = torch.where(handle.sel_expert < L, handle.sel_expert, torch.zeros_like(handle.sel_expert))

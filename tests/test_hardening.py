@@ -1,0 +1,250 @@
+"""Cross-rank safety: ranks that disagree, refuse or arrive late all raise, quickly and on every rank, before
+any payload moves; sizes that decide peer writes are checked; odd row layouts and cached dispatches work."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moe_ep.testing import launch
+from moe_ep.testing.inputs import make_rank_inputs
+
+
+def _layout_args(buf, inp, num_experts):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(inp.topk_idx, num_experts)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=inp.topk_idx, topk_weights=inp.topk_weights)
+
+
+def _outcome(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+        return ("ok", "", time.monotonic() - t0)
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type by name
+        return (type(exc).__name__, str(exc), time.monotonic() - t0)
+
+
+# ---------------------------------------------------------------------------------------------- 1: signatures
+def _mismatched_hidden(rank, world):
+    import moe_ep
+
+    buf = moe_ep.Buffer(None, backend="torch", timeout_s=20)
+    hidden = 256 if rank == 0 else 128
+    inp = make_rank_inputs(rank, 6, hidden, 8, 2, seed=1, world_size=world)
+    args = _layout_args(buf, inp, 8)
+    first = _outcome(lambda: buf.dispatch(inp.x, **args))
+    # the Buffer stays in step: a matching call afterwards works on every rank
+    inp2 = make_rank_inputs(rank, 6, 128, 8, 2, seed=2, world_size=world)
+    recv = buf.dispatch(inp2.x, **_layout_args(buf, inp2, 8))[0]
+    return first, tuple(recv.shape)
+
+
+def test_ranks_with_different_hidden_all_raise_naming_the_field():
+    results = launch(_mismatched_hidden, 2, timeout_s=60)
+    for (kind, msg, secs), shape in results:
+        assert kind == "CallMismatchError", msg
+        assert "hidden" in msg and "rank 0=256" in msg and "rank 1=128" in msg, msg
+        assert secs < 10
+        assert shape[1] == 128
+
+
+def _different_calls(rank, world):
+    import moe_ep
+
+    buf = moe_ep.Buffer(None, low_latency_mode=True, backend="torch", timeout_s=20)
+    inp = make_rank_inputs(rank, 4, 128, 8, 2, seed=1, world_size=world)
+    if rank == 0:
+        return _outcome(lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, 8)))
+    return _outcome(lambda: buf.low_latency_dispatch(inp.x, inp.topk_idx, 8, 8))
+
+
+def test_ranks_in_different_operations_all_raise():
+    for kind, msg, secs in launch(_different_calls, 2, timeout_s=60):
+        assert kind == "CallMismatchError", msg
+        assert "rank 0: dispatch" in msg and "rank 1: low_latency_dispatch" in msg, msg
+        assert secs < 10
+
+
+def _mismatched_topk_ll(rank, world):
+    import moe_ep
+
+    buf = moe_ep.Buffer(None, low_latency_mode=True, backend="torch", timeout_s=20)
+    k = 2 if rank == 0 else 3
+    inp = make_rank_inputs(rank, 4, 128, 8, k, seed=1, world_size=world)
+    return _outcome(lambda: buf.low_latency_dispatch(inp.x, inp.topk_idx, 8, 8))
+
+
+def test_low_latency_ranks_with_different_topk_all_raise():
+    for kind, msg, _ in launch(_mismatched_topk_ll, 2, timeout_s=60):
+        assert kind == "CallMismatchError" and "topk" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------- 2/3: refusals
+def _one_rank_refuses(rank, world, what):
+    import moe_ep
+
+    buf = moe_ep.Buffer(None, backend="torch", timeout_s=30)
+    inp = make_rank_inputs(rank, 6, 128, 8, 2, seed=1, world_size=world)
+    args = _layout_args(buf, inp, 8)
+    if rank == 1 and what == "layout":
+        args["num_tokens_per_rank"] = args["num_tokens_per_rank"] + 1  # disagrees with is_token_in_rank
+    if rank == 1 and what == "weights":
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(inp.x, **args)
+        return _outcome(lambda: buf.combine(recv_x, handle, topk_weights=torch.cat([recv_w, recv_w], 1)))
+    if what == "weights":
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(inp.x, **args)
+        return _outcome(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
+    return _outcome(lambda: buf.dispatch(inp.x, **args))
+
+
+@pytest.mark.parametrize("what", ["layout", "weights"])
+def test_a_refused_call_reaches_every_rank_at_once(what):
+    (k0, m0, s0), (k1, m1, s1) = launch(_one_rank_refuses, 2, what, timeout_s=90)
+    assert k1 == "ValueError", m1
+    assert ("disagree" in m1) if what == "layout" else ("topk_weights must be" in m1), m1
+    assert k0 == "RemoteRankError" and "rank 1 refused" in m0, m0
+    assert s0 < 10, f"the peer waited {s0:.1f} s (timeout_s=30) instead of hearing of the refusal"
+
+
+def _late_rank(rank, world):
+    import moe_ep
+
+    buf = moe_ep.Buffer(None, backend="torch", timeout_s=1.0)
+    inp = make_rank_inputs(rank, 4, 128, 8, 2, seed=1, world_size=world)
+    args = _layout_args(buf, inp, 8)
+    if rank == 1:
+        time.sleep(2.5)  # past the peer's timeout
+    return _outcome(lambda: buf.dispatch(inp.x, **args))
+
+
+def test_a_rank_arriving_after_the_peers_gave_up_raises_instead_of_hanging():
+    (k0, m0, _), (k1, m1, s1) = launch(_late_rank, 2, timeout_s=60)
+    assert k0 == "RankTimeoutError" and "[1]" in m0, m0
+    assert k1 == "RankTimeoutError" and "given up" in m1, m1
+    assert s1 < 1.0
+
+
+# ---------------------------------------------------------------------------------------------- 4: symm widths
+def _symm_wide_weights(rank, world):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    buf = moe_ep.Buffer(None, backend="symm", timeout_s=5, provider="shm",
+                        num_nvl_bytes=SymmBackend.get_normal_size_hint(8, 128, 2, world))
+    inp = make_rank_inputs(rank, 6, 128, 8, 2, seed=1, world_size=world)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(inp.x, **_layout_args(buf, inp, 8))
+    wide = _outcome(lambda: buf.combine(recv_x, handle, topk_weights=torch.cat([recv_w, recv_w], 1)))
+    out, w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)  # nothing was written by the refused call
+    torch.testing.assert_close(w, torch.where(inp.topk_idx >= 0, inp.topk_weights, 0.0), rtol=0, atol=0)
+    return wide
+
+
+def test_symm_combine_refuses_wider_topk_weights_before_writing():
+    for kind, msg, _ in launch(_symm_wide_weights, 2, timeout_s=120):
+        assert kind == "ValueError" and "topk_weights must be" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------- 7: odd words
+def _one_row(rank, world, backend, hidden, fp8):
+    from moe_ep.backends.symm import SymmBackend
+    from moe_ep.testing.suite import check_buffer_case
+
+    kw = {}
+    if backend == "symm":
+        kw = dict(provider="shm", num_nvl_bytes=SymmBackend.get_normal_size_hint(4, hidden, 2, world),
+                  num_rdma_bytes=SymmBackend.get_low_latency_size_hint(4, hidden, world, 4, 2))
+    # one token on rank 0 only: every rank that receives anything receives exactly one row
+    return check_buffer_case(rank, world, dict(seed=5, n=[1, 0], hidden=hidden, E=4, k=2, routing="random"),
+                             backend, modes=("normal",), **kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+@pytest.mark.parametrize("hidden", [130, 384])
+def test_one_received_row_with_topk_on_an_odd_word(backend, hidden):
+    launch(_one_row, 2, backend, hidden, hidden % 128 == 0, timeout_s=120)
+
+
+# ---------------------------------------------------------------------------------------------- 9: cached dispatch
+def _cached_dispatch(rank, world, backend):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+    from moe_ep.testing.traps import host_reads_trapped
+
+    kw = {}
+    if backend == "symm":
+        kw = dict(provider="shm", num_nvl_bytes=SymmBackend.get_normal_size_hint(8, 128, 2, world))
+    buf = moe_ep.Buffer(None, backend=backend, timeout_s=20, **kw)
+    inp = make_rank_inputs(rank, 5, 128, 8, 2, seed=3, world_size=world)
+    args = _layout_args(buf, inp, 8)
+    x2 = inp.x * 2
+    # after a num_worst_tokens dispatch: the cached dispatch keeps its shapes
+    recv_x, _, _, _, handle, _ = buf.dispatch(inp.x, num_worst_tokens=16, **args)
+    recv2 = buf.dispatch(x2, handle=handle)[0]
+    assert recv2.shape == recv_x.shape == (16, 128)
+    torch.testing.assert_close(recv2.float(), recv_x.float() * 2, rtol=0, atol=0)
+    bad = _outcome(lambda: buf.dispatch(x2, handle=handle, num_worst_tokens=32))
+    # without num_worst_tokens: the handle knows the counts, so the cached dispatch reads nothing on the host
+    recv_x, _, _, _, handle, _ = buf.dispatch(inp.x, **args)
+    with host_reads_trapped():
+        recv3 = buf.dispatch(x2, handle=handle)[0]
+    torch.testing.assert_close(recv3.float(), recv_x.float() * 2, rtol=0, atol=0)
+    return bad
+
+
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+def test_cached_dispatch_keeps_num_worst_tokens_and_reads_nothing_on_the_host(backend):
+    for kind, msg, _ in launch(_cached_dispatch, 2, backend, timeout_s=120):
+        assert kind == "ValueError" and "num_worst_tokens" in msg, msg
+
+
+def _count_host_reads(rank, world):
+    import moe_ep
+
+    buf = moe_ep.Buffer(None, backend="torch", timeout_s=20)
+    inp = make_rank_inputs(rank, 6, 128, 8, 2, seed=1, world_size=world)
+    reads = []
+    orig = torch.Tensor.tolist
+
+    def counting(self):
+        reads.append(tuple(self.shape))
+        return orig(self)
+
+    torch.Tensor.tolist = counting
+    try:
+        args = _layout_args(buf, inp, 8)
+        n_layout = len(reads)
+        import moe_ep.validate as V
+        calls = []
+        orig_check = V.check_dispatch_values
+        V.check_dispatch_values = lambda *a, **k: calls.append(1) or orig_check(*a, **k)
+        try:
+            buf.dispatch(inp.x, **args)
+            edited = dict(args, topk_weights=args["topk_weights"].clone())
+            buf.dispatch(inp.x, **edited)  # same routing tensors: still no second check
+            edited = dict(args, topk_idx=args["topk_idx"].clone())
+            buf.dispatch(inp.x, **edited)  # another topk tensor: checked again
+        finally:
+            V.check_dispatch_values = orig_check
+    finally:
+        torch.Tensor.tolist = orig
+    return n_layout, len(calls)
+
+
+def test_input_checks_run_once_per_step_with_one_host_read():
+    for n_layout, checks in launch(_count_host_reads, 2, timeout_s=60):
+        assert n_layout == 1, "get_dispatch_layout's value checks should read the device once"
+        assert checks == 1, f"dispatch re-checked the layout get_dispatch_layout had checked ({checks} checks)"
+
+
+# ---------------------------------------------------------------------------------------------- 10: size hint
+def test_low_latency_size_hint_fits_the_symm_layout_for_every_topk():
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    for t, h, r, e in [(8, 128, 2, 2), (4, 256, 4, 4), (128, 7168, 8, 8), (16, 1024, 8, 16), (128, 7168, 8, 256)]:
+        hint = moe_ep.Buffer.get_low_latency_rdma_size_hint(t, h, r, e)
+        for k in sorted({1, 2, min(e, 8), e}):
+            assert hint >= SymmBackend.get_low_latency_size_hint(t, h, r, e, k), (t, h, r, e, k)
