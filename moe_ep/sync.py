@@ -20,6 +20,7 @@ so a rank that arrives later raises at once instead of entering a collective nob
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -89,9 +90,11 @@ class ArrivalCheck:
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.prefix}/{seq}/{rank}"
 
-    def arrive(self, what: str, fields: Optional[dict] = None) -> None:
+    def arrive(self, what: str, fields: Optional[dict] = None, wait_ns: Optional[list] = None) -> None:
         """Mark this rank's arrival at the next call ``what`` with its signature ``fields`` (values that
-        must agree across ranks), wait for all ranks (bounded) and compare the signatures."""
+        must agree across ranks), wait for all ranks (bounded) and compare the signatures. With ``wait_ns``
+        (a list of ``world_size`` ints), adds for each rank the nanoseconds this rank waited from its own
+        arrival until that rank's (0 for ranks that were already there)."""
         if self.world_size == 1:
             return
         seq = self.seq
@@ -106,6 +109,8 @@ class ArrivalCheck:
                 f"(timeout_s={self.timeout_s:.1f}); the Buffer's call sequence is broken: destroy it", [self.rank])
         keys = [self._key(seq, r) for r in range(self.world_size)]
         try:
+            if wait_ns is not None:
+                self._timed_wait(keys, wait_ns)
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
         except Exception as exc:  # DistStoreError / RuntimeError, depending on the torch version
             missing = [r for r in range(self.world_size)
@@ -119,6 +124,21 @@ class ArrivalCheck:
         # Every rank has now finished call seq-1, so nobody waits on our key of seq-2 any more.
         if seq >= 2:
             self.store.delete_key(self._key(seq - 2, self.rank))
+
+    def _timed_wait(self, keys: list, wait_ns: list) -> None:
+        """Poll the keys until all are present (or the timeout passes), adding to ``wait_ns[r]`` the time
+        from the start until rank r's key was first seen."""
+        start = time.monotonic_ns()
+        pending = set(range(len(keys)))
+        pause = 1e-5
+        while pending and (time.monotonic_ns() - start) < self.timeout_s * 1e9:
+            for r in sorted(pending):
+                if self.store.check([keys[r]]):
+                    pending.discard(r)
+                    wait_ns[r] += time.monotonic_ns() - start
+            if pending:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
 
     def refuse(self, what: str, message: str) -> None:
         """This rank's own checks refused call ``what``: take its place in the call sequence and tell the

@@ -409,12 +409,13 @@ def _low_latency_cases() -> list[Case]:
         cases.append(_case(
             "ll_dispatch_recv", f"{fmt} H={H} T={T} E={E} EP{R}", k._ll_dispatch_recv_kernel,
             {"buf_ptr": "*u8", "signal_ptrs": "*i64", "status_ptr": "*i32", "recv_x_ptr": "*u8" if fp8 else "*i16",
-             "recv_s_ptr": "*i32", "recv_count_ptr": "*i32", "stats_ptr": "*i32", "slot_row_ptr": "*i32",
-             "recv_tokens_ptr": "*i32"},
+             "recv_s_ptr": "*i32", "recv_count_ptr": "*i32", "stats_ptr": "*i32", "wait_stats_ptr": "*i64",
+             "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32"},
             {"stride_sl": sw * tm if fp8 else 0, "stride_sg": tm if fp8 else 0, "rank": _RANK, "T": T, "L": L, "R": R,
              "timeout_ns": _TIMEOUT_NS, **offs},
             {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": lay.hdr, "SW": sw, "SWP": p2(sw), "BLOCK_T": 4,
              "HC": min(p2(H), 2048 if fp8 else 1024), "RP": p2(R), "LP": p2(L), "IS_FP8": fp8, "HAS_STATS": True,
+             "HAS_WAIT_STATS": True,
              "DISP_BUSY": sig["DISP_BUSY"], "DISP_FULL": sig["DISP_FULL"], "DISP_RECV_CNT": sig["DISP_RECV_CNT"]}))
     comb = {"comb_off": slot_base + lay.comb_off, "sig_off": sig["SLOT_WORDS"]}
     cases.append(_case(
@@ -426,9 +427,9 @@ def _low_latency_cases() -> list[Case]:
     cases.append(_case(
         "ll_combine_recv", f"BF16 H={H} T={T} top-{KT} EP{R}", k._ll_combine_recv_kernel,
         {"buf_ptr": "*u8", "topk_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*i16", "signal_ptrs": "*i64",
-         "status_ptr": "*i32"},
+         "status_ptr": "*i32", "wait_stats_ptr": "*i64"},
         {"rank": _RANK, "N": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
-        {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "COMB_BUSY": sig["COMB_BUSY"],
+        {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "HAS_WAIT_STATS": True, "COMB_BUSY": sig["COMB_BUSY"],
          "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"]},
         options={"enable_fp_fusion": False}))
     shipped = {c.kernel.__name__ for c in cases}

@@ -120,15 +120,19 @@ class Backend(abc.ABC):
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, *, cumulative_local_expert_recv_stats: Optional[torch.Tensor],
                              use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-                             return_recv_hook: bool) -> LowLatencyDispatchResult:
+                             return_recv_hook: bool,
+                             wait_recv_cost_stats: Optional[torch.Tensor] = None) -> LowLatencyDispatchResult:
         """Low-latency dispatch of BF16 ``x``. With ``return_recv_hook`` only the send runs now and the
-        returned hook completes the receive (outputs are valid after ``hook()``)."""
+        returned hook completes the receive (outputs are valid after ``hook()``). ``wait_recv_cost_stats``
+        (`[R]` int64): the receive adds the nanoseconds it waited for each source rank."""
 
     @abc.abstractmethod
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, *, zero_copy: bool, return_recv_hook: bool,
-                            out: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[Callable[[], None]]]:
-        """Weighted low-latency combine; returns ``(combined_x [N, H] bf16, hook or None)``."""
+                            out: Optional[torch.Tensor], wait_recv_cost_stats: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, Optional[Callable[[], None]]]:
+        """Weighted low-latency combine; returns ``(combined_x [N, H] bf16, hook or None)``.
+        ``wait_recv_cost_stats`` as in :meth:`low_latency_dispatch` (per expert rank)."""
 
     def arrival_mark(self):
         """An opaque position in this backend's host-side call sequence (``None``: it has none)."""

@@ -154,19 +154,21 @@ class SymmBackend(Backend):
         return self.ll.dispatch_send(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8,
                                      round_scale=round_scale, use_ue8m0=use_ue8m0)
 
-    def low_latency_dispatch_recv(self, state, cumulative_local_expert_recv_stats=None) -> LowLatencyDispatchResult:
-        return self.ll.dispatch_recv(state, cumulative_local_expert_recv_stats)
+    def low_latency_dispatch_recv(self, state, cumulative_local_expert_recv_stats=None,
+                                  wait_recv_cost_stats=None) -> LowLatencyDispatchResult:
+        return self.ll.dispatch_recv(state, cumulative_local_expert_recv_stats, wait_recv_cost_stats)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *,
-                             cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, return_recv_hook):
+                             cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, return_recv_hook,
+                             wait_recv_cost_stats=None):
         state = self.low_latency_dispatch_send(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
         if not return_recv_hook:
-            return self.low_latency_dispatch_recv(state, cumulative_local_expert_recv_stats)
+            return self.low_latency_dispatch_recv(state, cumulative_local_expert_recv_stats, wait_recv_cost_stats)
         res = state.result
 
         def hook():
-            self.low_latency_dispatch_recv(state, cumulative_local_expert_recv_stats)
+            self.low_latency_dispatch_recv(state, cumulative_local_expert_recv_stats, wait_recv_cost_stats)
 
         return LowLatencyDispatchResult(res.recv_x, res.recv_x_scales, res.recv_count, res.handle, hook)
 
@@ -179,14 +181,15 @@ class SymmBackend(Backend):
         self._check_device(x)
         return self.ll.combine_send(x, topk_idx, topk_weights, handle, zero_copy=zero_copy, out=out)
 
-    def low_latency_combine_recv(self, state) -> torch.Tensor:
-        return self.ll.combine_recv(state)
+    def low_latency_combine_recv(self, state, wait_recv_cost_stats=None) -> torch.Tensor:
+        return self.ll.combine_recv(state, wait_recv_cost_stats=wait_recv_cost_stats)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, zero_copy, return_recv_hook, out):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, zero_copy, return_recv_hook, out,
+                            wait_recv_cost_stats=None):
         state = self.low_latency_combine_send(x, topk_idx, topk_weights, handle, zero_copy=zero_copy, out=out)
         if not return_recv_hook:
-            return self.low_latency_combine_recv(state), None
-        return state.out, lambda: self.low_latency_combine_recv(state)
+            return self.low_latency_combine_recv(state, wait_recv_cost_stats), None
+        return state.out, lambda: self.low_latency_combine_recv(state, wait_recv_cost_stats)
 
     # ------------------------------------------------------------------ status
     def check_status(self, blocking: bool = True) -> None:

@@ -275,9 +275,12 @@ class SymmLowLatency:
         return _DispatchState(result, x_c, topk, slot, lay, use_fp8)
 
     def dispatch_recv(self, state: _DispatchState,
-                      cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None) -> LowLatencyDispatchResult:
+                      cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                      wait_recv_cost_stats: Optional[torch.Tensor] = None) -> LowLatencyDispatchResult:
         """Receive phase: fills ``state.result`` in place (``recv_x``, scales, ``recv_count``, the handle) and
-        adds ``recv_count`` to ``cumulative_local_expert_recv_stats`` (`[L]` `torch.int32`) when given."""
+        adds ``recv_count`` to ``cumulative_local_expert_recv_stats`` (`[L]` `torch.int32`) when given, and
+        to ``wait_recv_cost_stats`` (`[R]` `torch.int64`) the nanoseconds (device clock) this receive waited
+        from its start until each source rank had sent."""
         symm = self.symm
         symm.check_usable()
         res, lay = state.result, state.layout
@@ -307,11 +310,13 @@ class SymmLowLatency:
             symm.buffer, symm.signal_ptrs, symm.status,
             x_view, s_arg, stride_sl, stride_sg,
             res.recv_count, stats if stats is not None else res.recv_count,
+            wait_recv_cost_stats if wait_recv_cost_stats is not None else h.recv_tokens,
             h.slot_row, h.recv_tokens,
             symm.rank, T, L, R, symm.timeout_ns,
             base + lay.cnt_off, base + lay.msg_off, state.slot * s["SLOT_WORDS"],
             H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=lay.hdr, SW=sw, SWP=_pow2(sw), BLOCK_T=block_t, HC=hc,
             RP=_pow2(R), LP=_pow2(L), IS_FP8=state.use_fp8, HAS_STATS=stats is not None,
+            HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"], num_warps=warps)
         symm.check_status("low_latency_dispatch (receive)")
         state.recv_done = True
@@ -371,9 +376,11 @@ class SymmLowLatency:
         self._combine_slot ^= 1
         return _CombineState(out, topk_idx.contiguous(), topk_weights.contiguous(), handle, slot, lay)
 
-    def combine_recv(self, state: _CombineState, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def combine_recv(self, state: _CombineState, out: Optional[torch.Tensor] = None,
+                     wait_recv_cost_stats: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Receive phase: ``state.out[t] = sum_k w[t, k] * y(expert k, t)`` (float32, k ascending, holes
-        skipped; a token with no expert gives zeros). ``out`` is ignored (pass it to :meth:`combine_send`)."""
+        skipped; a token with no expert gives zeros). ``out`` is ignored (pass it to :meth:`combine_send`).
+        ``wait_recv_cost_stats`` (`[R]` `torch.int64`): nanoseconds waited for each expert rank are added."""
         symm = self.symm
         symm.check_usable()
         h, lay = state.handle, state.layout
@@ -390,8 +397,9 @@ class SymmLowLatency:
         s = self.sig
         _ll_combine_recv_kernel[grid](
             symm.buffer, state.topk_idx, state.topk_weights, state.out.view(torch.int16), symm.signal_ptrs, symm.status,
+            wait_recv_cost_stats if wait_recv_cost_stats is not None else state.topk_idx,
             symm.rank, n, R, symm.timeout_ns, base + lay.comb_off, state.slot * s["SLOT_WORDS"],
-            H=hidden, K=K, BLOCK_T=block_t, HC=hc,
+            H=hidden, K=K, BLOCK_T=block_t, HC=hc, HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
             num_warps=warps, enable_fp_fusion=False)
         symm.check_status("low_latency_combine (receive)")

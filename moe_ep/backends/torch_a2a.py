@@ -237,16 +237,26 @@ class TorchBackend(Backend):
         return acc.to(torch.bfloat16), w_acc
 
     # ------------------------------------------------------------------ low-latency mode
+    @staticmethod
+    def _add_wait(stats, wait_ns):
+        if stats is not None:
+            stats.add_(torch.tensor(wait_ns, dtype=torch.int64).to(stats.device))
+
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *,
-                             cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, return_recv_hook):
+                             cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, return_recv_hook,
+                             wait_recv_cost_stats=None):
         R, T = self.world_size, num_max_dispatch_tokens_per_rank
         L = num_experts // R
         n, hidden = x.shape
         k = topk_idx.shape[1]
         dev = x.device
+        # NOTES: the wait this backend can time per rank is the arrival at the call (host clock); the
+        # collective's own transfer time is not attributed to ranks.
+        wait_ns = [0] * R if wait_recv_cost_stats is not None else None
         self.arrival.arrive("low_latency_dispatch", {
             "hidden": hidden, "T": T, "num_experts": num_experts, "topk": k, "use_fp8": use_fp8,
-            "round_scale": round_scale, "use_ue8m0": use_ue8m0})
+            "round_scale": round_scale, "use_ue8m0": use_ue8m0}, wait_ns)
+        self._add_wait(wait_recv_cost_stats, wait_ns)
         # Step 1: quantize on the sender (1x128 groups) and build this rank's slab [T, row].
         if use_fp8:
             q, s = per_token_group_quant_fp8_ref(x, 128, round_scale=round_scale)
@@ -329,7 +339,8 @@ class TorchBackend(Backend):
             buf = self._combine_buffers[shape] = torch.empty(shape[1:], dtype=torch.bfloat16, device=handle.device)
         return buf
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, zero_copy, return_recv_hook, out):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, zero_copy, return_recv_hook, out,
+                            wait_recv_cost_stats=None):
         R, T = self.world_size, handle.num_max_dispatch_tokens_per_rank
         L = handle.num_experts // R
         k, hidden, n = handle.num_topk, handle.hidden, handle.num_tokens
@@ -338,8 +349,10 @@ class TorchBackend(Backend):
             raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns but dispatch had {k}")
         if handle.sel_expert is None:
             raise ValueError("the dispatch of this handle has not been received yet: call its hook first")
+        wait_ns = [0] * R if wait_recv_cost_stats is not None else None
         self.arrival.arrive("low_latency_combine", {"hidden": hidden, "T": T, "num_experts": handle.num_experts,
-                                                    "topk": k})
+                                                    "topk": k}, wait_ns)
+        self._add_wait(wait_recv_cost_stats, wait_ns)
         # Step 1: slot (src_rank, token, k) of the send buffer takes this rank's output for that selection
         # (a gather of R*T*K rows; slots of other ranks' experts carry junk that the receiver masks).
         e_idx = torch.where(handle.sel_expert < L, handle.sel_expert, torch.zeros_like(handle.sel_expert))

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .fp8_cast import e4m3_byte, group_scale
-from .signals import arrive_last, signal_release, wait_ne
+from .signals import arrive_last, now_ns, signal_release, wait_ne
 
 __all__ = [
     "signal_layout",
@@ -246,13 +246,14 @@ def _ll_dispatch_recv_kernel(
     recv_x_ptr,  # [L, R*T, H] contiguous: uint8 view (FP8) or int16 view (BF16)
     recv_s_ptr, stride_sl, stride_sg,  # int32 view of the column-major scales (row stride 1)
     recv_count_ptr, stats_ptr,  # [L] int32
+    wait_stats_ptr,  # [R] int64: ns this receive waited for each source (accumulated), if HAS_WAIT_STATS
     slot_row_ptr,  # [R, T, K] int32 out: le * (R*T) + row of selection (s, t, k), or -1
     recv_tokens_ptr,  # [R] int32 out: tokens of each source
     rank, T, L, R, timeout_ns,
     cnt_off, msg_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MSG: tl.constexpr, HDR: tl.constexpr,
     SW: tl.constexpr, SWP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, RP: tl.constexpr,
-    LP: tl.constexpr, IS_FP8: tl.constexpr, HAS_STATS: tl.constexpr,
+    LP: tl.constexpr, IS_FP8: tl.constexpr, HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_RECV_CNT: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -263,10 +264,16 @@ def _ll_dispatch_recv_kernel(
 
     # Step 1: sources 0..s have published (the offsets need the earlier sources' counts), so copying
     # source s's tokens overlaps with waiting for later sources.
+    if HAS_WAIT_STATS:
+        t_start = now_ns()
     n_s = tl.full([], 0, tl.int32)
     for sp in range(s + 1):
         v = wait_ne(my_sig + DISP_FULL + sp, 0, status_ptr, sp, timeout_ns)
         n_s = tl.where(sp == s, v - 1, n_s)
+    if HAS_WAIT_STATS:
+        # program (s, 0) reports how long this receive waited (from its start) until source s had sent
+        if b == 0:
+            tl.atomic_add(wait_stats_ptr + s, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
     ok = tl.load(status_ptr, volatile=True) == 0
     n_s = tl.where(ok, tl.minimum(tl.maximum(n_s, 0), T), 0)
     tl.debug_barrier()
@@ -400,9 +407,10 @@ def _ll_combine_recv_kernel(
     topk_ptr, w_ptr,  # [N, K] int64 / float32
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
+    wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
     rank, N, R, timeout_ns,
     comb_off, sig_off,
-    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -410,9 +418,15 @@ def _ll_combine_recv_kernel(
     num_progs = tl.num_programs(0) * tl.num_programs(1)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
-    # Step 1: every expert rank has published its outputs for us.
+    # Step 1: every expert rank has published its outputs for us (program (0, 0) reports, per rank, how
+    # long it waited from its start until that rank had published).
+    if HAS_WAIT_STATS:
+        t_start = now_ns()
     for d in range(R):
         wait_ne(my_sig + COMB_FULL + d, 0, status_ptr, d, timeout_ns)
+        if HAS_WAIT_STATS:
+            if (pid_t == 0) & (pid_h == 0):
+                tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
     tl.debug_barrier()
 
     # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
