@@ -221,8 +221,16 @@ def main(argv=None):
         args.tokens = args.tokens or [128, 512, 4096]
         args.iters = args.iters or 20
     backend = "nccl" if args.device == "cuda" else "gloo"
-    rec = _common.Records("bench_torch_a2a", args.json, args.cpu_smoke,
-                          device=None if args.device == "cuda" else None, argv=argv)
+    # the device name from nvidia-smi: CUDA must stay uninitialised in this process before the ranks fork
+    dev_name = None
+    if args.device == "cuda":
+        import subprocess
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        dev_name = f"{args._n_gpu} x {(r.stdout.strip().splitlines() or ['GPU'])[0]}"
+    else:
+        import platform
+        dev_name = f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo"
+    rec = _common.Records("bench_torch_a2a", args.json, args.cpu_smoke, device=dev_name, argv=argv)
     print(f"torch backend ({backend}, {args.device}), hidden {args.hidden}, {args.experts} experts, top-{args.topk}; "
           f"per-rank bytes: normal per received token-rank row, LL per selection; median of {args.iters}; "
           f"TCPStore rendezvous", flush=True)
