@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -22,9 +23,13 @@ import torch
 from .fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m moe_ep demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_Formatter)
     p.add_argument("--ranks", type=int, default=4, help="number of ranks to start on this machine (default 4)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank (default 64)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size, a multiple of 128 (DeepSeek-V3: 7168)")
@@ -187,24 +192,53 @@ def _rank_main(rank: int, world: int, args) -> dict:
             "selections": selections, "recv": {m: r[1] for m, r in results.items()}}
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    if args.hidden % 128 or args.experts % args.ranks or args.experts % args.groups or args.topk > args.experts:
-        raise SystemExit("error: --hidden must be a multiple of 128, --experts divisible by --ranks and --groups, "
-                         "and --topk <= --experts")
+def _gpu_count() -> int:
+    # NOTES: ask nvidia-smi, not torch.cuda: CUDA must stay uninitialised in the parent before forking.
+    import shutil
+    import subprocess
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "" or not shutil.which("nvidia-smi"):
+        return 0
+    res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return res.stdout.count("GPU ") if res.returncode == 0 else 0
+
+
+def _validate(p: argparse.ArgumentParser, args) -> None:
+    """Each option on its own (argparse conventions: usage, one line naming the option, exit 2)."""
+    for name in ("ranks", "tokens", "hidden", "intermediate", "experts", "topk", "groups", "topk_groups"):
+        if getattr(args, name) < 1:
+            p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.repeat is not None and args.repeat < 1:
+        p.error(f"argument --repeat: must be >= 1, got {args.repeat}")
+    if args.timeout <= 0:
+        p.error(f"argument --timeout: must be > 0, got {args.timeout}")
+    if args.hidden % 128:
+        p.error(f"argument --hidden: must be a multiple of 128, got {args.hidden}")
+    if args.experts % args.ranks:
+        p.error(f"argument --experts: must be divisible by --ranks ({args.ranks}), got {args.experts}")
+    if args.experts % args.groups:
+        p.error(f"argument --groups: must divide --experts ({args.experts}), got {args.groups}")
+    if args.topk > args.experts:
+        p.error(f"argument --topk: must be <= --experts ({args.experts}), got {args.topk}")
     if args.topk_groups > args.groups:
-        raise SystemExit("error: --topk-groups must be <= --groups")
+        p.error(f"argument --topk-groups: must be <= --groups ({args.groups}), got {args.topk_groups}")
+    if args.topk > args.topk_groups * (args.experts // args.groups):
+        p.error(f"argument --topk: must be <= --topk-groups x experts per group "
+                f"({args.topk_groups * (args.experts // args.groups)}), got {args.topk}")
     if args.experts_impl == "fp8" and args.intermediate % 128:
-        raise SystemExit("error: --intermediate must be a multiple of 128 for the FP8 experts (1x128 scales between "
-                         "the GEMMs); use --experts-impl torch for other sizes")
+        p.error(f"argument --intermediate: must be a multiple of 128 for the FP8 experts (1x128 scales between the "
+                f"GEMMs; use --experts-impl torch for other sizes), got {args.intermediate}")
+
+
+def main(argv=None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    _validate(p, args)
+    n_gpu = _gpu_count() if args.device != "cpu" else 0
+    if args.device == "cuda" and n_gpu == 0:
+        p.error("argument --device: cuda requested but no CUDA GPU found (use --device cpu or auto)")
+    if args.device == "cuda" and args.backend == "torch" and n_gpu < args.ranks:
+        p.error(f"argument --ranks: {args.ranks} ranks need one GPU each with --device cuda, {n_gpu} found")
     if args.device == "auto":
-        # NOTES: ask nvidia-smi, not torch.cuda: CUDA must stay uninitialised in the parent before forking.
-        import shutil
-        import subprocess
-        n_gpu = 0
-        if shutil.which("nvidia-smi"):
-            res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-            n_gpu = res.stdout.count("GPU ") if res.returncode == 0 else 0
         args.device = "cuda" if n_gpu >= args.ranks else "cpu"
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -214,7 +248,14 @@ def main(argv=None) -> int:
 
     backend = "nccl" if args.device == "cuda" and args.backend == "torch" else "gloo"
     t0 = time.perf_counter()
-    res = launch(_rank_main, args.ranks, args, timeout_s=args.timeout, backend=backend)
+    print(f"moe_ep demo: starting {args.ranks} ranks on {args.device} ({args.repeat} repetition(s); on CPU the Triton "
+          f"interpreter takes a while) ...", file=sys.stderr, flush=True)
+    try:
+        res = launch(_rank_main, args.ranks, args, timeout_s=args.timeout, backend=backend)
+    except (RuntimeError, TimeoutError) as exc:
+        msg = str(exc).strip().splitlines()
+        print(f"python -m moe_ep demo: error: {msg[0] if msg else type(exc).__name__}", file=sys.stderr)
+        return 1
     wall = time.perf_counter() - t0
     h = args.hidden
     sel = sum(r["selections"] for r in res)

@@ -11,10 +11,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-if "--cpu-smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"
+import _common  # noqa: E402
+
+_common.smoke_env()  # TRITON_INTERPRET=1 before moe_ep is imported
 
 from bench_dispatch import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(["--op", "combine", *sys.argv[1:]]))
+    sys.exit(main(op="combine"))

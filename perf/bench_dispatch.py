@@ -31,36 +31,62 @@ default 20 SMs = 10 channels and 256-token receive queues, BF16 hidden bytes).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-if "--cpu-smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit in moe_ep
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 
-import torch
+_common.smoke_env()  # TRITON_INTERPRET=1 before any @triton.jit in moe_ep
+
+import torch  # noqa: E402
+
+COMBINE_DOC = """Benchmark of the ``symm`` backend's combine (weighted BF16 reduction back to the source ranks).
+
+The same harness as ``perf/bench_dispatch.py`` (virtual ranks on one device, copy bandwidth and a
+torch baseline measured in the same run). Bytes as DeepEP counts them: low-latency rows selections x
+2H, normal rows received token-rank rows x 2H. After timing, every case's output is checked against a
+torch reference (identity experts: each token's output is its weighted / summed returned rows).
+
+    python perf/bench_combine.py                 # needs a CUDA GPU
+    python perf/bench_combine.py --cpu-smoke     # every code path on CPU (interpreter), tiny shapes
+"""
+
+SMOKE = dict(ranks=[2, 4], hidden=256, experts=16, topk=4, ll_tokens=4, normal_tokens=8, iters=2)
 
 
-def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", choices=["dispatch", "combine"], default="dispatch")
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+def _parse(argv=None, op=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = "bench_combine.py" if op == "combine" else "bench_dispatch.py"
+    p = _common.parser(prog, COMBINE_DOC if op == "combine" else __doc__)
+    if op is None:
+        p.add_argument("--op", choices=["dispatch", "combine"], default="dispatch", help="which operation to time")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="EP sizes (virtual ranks on one device)")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size H (a multiple of 128)")
+    p.add_argument("--experts", type=int, default=256, help="routed experts E")
+    p.add_argument("--topk", type=int, default=8, help="experts per token K")
     p.add_argument("--ll-tokens", type=int, default=128, help="T: tokens per rank in low-latency mode")
     p.add_argument("--normal-tokens", type=int, default=4096, help="tokens per rank in normal mode")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time on a GPU (ms)")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per case on CPU (median, p10, p90)")
     p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under the interpreter (numbers meaningless)")
     args = p.parse_args(argv)
+    if op is not None:
+        args.op = op
     if args.cpu_smoke:
-        args.ranks, args.hidden, args.experts, args.topk = [2, 4], 256, 16, 4
-        args.ll_tokens, args.normal_tokens = 4, 8
-    return args
+        _common.smoke_defaults(args, p, argv, **SMOKE)
+    for name in ("hidden", "experts", "topk", "ll_tokens", "normal_tokens", "rep", "iters"):
+        if getattr(args, name) < 1:
+            p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if min(args.ranks) < 1:
+        p.error(f"argument --ranks: must be >= 1, got {min(args.ranks)}")
+    if args.hidden % 128:
+        p.error(f"argument --hidden: must be a multiple of 128, got {args.hidden}")
+    if args.topk > args.experts:
+        p.error(f"argument --topk: must be <= --experts ({args.experts}), got {args.topk}")
+    return args, prog
 
 
 def _inputs(R, n, H, E, K, device, seed=0):
@@ -73,17 +99,16 @@ def _inputs(R, n, H, E, K, device, seed=0):
     return xs, idxs, ws
 
 
-def _timer(device, rep, graph):
-    """``time_us(fn)``: median microseconds of ``fn`` (CUDA-graph replays on a GPU unless disabled)."""
+def _timer(device, rep, graph, iters):
+    """``time_us(fn) -> (Timing, out)``: microseconds of ``fn`` (median, p10, p90; CUDA-graph replays on a GPU
+    unless disabled) and the output of the last timed call (the graph's output tensors after its last replay)."""
     if device.type != "cuda":
         def time_us(fn):
-            fn()
-            best = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                best.append(time.perf_counter() - t0)
-            return sorted(best)[1] * 1e6
+            box = {}
+
+            def run():
+                box["out"] = fn()
+            return _common.time_us(run, device, iters=iters), box["out"]
         return time_us
     import triton
 
@@ -93,9 +118,14 @@ def _timer(device, rep, graph):
         if graph:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                fn()
-            return triton.testing.do_bench(g.replay, rep=rep, return_mode="median") * 1e3
-        return triton.testing.do_bench(fn, rep=rep, return_mode="median") * 1e3
+                out = fn()
+            ts = triton.testing.do_bench(g.replay, rep=rep, return_mode="all")
+            g.replay()
+            torch.cuda.synchronize()
+        else:
+            ts = triton.testing.do_bench(fn, rep=rep, return_mode="all")
+            out = fn()
+        return _common.quantiles([t * 1e3 for t in ts]), out
     return time_us
 
 
@@ -103,7 +133,7 @@ def _copy_gbps(device, time_us):
     n = (1 << 30) if device.type == "cuda" else (1 << 24)
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return n / time_us(lambda: dst.copy_(src)) / 1e3
+    return n / time_us(lambda: dst.copy_(src))[0].median / 1e3
 
 
 def _torch_baseline(op, xs, idxs, ws, E, per_token_rank=False):
@@ -147,10 +177,19 @@ def _torch_baseline(op, xs, idxs, ws, E, per_token_rank=False):
     return run
 
 
+def _deq_all(xs):
+    from moe_ep.fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
+
+    return [dequant_fp8_ref(*per_token_group_quant_fp8_ref(x, 128)) for x in xs]
+
+
 def _ll_case(op, R, args, device, time_us):
+    """(Timing, selections, rel err of the timed output against the torch reference)."""
     from moe_ep.backends.symm import SymmBackend, virtual_backends
+    from moe_ep.fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
 
     T, H, E, K = args.ll_tokens, args.hidden, args.experts, args.topk
+    L = E // R
     xs, idxs, ws = _inputs(R, T, H, E, K, device)
     bs = virtual_backends(R, num_nvl_bytes=0, num_rdma_bytes=SymmBackend.get_low_latency_size_hint(T, H, R, E, K),
                           low_latency_mode=True, device=device, timeout_s=60)
@@ -160,21 +199,35 @@ def _ll_case(op, R, args, device, time_us):
         return [b.low_latency_dispatch_recv(s) for b, s in zip(bs, st)]
 
     if op == "dispatch":
-        return time_us(dispatch), R * T * K
+        t, res = time_us(dispatch)
+        # per expert: the sum of its received rows (dequantized) == the sum of the tokens that selected it
+        xq = _deq_all(xs)
+        ref = torch.zeros(E, H, dtype=torch.float32, device=device)
+        for x, i in zip(xq, idxs):
+            ref.index_add_(0, i.flatten(), x.repeat_interleave(K, dim=0))
+        got = torch.zeros(E, H, dtype=torch.float32, device=device)
+        for r, res_r in enumerate(res):
+            for le in range(L):
+                c = int(res_r.recv_count[le])
+                if c:
+                    got[r * L + le] = dequant_fp8_ref(res_r.recv_x[le, :c], res_r.recv_x_scales[le, :c]).sum(0)
+        return t, R * T * K, _common.rel_err(got, ref)
     res = dispatch()
-    ys = [r.recv_x[0].to(torch.bfloat16) if isinstance(r.recv_x, tuple) else r.recv_x.to(torch.bfloat16) for r in res]
+    ys = [r.recv_x.to(torch.bfloat16) for r in res]  # identity experts on the raw FP8 values
     outs = [torch.empty(T, H, dtype=torch.bfloat16, device=device) for _ in range(R)]
 
     def combine():
         st = [b.low_latency_combine_send(y, i, w, r.handle, out=o) for b, y, i, w, r, o in zip(bs, ys, idxs, ws, res, outs)]
         return [b.low_latency_combine_recv(s) for b, s in zip(bs, st)]
 
-    return time_us(combine), R * T * K
+    t, _ = time_us(combine)
+    ref = torch.cat([w.sum(1, keepdim=True) * per_token_group_quant_fp8_ref(x, 128)[0].float() for x, w in zip(xs, ws)])
+    return t, R * T * K, _common.rel_err(torch.cat(outs), ref)
 
 
 def _normal_case(op, R, args, device, time_us):
     from moe_ep.backends.symm import SymmBackend, virtual_backends
-    from moe_ep.fp8 import per_token_group_quant_fp8_ref
+    from moe_ep.fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
 
     N, H, E, K = args.normal_tokens, args.hidden, args.experts, args.topk
     xs, idxs, ws = _inputs(R, N, H, E, K, device, seed=1)
@@ -190,16 +243,26 @@ def _normal_case(op, R, args, device, time_us):
         return [b.dispatch_recv(s, expert_alignment=1, num_worst_tokens=worst) for b, s in zip(bs, st)]
 
     rows = sum(int(lay[0].sum()) for lay in layouts)  # token-rank pairs: the rows that travel (setup, not timed)
+    xq = [dequant_fp8_ref(q, s) for q, s in qs]
+    in_rank = [lay[3].bool() for lay in layouts]
     if op == "dispatch":
-        return time_us(dispatch), rows
+        t, res = time_us(dispatch)
+        # per destination rank: the sum of its received rows == the sum of the tokens sent to it
+        got = torch.stack([dequant_fp8_ref(r.recv_x[:n], r.recv_x_scales[:n]).sum(0) for r, n in
+                           zip(res, (sum(int(lay[0][d]) for lay in layouts) for d in range(R)))])
+        ref = torch.stack([sum(x[m[:, d]].sum(0) for x, m in zip(xq, in_rank)) for d in range(R)])
+        return t, rows, _common.rel_err(got, ref)
     res = dispatch()
-    ys = [torch.randn(worst, H, device=device).to(torch.bfloat16) for _ in res]
+    # identity experts: each rank returns its received rows dequantized (the padding rows are never read)
+    ys = [dequant_fp8_ref(r.recv_x, r.recv_x_scales).to(torch.bfloat16) for r in res]
 
     def combine():
         st = [b.combine_send(y, r.handle, None) for b, y, r in zip(bs, ys, res)]
-        return [b.combine_recv(s, ()) for b, s in zip(bs, st)]
+        return [b.combine_recv(s, ())[0] for b, s in zip(bs, st)]
 
-    return time_us(combine), rows
+    t, outs = time_us(combine)
+    ref = torch.cat([m.sum(1, keepdim=True).float() * x for x, m in zip(xq, in_rank)])
+    return t, rows, _common.rel_err(torch.cat(outs), ref)
 
 
 def deepep_normal_nvl_bytes(hidden: int, num_ranks: int, num_sms: int = 20, num_recv_tokens: int = 256) -> int:
@@ -210,40 +273,59 @@ def deepep_normal_nvl_bytes(hidden: int, num_ranks: int, num_sms: int = 20, num_
     return (nbytes + 127) // 128 * 128
 
 
-def main(argv=None) -> int:
-    args = _parse(argv)
+TOL = 2e-2  # max |out - ref| / max |ref| (BF16 rounding of the combine; dispatch sums are float32)
+
+
+def main(argv=None, op=None) -> int:
+    args, prog = _parse(argv, op)
     if args.cpu_smoke:
         device = torch.device("cpu")
-    elif torch.cuda.is_available():
+    elif _common.gpu_count():
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        print("bench_dispatch: no CUDA GPU (use --cpu-smoke to exercise the code on CPU)")
-        return 0
-    time_us = _timer(device, args.rep, graph=not args.no_graph)
+        return _common.no_gpu(prog)
+    bench = prog[:-3]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    rec = _common.Records(bench, args.json, args.cpu_smoke, device=name, argv=argv)
+    time_us = _timer(device, args.rep, not args.no_graph, args.iters)
     copy = _copy_gbps(device, time_us)
     H = args.hidden
     per_row = {"LL": H + H // 32 + 16 if args.op == "dispatch" else 2 * H,  # per selection
                "normal": H + H // 32 if args.op == "dispatch" else 2 * H}  # per token-rank row
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreter)"
-    print(f"# symm {args.op}, virtual ranks on {name}, {datetime.date.today()}; hidden {H}, {args.experts} experts, "
-          f"top-{args.topk}; copy bandwidth {copy:.0f} GB/s; times for all ranks together")
-    print("| mode | EP | tokens/rank | rows moved | us | us/rank | GB/s | % of copy | torch us | x torch |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     try:
         import moe_ep.backends.symm_normal  # noqa: F401
         modes = [("LL", args.ll_tokens, _ll_case), ("normal", args.normal_tokens, _normal_case)]
     except ImportError:
         modes = [("LL", args.ll_tokens, _ll_case)]
-    for mode, n, case in modes:
-        for R in args.ranks:
-            if args.experts % R:
-                continue
-            us, rows = case(args.op, R, args, device, time_us)
-            xs, idxs, ws = _inputs(R, n, H, args.experts, args.topk, device, seed=2)
-            base = time_us(_torch_baseline(args.op, xs, idxs, ws, args.experts, per_token_rank=mode == "normal"))
-            gbps = rows * per_row[mode] / us / 1e3
-            print(f"| {mode} | {R} | {n} | {rows} | {us:.1f} | {us / R:.1f} | {gbps:.0f} | {100 * gbps / copy:.0f}% | "
-                  f"{base:.1f} | {base / us:.2f} |")
+    cases = [(m, n, c, R) for m, n, c in modes for R in args.ranks if args.experts % R == 0]
+    for R in args.ranks:
+        if args.experts % R:
+            print(f"{prog}: skipping EP{R}: --experts {args.experts} is not divisible by it", file=sys.stderr)
+    print(f"# symm {args.op}, virtual ranks on {name}, {rec.header['date']}, commit {rec.header['commit']}; hidden {H}, "
+          f"{args.experts} experts, top-{args.topk}; copy bandwidth {copy:.0f} GB/s; times for all ranks together; "
+          f"bytes: LL per selection, normal per received token-rank row", flush=True)
+    print(_common.table_header(["mode", "EP", "tokens/rank", "rows moved", "us", "p10-p90 us", "us/rank", "GB/s",
+                                "% of copy", "torch us", "x torch", "check"]), flush=True)
+    prog_bar = _common.Progress(len(cases), args.op) if len(cases) > 1 else None
+    for mode, n, case, R in cases:
+        t, rows, err = case(args.op, R, args, device, time_us)
+        us = t.median
+        xs, idxs, ws = _inputs(R, n, H, args.experts, args.topk, device, seed=2)
+        base, _ = time_us(_torch_baseline(args.op, xs, idxs, ws, args.experts, per_token_rank=mode == "normal"))
+        gbps = rows * per_row[mode] / us / 1e3
+        valid = err <= TOL
+        check = f"ok ({err:.1e})" if valid else f"INVALID ({err:.1e} > {TOL})"
+        if prog_bar:
+            prog_bar.step(f"{mode} EP{R}")
+        print(f"| {mode} | {R} | {n} | {rows} | {us:.1f} | {t.p10:.1f}-{t.p90:.1f} | {us / R:.1f} | {gbps:.0f} | "
+              f"{100 * gbps / copy:.0f}% | {base.median:.1f} | {base.median / us:.2f} | {check} |", flush=True)
+        rec.add(f"{args.op} {mode} EP{R} {n} tokens/rank", "time", us, "us", p10=t.p10, p90=t.p90, iterations=t.n,
+                baseline=base.median, limit=None, ratio=base.median / us, valid=valid, rel_err=err,
+                rows=rows, bytes=rows * per_row[mode])
+        rec.add(f"{args.op} {mode} EP{R} {n} tokens/rank", "bandwidth", gbps, "GB/s", iterations=t.n, limit=copy,
+                ratio=gbps / copy, valid=valid)
+    if prog_bar:
+        prog_bar.close()
     from moe_ep.backends.symm_ll import deepep_ll_buffer_bytes, ll_buffer_bytes
 
     print("\n| low-latency buffer per rank, DeepSeek-V3 decode (T=128, H=7168, 256 experts, top-8) | EP | ours MB | DeepEP MB |")
@@ -259,7 +341,7 @@ def main(argv=None) -> int:
         print("| --- | --- | --- | --- |")
         for R in args.ranks:  # ours grows with the token count (whole messages); DeepEP's queues do not
             print(f"| | {R} | {SymmNormal.size_hint(N, H, K, R) / 1e6:.2f} | {deepep_normal_nvl_bytes(H, R) / 1e6:.2f} |")
-    return 0
+    return rec.finish(prog)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ CUDA-graph replay time on it.
 
 The reference is ``sglang/srt/eplb/eplb_algorithms/deepseek.py`` inside the sglang wheel, loaded with
 zipimport at run time (never vendored): ``--ref-wheel PATH``, else ``.whl/sglang-*.whl`` under the
-repository (gitignored), else it is fetched there with ``pip download --no-deps sglang==0.5.23``.
+repository (gitignored). Nothing is downloaded at run time: ``--fetch-reference`` fetches the wheel
+(about 39 MB, ``pip download --no-deps sglang==0.5.23 -d .whl``) after saying so; without the wheel
+the reference columns are skipped with one line.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ import torch  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 import eplb  # noqa: E402
 from eplb.metrics import balancedness, same_gpu_duplicates, slots_moved  # noqa: E402
 from eplb.synthetic import PRESETS, sample_topk, simulate_counts  # noqa: E402
@@ -76,36 +80,64 @@ CONFIGS = [
 ]
 
 
+PROG = "bench_eplb.py"
+SMOKE = dict(layers=2, seeds=[0], steps=4, tokens=256, map_steps=1, repeat=1, configs=1)
+
+
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _common.parser(PROG, __doc__, "tiny run (first configuration, 2 layers, 1 seed, 4 steps, 256 tokens) unless "
+                                      "given explicitly: checks the code paths in seconds")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="workload seeds (results are averaged)")
     p.add_argument("--layers", type=int, default=None, help="override every model's layer count")
     p.add_argument("--steps", type=int, default=32, help="steps per window")
     p.add_argument("--tokens", type=int, default=4608, help="tokens per map_topk step")
     p.add_argument("--map-steps", type=int, default=6, help="map_topk steps per configuration and seed")
     p.add_argument("--repeat", type=int, default=3, help="timing repetitions (median)")
+    p.add_argument("--configs", type=int, default=len(CONFIGS), help="run only the first N configurations")
     p.add_argument("--quick", action="store_true", help="8 layers, one seed, 2 map steps")
     p.add_argument("--ref-wheel", default=None, help="path of the sglang wheel holding the reference")
-    p.add_argument("--no-download", action="store_true", help="never run pip download for the reference")
+    p.add_argument("--fetch-reference", action="store_true",
+                   help=f"download the reference (sglang=={REF_VERSION} wheel, about 39 MB, no dependencies) into "
+                        ".whl/ with pip before running; nothing is downloaded without this option")
+    p.add_argument("--no-reference", action="store_true", help="skip the reference columns even if the wheel is there")
     p.add_argument("--out", default=None, help="append the tables as markdown to this file")
     a = p.parse_args(argv)
     if a.quick:
         a.layers, a.seeds, a.map_steps, a.repeat = a.layers or 8, a.seeds[:1], 2, 1
+    if a.cpu_smoke:
+        _common.smoke_defaults(a, p, argv, **SMOKE)
+    for k in ("steps", "tokens", "map_steps", "repeat", "configs"):
+        if getattr(a, k) < 1:
+            p.error(f"argument --{k.replace('_', '-')}: must be >= 1, got {getattr(a, k)}")
+    if a.layers is not None and a.layers < 1:
+        p.error(f"argument --layers: must be >= 1, got {a.layers}")
+    if a.ref_wheel and not os.path.isfile(a.ref_wheel):
+        p.error(f"argument --ref-wheel: no such file: {a.ref_wheel}")
     return a
 
 
-def load_reference(wheel, download):
-    """DeepSeek's EPLB module from the sglang wheel, imported straight from the zip (not vendored)."""
+def fetch_reference():
+    """pip download of the sglang wheel into .whl/ (only on --fetch-reference). Returns an error text or None."""
+    dest = os.path.join(ROOT, ".whl")
+    print(f"{PROG}: fetching the reference: pip download --no-deps sglang=={REF_VERSION} -d {dest} (about 39 MB; "
+          f"DeepSeek's EPLB deepseek.py is read from it with zipimport, never installed)", file=sys.stderr, flush=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={REF_VERSION}",
+                        "-d", dest], capture_output=True, text=True)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
+        return f"could not fetch the reference (pip exit {r.returncode}): {last}"
+    return None
+
+
+def load_reference(wheel):
+    """DeepSeek's EPLB module from the sglang wheel, imported straight from the zip (not vendored); (None, why)
+    when absent."""
     if wheel is None:
         found = sorted(glob.glob(os.path.join(ROOT, ".whl", "sglang-*.whl")))
-        if not found and download:
-            dest = os.path.join(ROOT, ".whl")
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={REF_VERSION}",
-                            "-d", dest], check=True)
-            found = sorted(glob.glob(os.path.join(dest, "sglang-*.whl")))
         if not found:
-            raise SystemExit("reference not found: pass --ref-wheel or run "
-                             f"`pip download --no-deps sglang=={REF_VERSION} -d .whl`")
+            return None, (f"reference absent (no .whl/sglang-*.whl): reference columns skipped; "
+                          f"--fetch-reference downloads it (sglang=={REF_VERSION}, about 39 MB)")
         wheel = found[-1]
     spec = zipimport.zipimporter(os.path.join(wheel, REF_MODULE_DIR)).find_spec("deepseek")
     mod = importlib.util.module_from_spec(spec)
@@ -208,10 +240,19 @@ def _bal(loads):
 
 # ---- tables ----
 
+def _plan_ok(phy2log, E, P) -> bool:
+    """A plan is valid when every slot holds an expert id in range and every expert has a slot, per layer."""
+    p = torch.as_tensor(phy2log)
+    if p.shape[-1] != P or p.min() < 0 or p.max() >= E:
+        return False
+    return all(torch.bincount(layer.long(), minlength=E).min() >= 1 for layer in p.reshape(-1, P))
+
+
 def placement_rows(args, ref):
     rows = []
     cache = {}
-    for name, preset, G, nodes, P, groups in CONFIGS:
+    prog = _common.Progress(min(args.configs, len(CONFIGS)), "placement")
+    for name, preset, G, nodes, P, groups in CONFIGS[:args.configs]:
         acc = []
         for seed in args.seeds:
             wl = PRESETS[preset]
@@ -225,23 +266,33 @@ def placement_rows(args, ref):
                 cache[key] = simulate_counts(wl, 3, seed=seed)
             w0, w1, w2 = (x.astype(np.float64) for x in cache[key])
             r = {}
-            rp0 = ref_rebalance(ref, w0.sum(0), P, groups, nodes, G)[0]
-            rp, r["ref ms"] = timed(lambda: ref_rebalance(ref, w1.sum(0), P, groups, nodes, G)[0], args.repeat)
+            if ref is not None:
+                rp0 = ref_rebalance(ref, w0.sum(0), P, groups, nodes, G)[0]
+                rp, r["ref ms"] = timed(lambda: ref_rebalance(ref, w1.sum(0), P, groups, nodes, G)[0], args.repeat)
             o2, r["LE ms"] = timed(lambda: eplb.rebalance_experts(w1.sum(0), P, groups, nodes, G)[0], args.repeat)
             o3, r["SLE ms"] = timed(lambda: eplb.rebalance_experts(w1, P, groups, nodes, G)[0], args.repeat)
             prev = eplb.rebalance_experts(w0, P, groups, nodes, G)[0]
             st, r["sticky ms"] = timed(lambda: eplb.rebalance_experts(w1, P, groups, nodes, G, previous=prev)[0],
                                        args.repeat)
-            for k, p in (("ref", rp), ("LE", o2), ("SLE", o3), ("sticky", st)):
+            plans = (("LE", o2), ("SLE", o3), ("sticky", st))
+            if ref is not None:
+                plans = (("ref", rp),) + plans
+                r["ref moved"] = slots_moved(rp, rp0, G) / rp.numel()
+            else:
+                for k in ("ref", "ref plan", "ref dup", "ref moved", "ref ms"):
+                    r[k] = float("nan")
+            E = w1.shape[-1]
+            r["valid"] = float(all(_plan_ok(p, E, P) for _, p in plans))
+            for k, p in plans:
                 r[k] = balancedness(p, w2, G)
                 r[k + " plan"] = balancedness(p, w1, G)
                 r[k + " dup"] = same_gpu_duplicates(p, G)
-            r["ref moved"] = slots_moved(rp, rp0, G) / rp.numel()
             r["SLE moved"] = slots_moved(o3, prev, G) / o3.numel()
             r["sticky moved"] = slots_moved(st, prev, G) / st.numel()
             acc.append(r)
         mean = {k: float(np.mean([a[k] for a in acc])) for k in acc[0]}
         rows.append((name, preset, wl.num_layers, mean))
+        prog.step(name)
         print(f"  {name}: ref {mean['ref']:.3f}, ours LE {mean['LE']:.3f}, ours SLE {mean['SLE']:.3f}, "
               f"sticky {mean['sticky']:.3f} ({100 * mean['sticky moved']:.0f}% moved)", file=sys.stderr)
     return rows
@@ -250,12 +301,13 @@ def placement_rows(args, ref):
 def dispatch_rows(args):
     rows = []
     gpu = torch.cuda.is_available()
-    for name, preset, G, nodes, P, groups in CONFIGS:
+    for name, preset, G, nodes, P, groups in CONFIGS[:args.configs]:
         if "decode" not in preset or "V3" not in name:
             continue
         wl = PRESETS[preset]
         acc = {k: [] for k in ("static", "random", "round_robin", "even", "balanced", "optimum")}
         gaps, times = [], {}
+        ok_map = True
         for seed in args.seeds:
             wl1 = dataclasses.replace(wl, num_layers=1, num_steps=args.steps)
             w = simulate_counts(wl1, 1, seed=seed)[0]
@@ -266,6 +318,7 @@ def dispatch_rows(args):
                 counts = torch.bincount(topk.reshape(-1), minlength=wl.num_experts).double().numpy()
                 for pol in ("static", "random", "round_robin", "balanced"):
                     out = eplb.map_topk(topk, l2p, cnt, pol, seed=step, num_gpus=G, num_slots=P)
+                    ok_map &= bool((phy2log[0][out.long()] == topk.long()).all())
                     acc[pol].append(_bal(np.bincount(out.reshape(-1).numpy() // (P // G), minlength=G)))
                 even = _bal(eplb.gpu_loads(phy2log, counts[None], G)[0])
                 opt = counts.sum() / G / optimal_max_load(counts, l2p.numpy(), cnt.numpy(), G, P // G)
@@ -284,6 +337,7 @@ def dispatch_rows(args):
         mean = {k: float(np.mean(v)) for k, v in acc.items()}
         mean["gap"] = float(np.mean(gaps)) if gaps else float("nan")
         mean["gap steps"] = len(gaps)
+        mean["valid"] = float(ok_map)
         mean["steps"] = len(acc["even"])
         mean.update({k + " us": float(np.median(v)) for k, v in times.items()})
         rows.append((name, mean))
@@ -361,17 +415,41 @@ def render(args, ref_name, prow, drow):
 def main(argv=None):
     args = _parse(argv)
     torch.set_num_threads(1)
-    ref, ref_name = load_reference(args.ref_wheel, not args.no_download)
-    print("placement ...", file=sys.stderr)
+    ref, ref_name = None, None
+    if args.fetch_reference and not args.ref_wheel and not args.no_reference:
+        why = fetch_reference()
+        if why:
+            return _common.error(PROG, why)
+    if not args.no_reference:
+        ref, ref_name = load_reference(args.ref_wheel)
+        if ref is None:
+            print(f"{PROG}: {ref_name}", file=sys.stderr, flush=True)
+            ref_name = "no reference"
+    rec = _common.Records("bench_eplb", args.json, args.cpu_smoke, argv=argv)
+    print("placement ...", file=sys.stderr, flush=True)
     prow = placement_rows(args, ref)
-    print("map_topk ...", file=sys.stderr)
+    print("map_topk ...", file=sys.stderr, flush=True)
     drow = dispatch_rows(args)
-    text = render(args, ref_name, prow, drow)
+    text = render(args, ref_name or "no reference", prow, drow)
+    if ref is None:
+        import re
+        text = re.sub(r"\bnan%?", "n/a", text)
     print(text)
+    for name, preset, L, r in prow:
+        for key, unit in (("LE", "balancedness"), ("SLE", "balancedness"), ("sticky", "balancedness")):
+            base = None if ref is None else r["ref"]
+            rec.add(f"placement {name}", f"ours {key} balancedness (later window)", r[key], "mean/max", baseline=base,
+                    limit=1.0, ratio=None if base is None else r[key] / base, valid=r["valid"] == 1.0,
+                    iterations=args.repeat, time_ms=r[f"{key} ms"], dup=r[f"{key} dup"])
+    for name, r in drow:
+        rec.add(f"map_topk {name}", "balanced balancedness per step", r["balanced"], "mean/max", baseline=r["even"],
+                limit=r["optimum"], ratio=r["balanced"] / r["even"] if r["even"] else None, valid=r["valid"] == 1.0,
+                iterations=r["steps"], time_us=r.get("balanced us"))
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n\n")
+    return rec.finish(PROG)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -43,8 +43,10 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-if "--cpu-smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit in moe_ep is defined
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+_common.smoke_env()  # TRITON_INTERPRET=1 before any @triton.jit in moe_ep is defined
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -65,19 +67,25 @@ SMOKE = False
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.parser("bench_gemm.py", __doc__,
+                       f"tiny shapes on CPU under the Triton interpreter (GEMMs {SMOKE_SHAPES}, G={list(SMOKE_GROUPS)}, "
+                       f"rows {list(SMOKE_ROWS)} unless given explicitly; timings meaningless; proves the code path "
+                       "runs and the checks pass)")
     p.add_argument("--quick", action="store_true",
                    help=f"a small subset: G={list(QUICK_GROUPS)}, rows per expert {list(QUICK_ROWS)}")
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny shapes on CPU under the Triton interpreter (timings meaningless; proves the code "
-                        "path runs and the checks pass)")
     p.add_argument("--groups", type=int, nargs="+", default=None, help="experts per rank (overrides the default)")
     p.add_argument("--rows", type=int, nargs="+", default=None, help="rows per expert (overrides the default)")
     p.add_argument("--gemm", choices=sorted(SHAPES), nargs="+", default=None, help="which shapes (default both)")
     p.add_argument("--no-deepgemm", action="store_true", help="do not import deep_gemm")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement (ms)")
-    p.add_argument("--json", default=None, help="also write the records (with device, date, versions, commit) here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("groups", "rows"):
+        v = getattr(args, name)
+        if v is not None and min(v) < 1:
+            p.error(f"argument --{name}: must be >= 1, got {min(v)}")
+    if args.rep < 1:
+        p.error(f"argument --rep: must be >= 1, got {args.rep}")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,10 +389,8 @@ def main(argv=None) -> int:
             return 2
         dev, name = torch.device("cpu"), "CPU smoke run (Triton interpreter, timings meaningless)"
         shapes, groups, rows_list, peak_size = SMOKE_SHAPES, SMOKE_GROUPS, SMOKE_ROWS, SMOKE_PEAK_SIZE
-    elif not torch.cuda.is_available():
-        print("bench_gemm.py needs a CUDA GPU (the GEMMs are only timed compiled); none found. "
-              "Use --cpu-smoke to check the script itself.")
-        return 0
+    elif not _common.gpu_count() or not torch.cuda.is_available():
+        return _common.no_gpu("bench_gemm.py")
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
         name = torch.cuda.get_device_name(dev)
@@ -419,6 +425,10 @@ def main(argv=None) -> int:
     print(f"- Check: per expert max |d - ref| < {TOL} * max |ref| (float32 matmul of the dequantized operands)\n",
           flush=True)
 
+    rec = _common.Records("bench_gemm", args.json, args.cpu_smoke, device=name, argv=argv)
+    rec.add("dense FP8 peak", "tflops", peak["tflops"], "TFLOPS", p10=None, p90=None, valid=peak["ok"],
+            time_us=peak["us"], rel_err=peak.get("rel_err"))
+    print("| " + " | ".join(HEADER) + " |\n" + "|" + "---|" * len(HEADER), flush=True)
     records = []
     for sname, (n, k) in shapes.items():
         for g in groups:
@@ -436,7 +446,12 @@ def main(argv=None) -> int:
                     wq, ws, wb = _weights(g, n, k, dev)
                 recs = _combo(sname, n, k, g, rows, wq, ws, wb, dev, args, peak_tflops, bf16, dg)
                 for r in recs:
-                    print("  " + " | ".join(_row(r)), file=sys.stderr, flush=True)
+                    print("| " + " | ".join(_row(r)) + " |", flush=True)
+                    rec.add(f"{sname} G={g} rows={rows} {r['_layout_label']}", "time", r["us"], "us", p10=r["p10_us"],
+                            p90=r["p90_us"], baseline=r["bf16_us"], limit=None,
+                            ratio=r["x_bf16"], valid=r["ok"], tflops=r["tflops"], x_fp8_peak=r["x_fp8_peak"],
+                            deepgemm_us=r["deepgemm_us"], x_deepgemm=r["x_deepgemm"], rel_err=r["rel_err"],
+                            iterations=None)
                     if not r["ok"]:
                         print(f"FAILED: {sname} G={g} rows={rows} {r['_layout_label']}: {', '.join(r['failed'])} "
                               f"outside {TOL} of max |ref|", file=sys.stderr, flush=True)
@@ -447,9 +462,6 @@ def main(argv=None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(_row(r)) + " |" for r in records]
-    print("\n".join(lines))
     if bf16.note:
         print(f"\nNote: {bf16.note}")
     failed = [r for r in records if not r["ok"]]
@@ -458,13 +470,13 @@ def main(argv=None) -> int:
     else:
         print(f"\n{len(records)} rows, all checks passed")
 
-    if args.json:
-        out = [{**meta, "kind": "dense_fp8_peak", **peak}]
-        out += [{**meta, **{key: v for key, v in r.items() if not key.startswith("_")}} for r in records]
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({**meta, "records": out}, f, indent=1)
-    return 1 if failed or not peak["ok"] else 0
+    if not records:
+        return _common.error("bench_gemm.py", "measured nothing (every combination was skipped)")
+    if failed or not peak["ok"]:
+        print("INVALID: outputs outside the tolerance of the reference (see FAILED above)")
+        return _common.error("bench_gemm.py", f"INVALID: {len(failed)} rows failed their check")
+    return 0
+
 
 
 if __name__ == "__main__":

@@ -25,10 +25,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 
-import torch
+import torch  # noqa: E402
 
-from microbatch import Communicator, moe_layer_schedule, run_single, run_two_microbatches, split_batch
+from microbatch import Communicator, moe_layer_schedule, run_single, run_two_microbatches, split_batch  # noqa: E402
+
+PROG = "bench_microbatch.py"
+SMOKE = dict(hidden=256, moe_inter=128, attn_width=256, iters=3, comm_scale=1.0, tokens=[16])
+TOL = 2e-2  # two microbatches vs one batch: max |diff| / max |one batch|
 
 
 class EmulatedCommunicator(Communicator):
@@ -104,58 +110,52 @@ def _layer(args, device):
 
 
 def _time_ms(fn, device, iters):
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(iters):
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-    else:
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    """Timing in milliseconds (median, p10, p90, iterations)."""
+    t = _common.time_us(fn, device, iters=iters)
+    return _common.Timing((t.median / 1e3, t.p10 / 1e3, t.p90 / 1e3, t.n))
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["decode", "prefill"], nargs="+", default=["decode", "prefill"])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _common.parser(PROG, __doc__, "run the CPU variant: tiny shapes (hidden 256, 16 tokens, 3 iterations) "
+                                      "unless given explicitly (numbers meaningless)")
+    p.add_argument("--mode", choices=["decode", "prefill"], nargs="+", default=["decode", "prefill"],
+                   help="which schedules to time")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="batch sizes (default decode: 32..512, prefill: 1024..8192)")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--moe-inter", type=int, default=2048)
-    p.add_argument("--attn-width", type=int, default=16384)
-    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size")
+    p.add_argument("--moe-inter", type=int, default=2048, help="expert MLP width")
+    p.add_argument("--attn-width", type=int, default=16384, help="width of the emulated attention projections")
+    p.add_argument("--topk", type=int, default=8, help="experts per token")
     p.add_argument("--comm-scale", type=float, default=8.0,
                    help="copy this many times the dispatch/combine bytes (HBM copy is ~10x faster than NVLink/RDMA)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement (median, p10, p90)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
+        _common.smoke_defaults(args, p, argv, **SMOKE)
+    for k in ("hidden", "moe_inter", "attn_width", "topk", "iters"):
+        if getattr(args, k) < 1:
+            p.error(f"argument --{k.replace('_', '-')}: must be >= 1, got {getattr(args, k)}")
+    if args.tokens and min(args.tokens) < 2:
+        p.error(f"argument --tokens: must be >= 2 (two microbatches), got {min(args.tokens)}")
+    if args.comm_scale <= 0:
+        p.error(f"argument --comm-scale: must be > 0, got {args.comm_scale}")
+    if args.cpu_smoke:
         device = torch.device("cpu")
-        args.hidden, args.moe_inter, args.attn_width, args.iters, args.comm_scale = 256, 128, 256, 3, 1.0
-    elif torch.cuda.is_available():
+    elif _common.gpu_count() and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        print("bench_microbatch: no CUDA GPU (use --cpu-smoke to exercise the code on CPU)")
-        return 0
+        return _common.no_gpu(PROG)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"# two-microbatch overlap, {name}, {datetime.date.today()}; hidden {args.hidden}, top-{args.topk}, "
-          f"communication emulated as {args.comm_scale}x the DeepEP bytes copied on a side stream")
-    print("| mode | tokens | compute ms | comm ms | no split ms | two mb ms | overlap eff. | speedup |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    rec = _common.Records("bench_microbatch", args.json, args.cpu_smoke, device=name, argv=argv)
+    print(f"# two-microbatch overlap, {name}, {rec.header['date']}, commit {rec.header['commit']}; hidden {args.hidden}, "
+          f"top-{args.topk}, communication emulated as {args.comm_scale}x the DeepEP bytes copied on a side stream; "
+          f"median of {args.iters}", flush=True)
+    print(_common.table_header(["mode", "tokens", "compute ms", "comm ms", "no split ms", "two mb ms",
+                                "p10-p90 ms", "overlap eff.", "speedup", "check"]), flush=True)
     compute = _layer(args, device)
     for mode in args.mode:
         sizes = args.tokens or ([32, 64, 128, 256, 512] if mode == "decode" else [1024, 2048, 4096, 8192])
-        if args.cpu_smoke:
-            sizes = [16]
         comm = EmulatedCommunicator(args.hidden, args.topk, device, args.comm_scale, max(sizes))
         ops = moe_layer_schedule(comm, mode=mode, **compute)
         comp_ops = moe_layer_schedule(_NoComm(), mode=mode, **compute)
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             hidden = torch.randn(n, args.hidden, device=device).to(torch.bfloat16)
             split = split_batch([n] if mode == "prefill" else [1] * n, mode)
             a, b = hidden[split.token_slices[0]], hidden[split.token_slices[1]]
-            t_comp = _time_ms(lambda: run_single(comp_ops, {"hidden": hidden}), device, args.iters)
+            t_comp = _time_ms(lambda: run_single(comp_ops, {"hidden": hidden}), device, args.iters).median
 
             def comm_only():
                 s = {"x": hidden, "expert_out": hidden}
@@ -171,14 +171,31 @@ def main(argv=None) -> int:
                 comm.dispatch_recv(s)
                 comm.combine_send(s)
                 comm.combine_recv(s)
-            t_comm = _time_ms(comm_only, device, args.iters)
-            t_one = _time_ms(lambda: run_single(ops, {"hidden": hidden}), device, args.iters)
+            t_comm = _time_ms(comm_only, device, args.iters).median
+            t_one = _time_ms(lambda: run_single(ops, {"hidden": hidden}), device, args.iters).median
             off = 1 if mode == "decode" else 0  # decode: B one stage behind, so every transfer sits under compute
-            t_two = _time_ms(lambda: run_two_microbatches(ops, {"hidden": a}, {"hidden": b}, offset=off), device, args.iters)
+            box = {}
+
+            def two():
+                box["out"] = run_two_microbatches(ops, {"hidden": a}, {"hidden": b}, offset=off)
+            t2 = _time_ms(two, device, args.iters)
+            t_two = t2.median
+            # check: the two microbatches' outputs (of the last timed call) == the layer on the whole batch
+            sa, sb = box["out"]
+            one = run_single(ops, {"hidden": hidden})["out"]
+            two_out = torch.empty_like(one)
+            two_out[split.token_slices[0]] = sa["out"]
+            two_out[split.token_slices[1]] = sb["out"]
+            err = _common.rel_err(two_out, one)
+            valid = err <= TOL
             eff = (t_comp + t_comm - t_two) / max(min(t_comp, t_comm), 1e-9)
-            print(f"| {mode} | {n} | {t_comp:.3f} | {t_comm:.3f} | {t_one:.3f} | {t_two:.3f} | {100 * eff:.0f}% | "
-                  f"{t_one / t_two:.2f} |")
-    return 0
+            print(f"| {mode} | {n} | {t_comp:.3f} | {t_comm:.3f} | {t_one:.3f} | {t_two:.3f} | {t2.p10:.3f}-{t2.p90:.3f} | "
+                  f"{100 * eff:.0f}% | {t_one / t_two:.2f} | {f'ok ({err:.1e})' if valid else f'INVALID ({err:.1e} > {TOL})'} |",
+                  flush=True)
+            rec.add(f"{mode} {n} tokens", "two-microbatch time", t_two, "ms", p10=t2.p10, p90=t2.p90,
+                    iterations=t2.n, baseline=t_one, limit=max(t_comp, t_comm), ratio=t_one / t_two, valid=valid,
+                    rel_err=err, compute_ms=t_comp, comm_ms=t_comm, overlap_efficiency=eff)
+    return rec.finish(PROG)
 
 
 class _NoComm(Communicator):

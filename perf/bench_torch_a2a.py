@@ -1,8 +1,12 @@
 """Benchmark of the ``torch`` backend (all_to_all_single): dispatch/combine time and bandwidth.
 
-Runs N local ranks: gloo on CPU, NCCL with one GPU per rank when enough GPUs exist. Bytes are
-counted as DeepEP does (per rank: dispatch = selections x (H + H/32 + 16) for FP8, combine =
-selections x 2H), and the table shows the same byte count moved by a local device copy
+Runs N local ranks: gloo on CPU, NCCL with one GPU per rank (more ranks than GPUs is refused). The
+process group is set up here with a TCPStore rendezvous (tcp://127.0.0.1:<free port>). Bytes are
+counted as DeepEP does (per rank: normal mode per received token-rank row, recv rows x (H + H/32) for
+the FP8 dispatch and recv rows x 2H for combine; low-latency mode per selection, selections x
+(H + H/32 + 16) and selections x 2H). Every timed call's output is checked after timing (dispatch:
+the received rows' sum; combine of identity experts: each token's rows summed / weighted back). The
+table shows the table shows the same byte count moved by a local device copy
 (``copy GB/s``) measured in the same run, the bound for anything that stays on one device.
 
     python perf/bench_torch_a2a.py                       # CPU defaults (small)
@@ -17,22 +21,60 @@ import statistics
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+if "--cpu-smoke" in sys.argv or "cuda" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks: the interpreter (before moe_ep is imported)
+
+import torch  # noqa: E402
+
+PROG = "bench_torch_a2a.py"
+SMOKE = dict(device="cpu", ranks=[2], tokens=[16], hidden=256, experts=16, topk=4, iters=2)
+TOL = 2e-2
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _common.parser(PROG, __doc__, "tiny CPU run (2 ranks, 16 tokens, hidden 256, 16 experts, top-4) unless "
+                                      "given explicitly")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda when nvidia-smi lists a GPU, else cpu (gloo)")
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="world sizes (CPU default 2 4; GPU: all GPUs)")
-    p.add_argument("--tokens", type=int, nargs="+", default=None, help="tokens per rank (CPU default 64 256)")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (median reported)")
-    p.add_argument("--timeout", type=float, default=600.0)
-    return p.parse_args(argv)
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help="tokens per rank (CPU default 64 256; GPU 128 512 4096)")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size (a multiple of 128)")
+    p.add_argument("--experts", type=int, default=256, help="routed experts (divisible by every world size)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (median reported; CPU 5, GPU 20)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck run is stopped")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        _common.smoke_defaults(args, p, argv, **SMOKE)
+    if args.ranks is not None and min(args.ranks) < 1:
+        p.error(f"argument --ranks: must be >= 1, got {min(args.ranks)}")
+    if args.tokens is not None and min(args.tokens) < 1:
+        p.error(f"argument --tokens: must be >= 1, got {min(args.tokens)}")
+    if args.hidden < 128 or args.hidden % 128:
+        p.error(f"argument --hidden: must be a positive multiple of 128, got {args.hidden}")
+    if args.topk < 1 or args.topk > args.experts:
+        p.error(f"argument --topk: must be in 1..--experts ({args.experts}), got {args.topk}")
+    if args.iters is not None and args.iters < 1:
+        p.error(f"argument --iters: must be >= 1, got {args.iters}")
+    if args.timeout <= 0:
+        p.error(f"argument --timeout: must be > 0, got {args.timeout}")
+    for r in args.ranks or []:
+        if args.experts % r:
+            p.error(f"argument --ranks: {r} does not divide --experts {args.experts}")
+    n_gpu = _common.gpu_count()
+    if args.device == "auto":
+        args.device = "cuda" if n_gpu else "cpu"
+    if args.device == "cuda" and not n_gpu:
+        p.error("argument --device: cuda requested but no CUDA GPU found (use --device cpu)")
+    if args.device == "cuda" and args.ranks and max(args.ranks) > n_gpu:
+        p.error(f"argument --ranks: {max(args.ranks)} ranks need one GPU each, only {n_gpu} found")
+    args._n_gpu = n_gpu
+    return args
 
 
 def _sync(dev):
@@ -57,7 +99,7 @@ def _rank(rank, world, args):
     import torch.distributed as dist
 
     import moe_ep
-    from moe_ep.fp8 import per_token_group_quant_fp8_ref
+    from moe_ep.fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
 
     dev = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     buf = moe_ep.Buffer(None, low_latency_mode=True, backend="torch", timeout_s=args.timeout)
@@ -69,6 +111,7 @@ def _rank(rank, world, args):
         idx = torch.rand(n, e, generator=g).argsort(1)[:, :k].to(dev)
         w = torch.rand(n, k, generator=g).to(dev)
         q, s = per_token_group_quant_fp8_ref(x)
+        xq = dequant_fp8_ref(q, s)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
         sel = n * k
 
@@ -76,62 +119,143 @@ def _rank(rank, world, args):
             return buf.dispatch((q, s), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
 
-        (rx, _), _, _, _, handle, _ = disp()
-        y = torch.randn(rx.shape[0], h, generator=g).to(torch.bfloat16).to(dev)
+        (rx, rs), _, _, _, handle, _ = disp()
+        recv_rows = int(rx.shape[0])
+        y = dequant_fp8_ref(rx, rs).to(torch.bfloat16)  # identity experts
         barrier = dist.barrier
         t_d = _timeit(disp, dev, args.iters, barrier)
-        t_c = _timeit(lambda: buf.combine(y, handle), dev, args.iters, barrier)
+        box = {}
+
+        def comb():
+            box["out"] = buf.combine(y, handle)[0]
+        t_c = _timeit(comb, dev, args.iters, barrier)
+        ok_normal = _common.rel_err(box["out"], in_rank.sum(1, keepdim=True).float() * xq)
         ll = buf.low_latency_dispatch(x, idx, n, e)
-        yl = torch.zeros(ll[0][0].shape, dtype=torch.bfloat16, device=dev)
+        (lq, ls), count = ll[0], ll[1]
+        yl = torch.zeros(lq.shape, dtype=torch.bfloat16, device=dev)
+        for le in range(lq.shape[0]):
+            c = int(count[le])
+            if c:
+                yl[le, :c] = dequant_fp8_ref(lq[le, :c], ls[le, :c]).to(torch.bfloat16)
         t_ld = _timeit(lambda: buf.low_latency_dispatch(x, idx, n, e), dev, args.iters, barrier)
-        t_lc = _timeit(lambda: buf.low_latency_combine(yl, idx, w, ll[2]), dev, args.iters, barrier)
-        d_bytes, c_bytes = sel * (h + h // 32 + 16), sel * 2 * h
+
+        def lcomb():
+            box["ll"] = buf.low_latency_combine(yl, idx, w, ll[2])[0]
+        t_lc = _timeit(lcomb, dev, args.iters, barrier)
+        err_ll = _common.rel_err(box["ll"], w.sum(1, keepdim=True) * xq)
+        # normal mode: per received token-rank row (recv rows x row bytes); low-latency: per selection
+        d_bytes, c_bytes = recv_rows * (h + h // 32), recv_rows * 2 * h
+        ld_bytes, lc_bytes = sel * (h + h // 32 + 16), sel * 2 * h
         src = torch.empty(d_bytes + c_bytes, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         t_copy = _timeit(lambda: dst.copy_(src), dev, args.iters, lambda: None)
-        rows.append((n, d_bytes, c_bytes, t_d, t_c, t_ld, t_lc, (d_bytes + c_bytes) / t_copy))
+        rows.append(dict(n=n, d=d_bytes, c=c_bytes, ld=ld_bytes, lc=lc_bytes, t_d=t_d, t_c=t_c, t_ld=t_ld, t_lc=t_lc,
+                         copy=(d_bytes + c_bytes) / t_copy, err=max(ok_normal, err_ll), recv_rows=recv_rows))
+    buf.destroy()
     return rows
+
+
+def _child(conn, port, rank, world, backend, args):
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        import datetime
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        out = _rank(rank, world, args)
+        dist.barrier()
+        dist.destroy_process_group()
+        conn.send(("ok", out))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent in one line
+        conn.send(("error", f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+    finally:
+        conn.close()
+
+
+def _launch(world, args, backend):
+    """Fork ``world`` ranks that rendezvous over a TCPStore on a free local port; their results, by rank."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("fork")
+    procs, conns = [], []
+    for r in range(world):
+        a, b = ctx.Pipe(duplex=False)
+        pr = ctx.Process(target=_child, args=(b, port, r, world, backend, args), daemon=True)
+        pr.start()
+        b.close()
+        procs.append(pr)
+        conns.append(a)
+    deadline = time.monotonic() + args.timeout
+    results = []
+    try:
+        for r, c in enumerate(conns):
+            if not c.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"rank {r} did not finish within --timeout {args.timeout:.0f} s")
+            status, val = c.recv()
+            if status != "ok":
+                raise RuntimeError(val)
+            results.append(val)
+    finally:
+        for pr in procs:
+            pr.join(timeout=5)
+            if pr.is_alive():
+                pr.kill()
+    return results
 
 
 def main(argv=None):
     args = _parse(argv)
-    if args.device == "auto":
-        import shutil
-        import subprocess
-        n_gpu = 0
-        if shutil.which("nvidia-smi"):
-            r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-            n_gpu = r.stdout.count("GPU ") if r.returncode == 0 else 0
-        args.device = "cuda" if n_gpu else "cpu"
-        args._n_gpu = n_gpu
     if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         args.ranks = args.ranks or [2, 4]
         args.tokens = args.tokens or [64, 256]
         args.iters = args.iters or 5
     else:
-        n_gpu = getattr(args, "_n_gpu", None) or int(os.environ.get("MOE_EP_NUM_GPUS", "1"))
-        args.ranks = args.ranks or [n_gpu]
+        args.ranks = args.ranks or [args._n_gpu]
         args.tokens = args.tokens or [128, 512, 4096]
         args.iters = args.iters or 20
-    from moe_ep.testing import launch
-
     backend = "nccl" if args.device == "cuda" else "gloo"
+    # the device name from nvidia-smi: CUDA must stay uninitialised in this process before the ranks fork
+    dev_name = None
+    if args.device == "cuda":
+        import subprocess
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        dev_name = f"{args._n_gpu} x {(r.stdout.strip().splitlines() or ['GPU'])[0]}"
+    else:
+        import platform
+        dev_name = f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo"
+    rec = _common.Records("bench_torch_a2a", args.json, args.cpu_smoke, device=dev_name, argv=argv)
     print(f"torch backend ({backend}, {args.device}), hidden {args.hidden}, {args.experts} experts, top-{args.topk}; "
-          f"per-rank bytes counted as DeepEP; median of {args.iters}")
+          f"per-rank bytes: normal per received token-rank row, LL per selection; median of {args.iters}; "
+          f"TCPStore rendezvous", flush=True)
     print(f"{'ranks':>5} {'tokens':>6} | {'dispatch us':>11} {'GB/s':>7} | {'combine us':>10} {'GB/s':>7} | "
-          f"{'LL disp us':>10} {'GB/s':>7} | {'LL comb us':>10} {'GB/s':>7} | {'copy GB/s':>9}")
+          f"{'LL disp us':>10} {'GB/s':>7} | {'LL comb us':>10} {'GB/s':>7} | {'copy GB/s':>9} | check", flush=True)
     for world in args.ranks:
-        res = launch(_rank, world, args, timeout_s=args.timeout, backend=backend)
+        try:
+            res = _launch(world, args, backend)
+        except RuntimeError as exc:
+            return _common.error(PROG, f"{world} ranks: {exc}")
         for i, n in enumerate(args.tokens):
-            # the slowest rank sets the pace
-            n_, d_b, c_b, t_d, t_c, t_ld, t_lc, copy_bw = (max(r[i][j] for r in res) if j >= 3 else res[0][i][j]
-                                                            for j in range(8))
-            copy_bw = min(r[i][7] for r in res)
-            print(f"{world:>5} {n:>6} | {t_d * 1e6:>11.0f} {d_b / t_d / 1e9:>7.2f} | {t_c * 1e6:>10.0f} "
-                  f"{c_b / t_c / 1e9:>7.2f} | {t_ld * 1e6:>10.0f} {d_b / t_ld / 1e9:>7.2f} | {t_lc * 1e6:>10.0f} "
-                  f"{c_b / t_lc / 1e9:>7.2f} | {copy_bw / 1e9:>9.1f}")
-    return 0
+            worst = {key: max(r[i][key] for r in res) for key in ("t_d", "t_c", "t_ld", "t_lc", "err")}  # slowest rank
+            r0 = res[0][i]
+            copy_bw = min(r[i]["copy"] for r in res)
+            valid = worst["err"] <= TOL
+            print(f"{world:>5} {n:>6} | {worst['t_d'] * 1e6:>11.0f} {r0['d'] / worst['t_d'] / 1e9:>7.2f} | "
+                  f"{worst['t_c'] * 1e6:>10.0f} {r0['c'] / worst['t_c'] / 1e9:>7.2f} | {worst['t_ld'] * 1e6:>10.0f} "
+                  f"{r0['ld'] / worst['t_ld'] / 1e9:>7.2f} | {worst['t_lc'] * 1e6:>10.0f} {r0['lc'] / worst['t_lc'] / 1e9:>7.2f} | "
+                  f"{copy_bw / 1e9:>9.1f} | {'ok' if valid else 'INVALID'} ({worst['err']:.1e})", flush=True)
+            for key, bkey, label in (("t_d", "d", "dispatch FP8"), ("t_c", "c", "combine BF16"),
+                                     ("t_ld", "ld", "LL dispatch FP8"), ("t_lc", "lc", "LL combine BF16")):
+                rec.add(f"{label} {world} ranks {n} tokens/rank", "time", worst[key] * 1e6, "us", iterations=args.iters,
+                        limit=r0[bkey] / copy_bw * 1e6, ratio=None, valid=valid, bytes_rank0=r0[bkey],
+                        bandwidth_gbps=r0[bkey] / worst[key] / 1e9, rel_err=worst["err"])
+    return rec.finish(PROG)
 
 
 if __name__ == "__main__":

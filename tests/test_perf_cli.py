@@ -1,0 +1,98 @@
+"""perf/ command lines: run_all.sh without a GPU, each bench's --cpu-smoke --json records, error exits."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PERF = os.path.join(ROOT, "perf")
+sys.path.insert(0, PERF)
+import _common  # noqa: E402
+
+ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+ENV.pop("TRITON_INTERPRET", None)  # --cpu-smoke must set it itself
+BENCHES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(PERF, "bench_*.py")))
+
+
+def _run(args, timeout=240):
+    return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_all_refuses_without_gpu(tmp_path):
+    p = subprocess.run(["bash", os.path.join(PERF, "run_all.sh")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=30, env=dict(ENV, PATH="/usr/bin:/bin", OUT_DIR=str(tmp_path)))
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in p.stderr
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_bench_without_gpu_exits_nonzero(bench):
+    if bench in ("bench_eplb.py", "bench_torch_a2a.py"):
+        pytest.skip("runs on CPU by design")
+    p = _run([sys.executable, os.path.join(PERF, bench)], timeout=60)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in p.stderr
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_bench_cpu_smoke_json(bench, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    p = _run([sys.executable, os.path.join(PERF, bench), "--cpu-smoke", "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "INVALID" not in p.stdout
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    head, rows = recs[0], recs[1:]
+    assert set(_common.HEADER_KEYS) <= set(head) and head["kind"] == "header" and head["cpu-smoke"] is True
+    assert head["bench"] == bench[:-3]
+    assert rows
+    for r in rows:
+        assert set(_common.ROW_KEYS) <= set(r), r
+        assert r["valid"] is True and r["bench"] == bench[:-3]
+
+
+def test_bench_combine_has_its_own_help():
+    p = _run([sys.executable, os.path.join(PERF, "bench_combine.py"), "--help"], timeout=60)
+    assert p.returncode == 0
+    assert p.stdout.startswith("usage: bench_combine.py")
+    assert "Benchmark of the ``symm`` backend's combine" in p.stdout
+    assert "--op" not in p.stdout and "(default: 7168)" in p.stdout
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_every_option_has_help_and_default(bench):
+    p = _run([sys.executable, os.path.join(PERF, bench), "--help"], timeout=60)
+    assert p.returncode == 0 and "--json" in p.stdout and "--cpu-smoke" in p.stdout
+    assert "default:" in p.stdout
+
+
+def test_cpu_smoke_keeps_explicit_options(tmp_path):
+    out = tmp_path / "q.jsonl"
+    p = _run([sys.executable, os.path.join(PERF, "bench_quant.py"), "--cpu-smoke", "-k", "128", "-m", "4",
+              "--no-silu", "--no-pdl", "--json", str(out)])
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert {r["case"] for r in rows} == {"quant M=4 K=128"}
+
+
+def test_smoke_defaults_helper():
+    import argparse
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    argv = ["--hidden=512"]
+    args = p.parse_args(argv)
+    _common.smoke_defaults(args, p, argv, hidden=256, topk=4)
+    assert (args.hidden, args.topk) == (512, 4)
+
+
+def test_eplb_never_downloads(tmp_path):
+    p = _run([sys.executable, os.path.join(PERF, "bench_eplb.py"), "--cpu-smoke", "--json", str(tmp_path / "e.jsonl")])
+    assert p.returncode == 0
+    assert "pip download" not in p.stderr or "--fetch-reference" in p.stderr
+    assert not any("fetching" in ln for ln in p.stderr.splitlines())
