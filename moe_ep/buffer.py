@@ -69,8 +69,13 @@ class Buffer:
         num_nvl_bytes, num_rdma_bytes: buffer sizes as in DeepEP (size hints:
             :meth:`get_low_latency_rdma_size_hint`); the ``torch`` backend allocates per call and ignores them.
         low_latency_mode: enables ``low_latency_dispatch`` / ``low_latency_combine``.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy: accepted for
-            DeepEP compatibility (RDMA settings of backends not in this release).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted for DeepEP
+            compatibility (RDMA / fabric-memory settings of backends not in this release; ignored).
+        explicitly_destroy: as DeepEP: ``True`` means resources are released only by :meth:`destroy`
+            (which then must be called); ``False`` releases them when the Buffer is garbage-collected.
+        enable_shrink: DeepEP's rank-masking mode; not supported in this release (``True`` raises
+            ``ValueError``); the mask API methods exist with DeepEP's signatures and refuse without it.
+        comm: DeepEP's mpi4py alternative to ``group``; not supported (must be ``None``).
         backend: ``"torch"`` (all_to_all_single over gloo/NCCL, any topology), ``"symm"`` (Triton kernels
             over symmetric memory, one node) or ``"auto"`` (``"torch"`` in this release).
         timeout_s: bound on every wait; a rank that does not arrive makes the call raise
@@ -88,8 +93,13 @@ class Buffer:
 
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *, backend: str = "auto", timeout_s: float = 60.0,
-                 check_inputs: bool = True, **backend_kwargs: Any):
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
+                 backend: str = "auto", timeout_s: float = 60.0, check_inputs: bool = True, **backend_kwargs: Any):
+        if comm is not None:
+            raise ValueError("comm= (an mpi4py communicator) is not supported: pass a torch.distributed process group")
+        if enable_shrink:
+            raise ValueError("enable_shrink=True (rank masking) is not supported in this release: a rank that does not "
+                             "arrive makes every peer raise moe_ep.RankTimeoutError naming it")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
         if backend not in BACKENDS:
@@ -106,6 +116,8 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.check_inputs = check_inputs
         self.timeout_s = float(timeout_s)
+        self.enable_shrink = enable_shrink
+        self._destroyed = False
         self.backend_name = "torch" if backend == "auto" else backend
         common = dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                       low_latency_mode=low_latency_mode, timeout_s=self.timeout_s)
@@ -119,6 +131,48 @@ class Buffer:
         self._checked_layout = None  # key of the last get_dispatch_layout whose topk_idx was value-checked
 
     # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """DeepEP: whether the SM90 (Hopper) kernels were built. Here kernels are compiled by Triton at run
+        time for the device present, so this is ``True`` when a CUDA device of compute capability 9.0 or
+        newer is visible (FP8 MMA, PDL), ``False`` otherwise (CPU, older GPUs)."""
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """DeepEP: an event recorded on the current CUDA stream (wrapped in :class:`EventOverlap`, for
+        ``previous_event=``). On a machine without CUDA: an empty :class:`EventOverlap` (waiting on it is a
+        no-op, as every CPU call is synchronous)."""
+        if not torch.cuda.is_available():
+            return EventOverlap(None)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event)
+
+    def get_comm_stream(self):
+        """DeepEP: the communication stream ``async_finish`` calls run on (of the current CUDA device; made
+        on first use). ``None`` without CUDA (CPU calls are synchronous and use no stream)."""
+        if not torch.cuda.is_available():
+            return None
+        return self._comm_stream(torch.device("cuda", torch.cuda.current_device()))
+
+    def _check_shrink(self) -> None:
+        if not self.enable_shrink:
+            raise ValueError("the low-latency mask API needs Buffer(..., enable_shrink=True) (as in DeepEP), which "
+                             "this release does not support")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """DeepEP's mask API (mask or unmask ``rank_to_mask``); needs ``enable_shrink``."""
+        self._check_shrink()
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """DeepEP's mask API (copy the mask into ``mask_status`` `[num_ranks]` int32); needs ``enable_shrink``."""
+        self._check_shrink()
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """DeepEP's mask API (clear every mask); needs ``enable_shrink``."""
+        self._check_shrink()
+
     def get_local_buffer_tensor(self, *args, **kwargs):
         raise NotImplementedError("get_local_buffer_tensor is not part of this release")
 
@@ -259,17 +313,18 @@ class Buffer:
                                  f"{made_with}")
             num_experts = 0
         else:
-            if topk_idx is None or num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-                raise ValueError("dispatch without a handle needs topk_idx, num_tokens_per_rank, is_token_in_rank "
-                                 "and num_tokens_per_expert (from get_dispatch_layout)")
+            if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+                raise ValueError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
+                                 "num_tokens_per_expert (from get_dispatch_layout)")
+            if (topk_idx is None) != (topk_weights is None):
+                raise ValueError("pass topk_idx and topk_weights together (or neither, for a layout-only dispatch)")
             if not isinstance(num_tokens_per_expert, torch.Tensor) or num_tokens_per_expert.dim() != 1:
                 raise ValueError("num_tokens_per_expert must be a 1D tensor [num_experts]")
             num_experts = num_tokens_per_expert.shape[0]
             V.check_num_experts(num_experts, self.group_size)
-            V.check_topk_shape(topk_idx, n, data.device)
-            if topk_weights is None:
-                raise ValueError("dispatch without a handle needs topk_weights")
-            V.check_topk_weights(topk_weights, topk_idx)
+            if topk_idx is not None:
+                V.check_topk_shape(topk_idx, n, data.device)
+                V.check_topk_weights(topk_weights, topk_idx)
             if not isinstance(num_tokens_per_rank, torch.Tensor) or tuple(num_tokens_per_rank.shape) != (self.group_size,):
                 raise ValueError(f"num_tokens_per_rank must have shape [{self.group_size}], got "
                                  f"{tuple(getattr(num_tokens_per_rank, 'shape', ()))}")
@@ -280,12 +335,17 @@ class Buffer:
                                  f"{tuple(getattr(is_token_in_rank, 'shape', ()))}")
             for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                             ("num_tokens_per_expert", num_tokens_per_expert), ("topk_weights", topk_weights)):
-                if t.device != data.device:
+                if t is not None and t.device != data.device:
                     raise ValueError(f"{name} is on {t.device}, x on {data.device}")
-            key = (num_experts, _tensor_key(topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
-            if self._value_checks(data.device) and key != self._checked_layout:
-                V.check_dispatch_values(topk_idx, num_experts, self.group_size, num_tokens_per_rank,
-                                        is_token_in_rank, num_tokens_per_expert)
+            if topk_idx is None:  # layout only: the per-rank counts must still match the token mask
+                if self._value_checks(data.device) and \
+                        bool((num_tokens_per_rank.to(torch.int64) != is_token_in_rank.sum(0)).any()):
+                    raise ValueError("num_tokens_per_rank disagrees with is_token_in_rank.sum(0)")
+            else:
+                key = (num_experts, _tensor_key(topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
+                if self._value_checks(data.device) and key != self._checked_layout:
+                    V.check_dispatch_values(topk_idx, num_experts, self.group_size, num_tokens_per_rank,
+                                            is_token_in_rank, num_tokens_per_expert)
 
         def fn():
             return self._impl.dispatch(
@@ -296,7 +356,7 @@ class Buffer:
 
         res, event = self._run(fn, data.device, previous_event, async_finish, allocate_on_comm_stream)
         if handle is None:  # what later calls with this handle are checked against
-            res.handle.num_topk = topk_idx.shape[1]
+            res.handle.num_topk = 0 if topk_idx is None else topk_idx.shape[1]
             res.handle.num_worst_tokens = num_worst_tokens
         recv_x = (res.recv_x, res.recv_x_scales) if res.recv_x_scales is not None else res.recv_x
         return (recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
@@ -340,6 +400,12 @@ class Buffer:
         return combined, combined_w, event
 
     # ---------------------------------------------------------------- low-latency mode
+    def _check_wait_stats(self, t, name: str, device: torch.device) -> None:
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.int64
+                              or tuple(t.shape) != (self.group_size,) or t.device != device):
+            raise ValueError(f"{name} must be torch.int64 [{self.group_size}] on {device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+
     def _check_low_latency(self) -> None:
         if not self.low_latency_mode:
             raise ValueError("low-latency calls need Buffer(..., low_latency_mode=True)")
@@ -347,8 +413,9 @@ class Buffer:
     @_reports_refusal("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
         """Dispatch for decode: fixed-size buffers, FP8 cast inside the send, masked receive layout.
 
         Arguments:
@@ -357,6 +424,10 @@ class Buffer:
             num_max_dispatch_tokens_per_rank: ``T``, the same on every rank.
             num_experts: ``E``; ``L = E / num_ranks`` local experts.
             cumulative_local_expert_recv_stats: optional `[L]` `torch.int32`, ``recv_count`` is added to it.
+            dispatch_wait_recv_cost_stats: optional `[num_ranks]` `torch.int64`: the receive adds, per source
+                rank, the nanoseconds it waited for that rank (``symm``: device clock, from the receive kernel's
+                start until the rank's tokens had arrived; ``torch``: host clock, from this rank's arrival at the
+                call until that rank's). A rank that keeps showing large values is slow or dying.
             use_fp8: cast to FP8 with 1x128 scales; round_scale: power-of-two scales; use_ue8m0: scales
                 packed as UE8M0 exponents (implies ``round_scale``).
             return_recv_hook: only issue the send; the returned ``hook()`` completes the receive.
@@ -384,11 +455,13 @@ class Buffer:
             s = cumulative_local_expert_recv_stats
             if not isinstance(s, torch.Tensor) or s.dtype != torch.int32 or tuple(s.shape) != (num_local,):
                 raise ValueError(f"cumulative_local_expert_recv_stats must be torch.int32 [{num_local}]")
+        self._check_wait_stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", x.device)
         res, event = self._run(
             lambda: self._impl.low_latency_dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, use_fp8=use_fp8,
-                round_scale=round_scale or use_ue8m0, use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook),
+                round_scale=round_scale or use_ue8m0, use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook,
+                wait_recv_cost_stats=dispatch_wait_recv_cost_stats),
             x.device, None, async_finish, False)
         recv_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
         return recv_x, res.recv_count, res.handle, event, res.hook
@@ -397,7 +470,8 @@ class Buffer:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None):
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
         """Weighted combine for decode: ``out[t] = sum_k topk_weights[t, k] * y(expert topk_idx[t, k], t)``.
 
         Arguments:
@@ -407,6 +481,8 @@ class Buffer:
             use_logfmt: LogFMT-compressed combine is not supported in this release (raises ValueError).
             zero_copy: ``x`` is the tensor from :meth:`get_next_low_latency_combine_buffer`.
             out: optional `[num_tokens, hidden]` `torch.bfloat16` output.
+            combine_wait_recv_cost_stats: optional `[num_ranks]` `torch.int64`, as ``dispatch_wait_recv_cost_stats``
+                of :meth:`low_latency_dispatch`, per expert rank.
 
         Returns:
             combined_x: `[num_tokens, hidden]` `torch.bfloat16` (float32 accumulation over k ascending; a token
@@ -430,9 +506,11 @@ class Buffer:
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
                                 or tuple(out.shape) != (handle.num_tokens, handle.hidden)):
             raise ValueError(f"out must be torch.bfloat16 [{handle.num_tokens}, {handle.hidden}]")
+        self._check_wait_stats(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", x.device)
         (combined, hook), event = self._run(
             lambda: self._impl.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy=zero_copy,
-                                                   return_recv_hook=return_recv_hook, out=out),
+                                                   return_recv_hook=return_recv_hook, out=out,
+                                                   wait_recv_cost_stats=combine_wait_recv_cost_stats),
             x.device, None, async_finish, False)
         return combined, event, hook
 
@@ -455,4 +533,21 @@ class Buffer:
             check(blocking=True)
 
     def destroy(self) -> None:
-        self._impl.destroy()
+        """Release the communication resources (DeepEP: only with ``explicitly_destroy=True``; otherwise
+        they are released when the Buffer is garbage-collected). Every later call raises."""
+        if not self.explicitly_destroy:
+            raise ValueError("destroy() needs Buffer(..., explicitly_destroy=True) (as in DeepEP); without it the "
+                             "resources are released when the Buffer is garbage-collected")
+        self._release()
+
+    def _release(self) -> None:
+        if not self._destroyed:
+            self._destroyed = True
+            self._impl.destroy()
+
+    def __del__(self):
+        if not getattr(self, "explicitly_destroy", True) and hasattr(self, "_impl"):
+            try:
+                self._release()
+            except Exception:  # noqa: BLE001 - never raise from a finaliser
+                pass

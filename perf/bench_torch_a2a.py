@@ -102,7 +102,7 @@ def _rank(rank, world, args):
     from moe_ep.fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
 
     dev = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
-    buf = moe_ep.Buffer(None, low_latency_mode=True, backend="torch", timeout_s=args.timeout)
+    buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=True, backend="torch", timeout_s=args.timeout)
     h, e, k = args.hidden, args.experts, args.topk
     rows = []
     for n in args.tokens:

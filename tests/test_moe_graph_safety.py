@@ -32,7 +32,7 @@ def _layer(rank: int, world: int, n: int, device: torch.device, **buffer_kwargs)
     sl = slice(rank * num_local, (rank + 1) * num_local)
     weights = ExpertWeights.from_float(w13[sl].to(device), w2[sl].to(device))
     shared_w = (torch.randn(H, H, generator=g) / H ** 0.5).to(torch.bfloat16).to(device)
-    buf = moe_ep.Buffer(None, low_latency_mode=True, backend="symm", timeout_s=60, device=device,
+    buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=True, backend="symm", timeout_s=60, device=device,
                         num_rdma_bytes=SymmBackend.get_low_latency_size_hint(n, H, world, E, K), **buffer_kwargs)
     layer = MoELayer(buf, weights, E, mode="decode", num_max_dispatch_tokens_per_rank=n,
                      shared_expert=lambda x: (x.float() @ shared_w.float()).to(torch.bfloat16))

@@ -43,6 +43,29 @@ class DispatchHandle:
     is_token_in_rank: torch.Tensor
     num_tokens_per_rank: torch.Tensor
 
+    # DeepEP's intranode handle is a tuple (rank_prefix_matrix, channel_prefix_matrix,
+    # recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head); engines and tests index it.
+    _DEEPEP_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                      "is_token_in_rank", "send_head")
+
+    def __getitem__(self, i: int):
+        """DeepEP's handle fields by position: 0 ``rank_prefix_matrix`` (`[R, R]` int32: entry ``[s, d]``
+        is the number of tokens ranks ``0..s`` send to rank ``d``), 3 ``recv_src_idx`` (`[num_recv]` int32:
+        source token index of each received row), 4 ``is_token_in_rank``. The channel matrices (1, 2) and
+        ``send_head`` (5) describe DeepEP's kernel channels, which have no counterpart here."""
+        name = self._DEEPEP_FIELDS[i]
+        if name == "is_token_in_rank":
+            return self.is_token_in_rank
+        value = self.deepep_field(name)
+        if value is None:
+            raise NotImplementedError(f"handle[{i}] ({name}) is not available on this backend (see "
+                                      "moe_ep.backends.base.DispatchHandle.__getitem__)")
+        return value
+
+    def deepep_field(self, name: str):
+        """A DeepEP handle field this backend can provide (``None``: it cannot)."""
+        return None
+
 
 @dataclasses.dataclass
 class LowLatencyHandle:
@@ -57,6 +80,40 @@ class LowLatencyHandle:
     hidden: int
     num_max_dispatch_tokens_per_rank: int
     num_experts: int
+
+    def __getitem__(self, i: int):
+        """DeepEP's low-latency handle fields by position: 0 ``packed_recv_src_info`` (`[L, R*T]` int32:
+        source token index of each received row), 1 ``packed_recv_layout_range`` (`[L, R]` int64:
+        ``begin << 32 | count`` of each source rank's rows in each local expert's block), 2 ``T``, 3
+        ``hidden``, 4 ``num_experts``. Valid once the receive has completed; computed on the device."""
+        fields = (None, None, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
+        if i in (0, 1, -5, -4):
+            return self.deepep_layout()[i % 5]
+        return fields[i]
+
+    def selection_slots(self) -> torch.Tensor:
+        """`[R, T, K]` int32: for selection (source rank, token, k), ``local_expert * R*T + row`` where it
+        landed on this rank, or -1 (backends fill this in)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its receive layout")
+
+    def deepep_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.selection_slots()
+        R, T, K = slots.shape
+        RT = R * T
+        L = self.num_experts // R
+        dev = slots.device
+        flat = slots.reshape(-1).to(torch.int64)
+        valid = flat >= 0
+        tok = torch.arange(T, device=dev).view(1, T, 1).expand(R, T, K).reshape(-1)
+        src = torch.arange(R, device=dev).view(R, 1, 1).expand(R, T, K).reshape(-1)
+        src_info = torch.full((L * RT + 1,), -1, dtype=torch.int32, device=dev)
+        src_info.scatter_(0, torch.where(valid, flat, L * RT), tok.to(torch.int32))
+        le = torch.where(valid, flat // RT, torch.full_like(flat, L))
+        counts = torch.zeros((L + 1) * R, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, le * R + src, torch.ones_like(le))
+        counts = counts.view(L + 1, R)[:L]
+        begin = counts.cumsum(1) - counts
+        return src_info[:-1].view(L, RT), (begin << 32) | counts
 
 
 @dataclasses.dataclass

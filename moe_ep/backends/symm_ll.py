@@ -124,6 +124,9 @@ class SymmLowLatencyHandle(LowLatencyHandle):
     slot_row: Optional[torch.Tensor] = None
     recv_tokens: Optional[torch.Tensor] = None
 
+    def selection_slots(self) -> torch.Tensor:
+        return self.slot_row
+
 
 @dataclasses.dataclass
 class _DispatchState:

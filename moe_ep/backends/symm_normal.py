@@ -87,6 +87,17 @@ class SymmNormalHandle(DispatchHandle):
     num_topk: int = 0
     num_recv_tokens_per_expert_list: list = None
     recv_counts_host: list = None  # the same counts on the host (None after a num_worst_tokens dispatch)
+    rank: int = 0
+
+    def deepep_field(self, name: str):
+        if name == "rank_prefix_matrix":
+            # NOTES: only this rank's column is known here (what it received from each source); the other
+            # entries would need another exchange and are -1, so a caller cannot mistake them for counts.
+            R = self.recv_counts.shape[0]
+            m = torch.full((R, R), -1, dtype=torch.int32, device=self.recv_counts.device)
+            m[:, self.rank] = self.recv_counts.to(torch.int32).cumsum(0).to(torch.int32)
+            return m
+        return None
 
 
 @dataclasses.dataclass
@@ -165,11 +176,11 @@ class SymmNormal:
         else:
             in_rank = is_token_in_rank.to(torch.int32)
             pos = torch.where(is_token_in_rank, in_rank.cumsum(0, dtype=torch.int32) - 1, -1).to(torch.int32)
-            counts, k = num_tokens_per_rank.to(torch.int32), topk_idx.shape[1]
+            counts, k = num_tokens_per_rank.to(torch.int32), (0 if topk_idx is None else topk_idx.shape[1])
         parts = [_words(x.view(torch.uint8) if x.element_size() == 1 else x)]
         if x_scales is not None:
             parts.append(_words(x_scales.float()))
-        if handle is None:
+        if handle is None and k > 0:
             parts += [_words(topk_idx), _words(topk_weights)]
         rows = _rows(parts)
         words = rows.shape[1]
@@ -229,14 +240,17 @@ class SymmNormal:
         recv_idx = recv_w = None
         if st.handle is None:
             k, num_local = st.num_topk, st.num_experts // R
-            gidx = _unwords(out[:, off:off + 2 * k], torch.int64, k)
-            w = _unwords(out[:, off + 2 * k:off + 3 * k], torch.float32, k)
-            lo = self.symm.rank * num_local
-            is_local = (gidx >= lo) & (gidx < lo + num_local) & valid[:, None]
-            recv_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
-            recv_w = torch.where(is_local, w, torch.zeros_like(w))
-            if num_worst_tokens > 0:
-                per_expert = []  # NOTES: like DeepEP: no host read with num_worst_tokens, so no list
+            if k > 0:
+                gidx = _unwords(out[:, off:off + 2 * k], torch.int64, k)
+                w = _unwords(out[:, off + 2 * k:off + 3 * k], torch.float32, k)
+                lo = self.symm.rank * num_local
+                is_local = (gidx >= lo) & (gidx < lo + num_local) & valid[:, None]
+                recv_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
+                recv_w = torch.where(is_local, w, torch.zeros_like(w))
+            if num_worst_tokens > 0 or k == 0:
+                # NOTES: like DeepEP: no host read with num_worst_tokens, so no list; a layout-only dispatch
+                # (no top-k) carries no per-expert information on this backend
+                per_expert = []
             else:
                 c = torch.bincount(recv_idx[recv_idx >= 0], minlength=num_local).tolist()
                 per_expert = [(v + expert_alignment - 1) // expert_alignment * expert_alignment for v in c]
@@ -244,7 +258,7 @@ class SymmNormal:
                                       is_token_in_rank=st.is_token_in_rank, num_tokens_per_rank=st.num_tokens_per_rank,
                                       send_pos=st.pos, recv_counts=counts, num_topk=k,
                                       num_recv_tokens_per_expert_list=per_expert,
-                                      recv_counts_host=None if num_worst_tokens > 0 else host)
+                                      recv_counts_host=None if num_worst_tokens > 0 else host, rank=self.symm.rank)
         else:
             handle = st.handle
             if m != handle.num_recv_tokens:

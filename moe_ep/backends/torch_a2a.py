@@ -78,6 +78,11 @@ class TorchDispatchHandle(DispatchHandle):
     send_counts: list = None  # rows sent to each rank
     recv_counts: list = None  # rows received from each rank
     num_recv_tokens_per_expert_list: list = None
+    rank_prefix_matrix: torch.Tensor = None  # [R, R] int32
+    recv_src_idx: torch.Tensor = None  # [num_recv] int32
+
+    def deepep_field(self, name: str):
+        return getattr(self, name, None)
 
 
 @dataclasses.dataclass
@@ -87,6 +92,14 @@ class TorchLowLatencyHandle(LowLatencyHandle):
     recv_count: torch.Tensor = None  # [L] int32
     num_topk: int = 0
     device: torch.device = None
+
+    def selection_slots(self) -> torch.Tensor:
+        if self.sel_expert is None:
+            raise ValueError("the dispatch of this handle has not been received yet: call its hook first")
+        L = self.num_experts // (self.sel_expert.numel() // (self.num_max_dispatch_tokens_per_rank * self.num_topk))
+        rt = self.sel_expert.numel() // self.num_topk
+        slots = torch.where(self.sel_expert < L, self.sel_expert * rt + self.sel_pos, -1)
+        return slots.to(torch.int32).view(-1, self.num_max_dispatch_tokens_per_rank, self.num_topk)
 
 
 class TorchBackend(Backend):
@@ -135,10 +148,15 @@ class TorchBackend(Backend):
             # Step 1: counts. Row r of `meta` = [tokens for rank r, selections per local expert of rank r].
             local_counts = num_tokens_per_expert.reshape(R, num_local).to(torch.int64)
             meta = torch.cat([num_tokens_per_rank.to(torch.int64).reshape(R, 1), local_counts], dim=1)
-            recv_meta = torch.empty_like(meta)
-            dist.all_to_all_single(recv_meta, meta, group=self.group)
+            # Every rank's meta (all of it, not just the column for this rank): DeepEP's rank_prefix_matrix
+            # needs the full [R, R] token counts, and it is small (R * R * (1 + L) int64).
+            all_meta = torch.empty(R * R, 1 + num_local, dtype=torch.int64, device=meta.device)
+            _all_gather(all_meta, meta.contiguous(), group=self.group)
+            all_meta = all_meta.view(R, R, 1 + num_local)  # [source, destination, field]
+            recv_meta = all_meta[:, self.rank]
             meta_cpu = meta[:, 0].cpu()
             recv_meta_cpu = recv_meta.cpu()  # NOTES: the host synchronisation of this backend
+            rank_prefix = all_meta[:, :, 0].cumsum(0).to(torch.int32)
             send_counts = meta_cpu.tolist()
             recv_counts = recv_meta_cpu[:, 0].tolist()
             per_expert = recv_meta_cpu[:, 1:].sum(0).tolist()
@@ -148,7 +166,10 @@ class TorchBackend(Backend):
         parts = [_bytes(x.index_select(0, send_idx))]
         if is_fp8:
             parts.append(_bytes(x_scales.index_select(0, send_idx)))
-        if handle is None:
+        with_topk = handle is None and topk_idx is not None
+        if handle is None:  # source token index (DeepEP's recv_src_idx), 4 bytes per row
+            parts.append(_bytes(send_idx.to(torch.int32).view(-1, 1)))
+        if with_topk:
             k = topk_idx.shape[1]
             parts.append(_bytes(topk_idx.index_select(0, send_idx)))
             parts.append(_bytes(topk_weights.index_select(0, send_idx)))
@@ -168,7 +189,11 @@ class TorchBackend(Backend):
             recv_scales = _from_bytes(recv[:, off:off + 4 * g], torch.float32, g)
             off += 4 * g
         recv_topk_idx = recv_topk_weights = None
+        recv_src_idx = None
         if handle is None:
+            recv_src_idx = _from_bytes(recv[:, off:off + 4], torch.int32, 1).reshape(-1)
+            off += 4
+        if with_topk:
             gidx = _from_bytes(recv[:, off:off + 8 * k], torch.int64, k)
             off += 8 * k
             w = _from_bytes(recv[:, off:off + 4 * k], torch.float32, k)
@@ -176,7 +201,11 @@ class TorchBackend(Backend):
             is_local = (gidx >= lo) & (gidx < lo + num_local)
             recv_topk_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
             recv_topk_weights = torch.where(is_local, w, torch.zeros_like(w))
-            per_expert_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in per_expert]
+        if handle is None:
+            if num_worst_tokens > 0:
+                per_expert_list = []  # as DeepEP and the symm backend: outputs sized without the counts
+            else:
+                per_expert_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in per_expert]
         else:
             per_expert_list = handle.num_recv_tokens_per_expert_list
         # Step 5: worst-case padding (static output shapes for the caller).
@@ -190,6 +219,8 @@ class TorchBackend(Backend):
             recv_x = torch.cat([recv_x, recv_x.new_zeros(pad, hidden)])
             if recv_scales is not None:
                 recv_scales = torch.cat([recv_scales, recv_scales.new_zeros(pad, recv_scales.shape[1])])
+            if recv_src_idx is not None:
+                recv_src_idx = torch.cat([recv_src_idx, recv_src_idx.new_full((pad,), -1)])
             if recv_topk_idx is not None:
                 recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((pad, k), -1)])
                 recv_topk_weights = torch.cat([recv_topk_weights, recv_topk_weights.new_zeros(pad, k)])
@@ -198,7 +229,8 @@ class TorchBackend(Backend):
                 owner=id(self), num_tokens=n, num_recv_tokens=num_rows, hidden=hidden,
                 is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
                 send_token_idx=send_idx, send_counts=send_counts, recv_counts=recv_counts,
-                num_recv_tokens_per_expert_list=per_expert_list)
+                num_recv_tokens_per_expert_list=per_expert_list, rank_prefix_matrix=rank_prefix,
+                recv_src_idx=recv_src_idx)
         elif num_rows != handle.num_recv_tokens:
             raise ValueError(f"cached dispatch received {num_rows} rows but the handle expects "
                              f"{handle.num_recv_tokens} (num_worst_tokens must match the original call)")
