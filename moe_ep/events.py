@@ -26,6 +26,7 @@ class TorchCudaStreams:
     """The default stream provider: plain ``torch.cuda``; ``launch`` reports go nowhere."""
 
     emulate_device = False  # a checker sets this: CPU tensors then take the CUDA code path
+    reports_launches = False  # a checker sets this: launches are reported to it
 
     def uses_streams(self, device: torch.device) -> bool:
         return device.type == "cuda"
@@ -201,10 +202,11 @@ def run_on_comm_stream(fn: Callable[[], Any], device: torch.device, comm_stream,
     in_tensors = [t for t in _tensors_in(inputs) if s.on_device(t)]
     with s.stream(comm_stream):
         result = fn()
-        in_keys = {_storage_key(t) for t in in_tensors}
         outputs = [t for t in _tensors_in(result) if s.on_device(t)]
-        s.launch(comm_stream, in_tensors, [t for t in outputs if _storage_key(t) not in in_keys],
-                 _call_name(fn), alloc_stream=compute_stream)
+        if s.reports_launches:  # a checker: reads = inputs, writes = outputs that are not inputs
+            in_keys = {_storage_key(t) for t in in_tensors}
+            s.launch(comm_stream, in_tensors, [t for t in outputs if _storage_key(t) not in in_keys],
+                     _call_name(fn), alloc_stream=compute_stream)
         event = s.Event()
         s.record(event, comm_stream)
     # Tensors made on the comm stream are used on the compute stream: keep the caching allocator

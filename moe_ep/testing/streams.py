@@ -137,6 +137,7 @@ class StreamChecker:
     provider :mod:`moe_ep.events` talks to while :func:`checked_streams` is active."""
 
     emulate_device = True
+    reports_launches = True
 
     def __init__(self):
         self._clock: dict[VirtualStream, dict] = {}
