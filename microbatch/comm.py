@@ -103,18 +103,22 @@ class NormalCommunicator(Communicator):
 
     def dispatch_send(self, state: dict) -> None:
         x, idx = state["x"], state["topk_idx"]
-        per_rank, _, per_expert, in_rank, ev = self.buffer.get_dispatch_layout(idx, self.num_experts,
-                                                                              async_finish=self.async_finish)
+        per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(idx, self.num_experts,
+                                                                             async_finish=self.async_finish)
         payload = per_token_group_quant_fp8(x) if self.use_fp8 else x
+        # No previous_event: the dispatch's comm stream then waits for the compute stream, i.e. for the
+        # quantization just launched there (the layout's event, recorded on the comm stream before it,
+        # would replace that wait). The layout ran on the same comm stream, so it is ordered before.
         recv_x, r_idx, r_w, counts, handle, ev = self.buffer.dispatch(
             payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=idx, topk_weights=state["topk_weights"], previous_event=ev if self.async_finish else None,
-            async_finish=self.async_finish)
+            topk_idx=idx, topk_weights=state["topk_weights"], async_finish=self.async_finish)
+        # The payload stays referenced until the receive (the Buffer also record_streams its inputs).
         state.update(layout="contiguous", recv_x=recv_x, recv_topk_idx=r_idx, recv_topk_weights=r_w,
-                     num_recv_tokens_per_expert=counts, handle=handle, _event=ev)
+                     num_recv_tokens_per_expert=counts, handle=handle, _event=ev, _payload=payload)
 
     def dispatch_recv(self, state: dict) -> None:
         state.pop("_event").current_stream_wait()
+        state.pop("_payload", None)
 
     def combine_send(self, state: dict) -> None:
         combined, _, ev = self.buffer.combine(state["expert_out"], state["handle"], async_finish=self.async_finish)

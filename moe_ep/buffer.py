@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import validate as V
 from .backends.base import Backend, DispatchHandle, LowLatencyHandle
+from . import events
 from .events import EventOverlap, run_on_comm_stream
 
 __all__ = ["Buffer", "Config"]
@@ -58,7 +59,7 @@ def _tensor_key(*tensors) -> tuple:
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return events.uses_streams(device) and events.is_capturing(device)
 
 
 class Buffer:
@@ -217,11 +218,13 @@ class Buffer:
             self._comm_streams[key] = torch.cuda.Stream(device=device)
         return self._comm_streams[key]
 
-    def _run(self, fn, device, previous_event, async_finish, allocate_on_comm_stream):
+    def _run(self, fn, device, previous_event, async_finish, allocate_on_comm_stream, inputs=()):
+        """``inputs``: every tensor ``fn`` reads (recorded on the comm stream when ``async_finish``)."""
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
         return run_on_comm_stream(fn, device, self._comm_stream(device), previous_event=previous_event,
-                                  async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+                                  async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                                  inputs=inputs, owner=self)
 
     def _value_checks(self, device: torch.device) -> bool:
         return self.check_inputs and not _capturing(device)
@@ -256,7 +259,7 @@ class Buffer:
         V.check_topk_idx(topk_idx, topk_idx.shape[0] if topk_idx.dim() == 2 else -1, num_experts, topk_idx.device,
                          checked)
         out, event = self._run(lambda: self._impl.get_dispatch_layout(topk_idx, num_experts), topk_idx.device,
-                               previous_event, async_finish, allocate_on_comm_stream)
+                               previous_event, async_finish, allocate_on_comm_stream, inputs=(topk_idx,))
         # A dispatch with this topk_idx and these (unmodified) layout tensors needs no second value check.
         self._checked_layout = (num_experts, _tensor_key(topk_idx, out[0], out[2], out[3])) if checked else None
         return (*out, event)
@@ -354,7 +357,9 @@ class Buffer:
                 topk_weights=topk_weights, num_experts=num_experts, expert_alignment=expert_alignment,
                 num_worst_tokens=num_worst_tokens)
 
-        res, event = self._run(fn, data.device, previous_event, async_finish, allocate_on_comm_stream)
+        res, event = self._run(fn, data.device, previous_event, async_finish, allocate_on_comm_stream,
+                               inputs=(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                       num_tokens_per_expert, handle))
         if handle is None:  # what later calls with this handle are checked against
             res.handle.num_topk = 0 if topk_idx is None else topk_idx.shape[1]
             res.handle.num_worst_tokens = num_worst_tokens
@@ -396,7 +401,7 @@ class Buffer:
         biases = V.check_bias(bias, handle.num_tokens, handle.hidden, x.device)
         (combined, combined_w), event = self._run(
             lambda: self._impl.combine(x, handle, topk_weights, biases), x.device, previous_event, async_finish,
-            allocate_on_comm_stream)
+            allocate_on_comm_stream, inputs=(x, handle, topk_weights, biases))
         return combined, combined_w, event
 
     # ---------------------------------------------------------------- low-latency mode
@@ -462,7 +467,8 @@ class Buffer:
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats, use_fp8=use_fp8,
                 round_scale=round_scale or use_ue8m0, use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook,
                 wait_recv_cost_stats=dispatch_wait_recv_cost_stats),
-            x.device, None, async_finish, False)
+            x.device, None, async_finish, False,
+            inputs=(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
         recv_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
         return recv_x, res.recv_count, res.handle, event, res.hook
 
@@ -511,7 +517,8 @@ class Buffer:
             lambda: self._impl.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy=zero_copy,
                                                    return_recv_hook=return_recv_hook, out=out,
                                                    wait_recv_cost_stats=combine_wait_recv_cost_stats),
-            x.device, None, async_finish, False)
+            x.device, None, async_finish, False,
+            inputs=(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats))
         return combined, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:

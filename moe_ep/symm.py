@@ -108,18 +108,24 @@ class SymmBuffer:
 
         On CPU the check reads ``status`` directly. On a GPU a blocking check synchronises; the
         default (non-blocking) queues a copy to pinned memory and raises at a later call once that copy
-        has landed, so the hot path never waits on the device. Nothing is queued while a CUDA graph is
-        being captured: call :meth:`check_status` with ``blocking=True`` after a replay to check it.
+        has landed, so the hot path never waits on the device. While a CUDA graph is being captured the
+        check does nothing on the device (no event query, no synchronisation, nothing queued: any of
+        them would abort the capture): call :meth:`check_status` with ``blocking=True`` after a replay.
+        Events and streams go through :mod:`moe_ep.events` (the stream checker sees them).
         """
+        from . import events
+
         self.check_usable()
-        if self.device.type != "cuda":
+        if not events.uses_streams(self.device):
             code = int(self.status[0])
             if code:
                 self._raise_status(code, what)
             return
+        if events.is_capturing(self.device):
+            return
         still = []
         for ev, host, w in self._pending:
-            if ev.query():
+            if events.query(ev):
                 if int(host[0]):
                     self._pending = []
                     self._raise_status(int(host[0]), w)
@@ -127,14 +133,16 @@ class SymmBuffer:
                 still.append((ev, host, w))
         self._pending = still
         if blocking:
-            code = int(self.status[0])  # synchronises
+            events.synchronize(self.device)
+            code = int(self.status[0])
             if code:
                 self._raise_status(code, what)
-        elif not torch.cuda.is_current_stream_capturing() and len(self._pending) < 64:
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        elif len(self._pending) < 64:
+            host = events.empty_pinned(1, torch.int32)
             host.copy_(self.status[:1], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
+            events.launch(reads=(self.status,), writes=(host,), what="check_status (status copy)")
+            ev = events.new_event()
+            events.record(ev)
             self._pending.append((ev, host, what))
 
     def close(self) -> None:
