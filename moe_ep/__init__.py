@@ -3,13 +3,18 @@
 Importing this package never touches CUDA, NCCL or the network.
 """
 
+import torch as _torch
+
 from .buffer import Buffer, Config
 from .events import EventOverlap
 from .sync import RankTimeoutError
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "EventOverlap", "MoELayer", "RankTimeoutError", "__version__"]
+#: dtype of ``topk_idx`` everywhere (DeepEP's ``deep_ep.topk_idx_t``)
+topk_idx_t = _torch.int64
+
+__all__ = ["Buffer", "Config", "EventOverlap", "MoELayer", "RankTimeoutError", "__version__", "topk_idx_t"]
 
 
 def __getattr__(name):

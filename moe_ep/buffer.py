@@ -43,6 +43,8 @@ def _reports_refusal(what: str):
     def deco(method):
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
+            if self._destroyed:
+                raise RuntimeError(f"moe_ep.Buffer.{what}: this Buffer was destroyed")
             mark = self._impl.arrival_mark()
             try:
                 return method(self, *args, **kwargs)

@@ -284,7 +284,7 @@ def _rank_ll_capture(rank, world, old):
     if old:
         SymmBuffer.check_status = _old_check_status  # this forked rank only
     n = 4
-    buf = moe_ep.Buffer(None, low_latency_mode=True, backend="symm", timeout_s=60,
+    buf = moe_ep.Buffer(None, low_latency_mode=True, explicitly_destroy=True, backend="symm", timeout_s=60,
                         num_rdma_bytes=SymmBackend.get_low_latency_size_hint(n, H, world, E, K))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(n, H, generator=g).to(torch.bfloat16)
