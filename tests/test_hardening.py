@@ -248,3 +248,26 @@ def test_low_latency_size_hint_fits_the_symm_layout_for_every_topk():
         hint = moe_ep.Buffer.get_low_latency_rdma_size_hint(t, h, r, e)
         for k in sorted({1, 2, min(e, 8), e}):
             assert hint >= SymmBackend.get_low_latency_size_hint(t, h, r, e, k), (t, h, r, e, k)
+
+
+# ---------------------------------------------------------------------------------------------- 5: loud failure
+def _combine_without_peer(rank, world):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    buf = moe_ep.Buffer(None, backend="symm", low_latency_mode=True, timeout_s=1.0, provider="shm",
+                        num_rdma_bytes=SymmBackend.get_low_latency_size_hint(8, 128, world, 8, 2))
+    inp = make_rank_inputs(rank, 6, 128, 8, 2, seed=1, world_size=world)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(inp.x, inp.topk_idx, 8, 8, use_fp8=False)
+    if rank == 1:
+        return "skipped the combine"
+    out = torch.zeros(6, 128, dtype=torch.bfloat16)
+    kind, msg, _ = _outcome(lambda: buf.low_latency_combine(recv_x, inp.topk_idx, inp.topk_weights, handle, out=out))
+    return kind, msg, bool(torch.isnan(out.float()).all())
+
+
+def test_symm_timeout_poisons_the_combined_output():
+    (kind, msg, all_nan), skipped = launch(_combine_without_peer, 2, timeout_s=120)
+    assert skipped == "skipped the combine"
+    assert kind == "RankTimeoutError" and "[1]" in msg, msg
+    assert all_nan, "a combine that missed a rank must come out as NaN, never as plausible partial sums"

@@ -194,6 +194,9 @@ def _combine_recv_kernel(
             wv = tl.load((row + H // 2).to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + kk[None, :],
                          mask=v[:, None] & (kk < K)[None, :], other=0.0)
             wacc += tl.where(v[:, None], wv, 0.0)
+    # A wait of this rank timed out (now or at an earlier call: the status word stays set): the rows of the
+    # silent rank are missing, so the output is poisoned with NaN rather than left as plausible partial sums.
+    acc = tl.where(_status_ok(status_ptr, offs_t)[:, None], acc, float("nan"))
     tl.store(out_ptr + t64[:, None] * H + offs_h[None, :], _bf16_bits(acc), mask=t_ok[:, None] & h_ok[None, :])
     if HAS_W:
         if pid_h == 0:

@@ -445,6 +445,9 @@ def _ll_combine_recv_kernel(
         y = tl.load(comb + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :],
                     mask=(v_k & ok)[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.where(v_k[:, None], w_k[:, None] * y, 0.0)
+    # A timed-out wait (now or earlier: the status word stays set) poisons the output with NaN, never
+    # plausible zeros: inside a replayed CUDA graph no exception can say so.
+    acc = tl.where(ok[:, None], acc, float("nan"))
     tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], _bf16_bits(acc),
              mask=t_ok[:, None] & h_ok[None, :])
 
