@@ -68,10 +68,11 @@ def _run_setup(checkout, python, extra_env=None, timeout=600):
     return p, time.monotonic() - t0
 
 
-def _resolve_from_root(python, checkout):
+def _resolve_from_root(python, checkout, extra_env=None):
     code = ("import importlib.util, os\n"
             f"print(' '.join(os.path.realpath(importlib.util.find_spec(n).origin) for n in {PACKAGES!r}))")
-    p = subprocess.run([str(python), "-c", code], cwd="/", env=_clean_env(), capture_output=True, text=True)
+    p = subprocess.run([str(python), "-c", code], cwd="/", env=_clean_env(**(extra_env or {})),
+                       capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     real = os.path.realpath(checkout)
     return [os.path.dirname(os.path.dirname(o)) == real for o in p.stdout.split()]
@@ -124,29 +125,62 @@ def _debian_python():
     return py, ""
 
 
-@pytest.mark.slow
-def test_setup_on_externally_managed_python_uses_checkout_venv(tmp_path):
-    """Debian's python3: setup creates ./.venv (--system-site-packages), installs there, demo/test use it;
-    a second run with no index is quick. Needs pip's index (PyPI or a local mirror) for torch & co."""
-    py, why = _debian_python()
-    if py is None:
-        pytest.skip(why)
-    if os.environ.get("MOE_EP_OFFLINE") == "1":
-        pytest.skip("MOE_EP_OFFLINE=1: installing torch/triton into a fresh .venv needs pip's index")
+def _site_dirs():
+    return [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+
+
+def _check_externally_managed_setup(tmp_path, py, seed_env):
     checkout = _copy_checkout(tmp_path / "co")
-    p, _ = _run_setup(checkout, py)
+    p, _ = _run_setup(checkout, py, seed_env)
     assert p.returncode == 0, p.stdout + p.stderr
     venv_py = checkout / ".venv" / "bin" / "python"
     assert p.stdout.strip().splitlines()[-1] == str(venv_py)
+    assert "externally managed" in p.stderr
     cfg = (checkout / ".venv" / "pyvenv.cfg").read_text()
     assert "include-system-site-packages = true" in cfg
-    assert all(_resolve_from_root(venv_py, checkout))
+    assert all(_resolve_from_root(venv_py, checkout, seed_env))
     # the system Python itself was not installed into
     assert subprocess.run([py, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('moe_ep') is None)"],
                           cwd="/", env=_clean_env(), capture_output=True).returncode != 0
-    p2, dt = _run_setup(checkout, py, OFFLINE)
+    p2, dt = _run_setup(checkout, py, {**seed_env, **OFFLINE})
     assert p2.returncode == 0, p2.stdout + p2.stderr
     assert p2.stdout.strip() == str(venv_py) and dt < 20, dt
+    assert "installing" not in p2.stderr, p2.stderr
+
+
+def test_setup_on_externally_managed_python_uses_checkout_venv(tmp_path):
+    """Debian's python3 (PEP 668): setup creates ./.venv (--system-site-packages), installs there and
+    prints it for demo.sh / test.sh; a second run with no index is quick. torch & co come from the
+    Python running the tests (PYTHONPATH, same minor version): a vendor container's preinstalled torch,
+    with nothing downloaded."""
+    py, why = _debian_python()
+    if py is None:
+        pytest.skip(why)
+    v = subprocess.run([py, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True).stdout
+    if v.strip() != str(sys.version_info[:2]):
+        pytest.skip(f"/usr/bin/python3 is {v.strip()}, the tests run on {sys.version_info[:2]}: cannot lend it "
+                    "torch without downloading it (see the network variant below)")
+    # A site folder with the test Python's packages but not its moe-ep install (its editable finder
+    # module has the name the copy's will have).
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    for d in _site_dirs():
+        for entry in os.listdir(d):
+            if entry.startswith(("__editable__", "moe_ep", "eplb", "microbatch")) or (seed / entry).exists():
+                continue
+            (seed / entry).symlink_to(os.path.join(d, entry))
+    _check_externally_managed_setup(tmp_path, py, {"PYTHONPATH": str(seed)})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MOE_EP_NETWORK_TESTS") != "1",
+                    reason="downloads torch, triton, numpy, pytest into a fresh .venv: set MOE_EP_NETWORK_TESTS=1 "
+                           "(about 35 s with a local wheel mirror; several GB from PyPI)")
+def test_setup_on_externally_managed_python_installs_everything(tmp_path):
+    py, why = _debian_python()
+    if py is None:
+        pytest.skip(why)
+    _check_externally_managed_setup(tmp_path, py, {})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,7 +195,7 @@ def venv_with_packages(tmp_path_factory):
                    check=True, env=_clean_env())
     site = subprocess.run([str(d / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    dirs = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+    dirs = _site_dirs()
     pathlib.Path(site, "_parent_site.pth").write_text(
         "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in dirs) + "\n")
     return d / "bin" / "python"
