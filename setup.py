@@ -37,8 +37,16 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["moe_ep", "moe_ep.*", "eplb", "eplb.*", "microbatch", "microbatch.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "numpy"],
-    extras_require={"test": ["pytest", "hypothesis", "triton>=3.4"], "gpu": ["triton>=3.4"]},
+    # Every third-party module the packages import (tests/test_setup_scripts.py checks it). Triton ships
+    # Linux wheels only; without a GPU its kernels run in the interpreter (TRITON_INTERPRET=1).
+    install_requires=["torch>=2.6", "numpy", 'triton>=3.4; platform_system == "Linux"'],
+    extras_require={
+        "test": ["pytest", "hypothesis"],          # moe_ep.testing.sm90 imports pytest
+        "plot": ["matplotlib"],                    # python -m eplb plan --png
+        "progress": ["tqdm"],
+        "nvshmem": ["nvidia-nvshmem-cu12"],        # internode RDMA (csrc/, not in this release)
+        "gpu": [],                                 # kept for `pip install moe-ep[gpu]`: triton is now required
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine and run the demo MoE layer (extra arguments go to `python -m moe_ep demo`).
+# The Python is the one scripts/setup.sh picks ($PYTHON, the active venv, or ./.venv on an
+# externally managed system Python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m moe_ep demo "$@"
+PY=$(bash scripts/setup.sh --print-python)
+exec "$PY" -m moe_ep demo "$@"

@@ -1,13 +1,75 @@
 #!/usr/bin/env bash
-# Install what moe-ep needs on a fresh machine: torch (the CPU wheel where no CUDA torch is present),
-# Triton, numpy, pytest/hypothesis, and this package in editable mode. Idempotent.
+# Make this checkout runnable; idempotent, and fast and offline once everything is there.
+#
+# 1. Pick the Python (moe_ep/_env.py choose-python): $PYTHON (default python3), or the active virtual
+#    environment; if that Python is "externally managed" (PEP 668: Debian 12, Ubuntu 23.04+), where
+#    pip refuses to install, ./.venv is created with --system-site-packages (packages the system
+#    already has, e.g. a vendor's CUDA torch, are reused, never replaced) and used instead.
+# 2. Install only what that Python lacks:
+#    - torch: `torch==2.13.0` (falling back to `torch`) from pip's configured index, or from
+#      $TORCH_INDEX_URL when set. On PyPI for Linux that is the CUDA build, which pulls several GB
+#      of nvidia-* wheels; for the CPU build run
+#      `TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh`.
+#    - triton>=3.4 (Linux only), numpy, pytest, hypothesis;
+#    - this checkout in editable mode (--no-deps), unless moe_ep, eplb and microbatch already
+#      import from it.
+# With --print-python, the Python to use is printed on stdout (everything else goes to stderr).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-pipq() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  pipq "torch==2.13.0" || pipq torch
+ROOT=$PWD
+say() { echo "setup: $*" >&2; }
+
+BASE=${PYTHON:-python3}
+if ! command -v "$BASE" >/dev/null 2>&1; then
+  say "'$BASE' not found: install Python 3.10+ or point PYTHON at one"; exit 1
 fi
-"$PY" -c "import triton" 2>/dev/null || pipq "triton>=3.4"
-pipq numpy pytest hypothesis
-pipq --no-deps -e .
+if ! "$BASE" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  say "$BASE is $("$BASE" -V 2>&1); moe-ep needs Python 3.10+ (set PYTHON=/path/to/python3.1x)"; exit 1
+fi
+CHOICE=$("$BASE" moe_ep/_env.py choose-python "$ROOT")
+KIND=${CHOICE%% *}
+PY=${CHOICE#* }
+
+if [ "$KIND" = checkout-venv ] && ! "$PY" -c 'import sys' >/dev/null 2>&1; then
+  say "$BASE is externally managed (PEP 668): creating $ROOT/.venv (--system-site-packages: what $BASE already has is reused)"
+  if "$BASE" -c 'import ensurepip' >/dev/null 2>&1; then
+    "$BASE" -m venv --system-site-packages --clear .venv >&2
+  elif "$BASE" -m pip --version >/dev/null 2>&1; then
+    "$BASE" -m venv --system-site-packages --without-pip --clear .venv >&2   # the system's pip serves it
+  else
+    say "cannot create .venv: $BASE has neither ensurepip nor pip; on Debian/Ubuntu: apt-get install python3-venv"
+    exit 1
+  fi
+fi
+
+pipq() { "$PY" -m pip install -q --disable-pip-version-check "$@" >&2; }
+missing() { "$PY" moe_ep/_env.py missing "$@"; }
+
+if [ -n "$(missing torch)" ]; then
+  FROM="pip's configured index"
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then FROM=$TORCH_INDEX_URL; fi
+  say "installing torch==2.13.0 from $FROM (PyPI's Linux wheel is the CUDA build; see scripts/setup.sh)"
+  pipq ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0" \
+    || pipq ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch
+fi
+if [ "$(uname -s)" = Linux ] && [ -n "$(missing triton)" ]; then
+  say "installing triton>=3.4"
+  pipq "triton>=3.4"
+fi
+NEED=$(missing numpy pytest hypothesis)
+if [ -n "$NEED" ]; then
+  say "installing $NEED"
+  # shellcheck disable=SC2086
+  pipq $NEED
+fi
+if ! (cd / && "$PY" "$ROOT/moe_ep/_env.py" installed "$ROOT"); then
+  say "installing $ROOT in editable mode"
+  if [ "$("$PY" moe_ep/_env.py build-isolation)" = no ]; then
+    pipq --no-deps --no-build-isolation -e .
+  else
+    pipq --no-deps -e .
+  fi
+fi
+if [ "${1:-}" = --print-python ]; then
+  echo "$PY"
+fi

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .._env import require_triton_device
 from ..symm import create_symm_buffer, create_virtual_symm_buffers
 from .base import Backend, LowLatencyDispatchResult
 
@@ -64,6 +65,7 @@ class SymmBackend(Backend):
     def __init__(self, group, rank: int, world_size: int, *, num_nvl_bytes: int, num_rdma_bytes: int,
                  low_latency_mode: bool, timeout_s: float, provider: str = "auto",
                  device: Optional[torch.device] = None, _symm_buffers: Optional[tuple] = None):
+        require_triton_device('moe_ep backend="symm"')
         super().__init__(group, rank, world_size, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                          low_latency_mode=low_latency_mode, timeout_s=timeout_s)
         if _symm_buffers is not None:  # virtual ranks

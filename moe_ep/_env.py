@@ -1,0 +1,159 @@
+"""Environment checks: which Python the set-up scripts use, and whether Triton kernels can run here.
+
+Only the standard library is imported at module level (torch lazily): ``scripts/setup.sh`` runs this
+file directly, before torch or this package are installed::
+
+    python moe_ep/_env.py choose-python     # prints "<kind> <python>", see choose_python()
+    python moe_ep/_env.py missing torch numpy ...   # prints the modules that cannot be found
+    python moe_ep/_env.py installed ROOT    # exit 0 when moe_ep, eplb and microbatch import from ROOT
+    python moe_ep/_env.py build-isolation   # prints "no" when the local setuptools can build an editable install
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("moe_ep", "eplb", "microbatch")
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton device
+
+
+def require_triton_device(what: str) -> None:
+    """Raise ``RuntimeError`` when Triton kernels cannot run: no CUDA (or ROCm) device and
+    ``TRITON_INTERPRET`` is not ``"1"``. Without it Triton fails later with an internal
+    "0 active drivers" error.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    raise RuntimeError(
+        f"{what} runs Triton kernels, which need a GPU (torch.cuda.is_available() is False here) or "
+        "Triton's interpreter on CPU: set TRITON_INTERPRET=1 in the environment before importing moe_ep "
+        "(it must be set before any @triton.jit function is defined, so setting it later in the same "
+        "process does not help), e.g. `TRITON_INTERPRET=1 python your_script.py`.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Set-up decision (scripts/setup.sh)
+
+
+def is_externally_managed(stdlib: str | None = None) -> bool:
+    """PEP 668: the interpreter's installation is managed by the OS (Debian 12, Ubuntu 23.04+, ...)."""
+    stdlib = sysconfig.get_path("stdlib") if stdlib is None else stdlib
+    return os.path.isfile(os.path.join(stdlib, "EXTERNALLY-MANAGED"))
+
+
+def in_virtualenv() -> bool:
+    return sys.prefix != getattr(sys, "base_prefix", sys.prefix) or hasattr(sys, "real_prefix")
+
+
+def venv_python(venv_dir: str) -> str:
+    if os.name == "nt":
+        return os.path.join(venv_dir, "Scripts", "python.exe")
+    return os.path.join(venv_dir, "bin", "python")
+
+
+def choose_python(checkout: str, *, executable: str, in_venv: bool, externally_managed: bool,
+                  virtual_env: str | None = None) -> tuple[str, str]:
+    """Which interpreter the set-up installs into and demo.sh / test.sh run: ``(kind, python)``.
+
+    - ``"active-venv"``: the interpreter runs in a virtual environment (``sys.prefix !=
+      sys.base_prefix``), or ``virtual_env`` (``$VIRTUAL_ENV`` when ``$PYTHON`` was not given)
+      names one with a Python: use it.
+    - ``"checkout-venv"``: the interpreter is externally managed (PEP 668), so pip refuses to
+      install into it: use ``<checkout>/.venv`` (created with ``--system-site-packages``, so what the
+      system already has, e.g. a vendor's CUDA torch, is reused and never replaced).
+    - ``"current"``: install into the interpreter itself.
+    """
+    if in_venv:
+        return "active-venv", executable
+    if virtual_env:
+        py = venv_python(virtual_env)
+        if os.path.isfile(py) and os.access(py, os.X_OK):
+            return "active-venv", py
+    if externally_managed:
+        return "checkout-venv", venv_python(os.path.join(checkout, ".venv"))
+    return "current", executable
+
+
+def missing_modules(names) -> list[str]:
+    import importlib.util
+
+    out = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+def installed_from(root: str) -> bool:
+    """``moe_ep``, ``eplb`` and ``microbatch`` import from ``root`` (editable install of this checkout)."""
+    import importlib.util
+
+    root = os.path.realpath(root)
+    for name in PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return False
+        if spec is None or not spec.origin:
+            return False
+        if os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) != root:
+            return False
+    return True
+
+
+def local_build_ok() -> bool:
+    """The local setuptools can build an editable install without fetching anything (PEP 660)."""
+    try:
+        from importlib.metadata import version
+
+        parts = [int(p) for p in version("setuptools").split(".")[:2] if p.isdigit()]
+    except Exception:
+        return False
+    if len(parts) < 2 or tuple(parts) < (64, 0):
+        return False
+    if tuple(parts) >= (70, 1):
+        return True
+    return not missing_modules(["wheel"])
+
+
+def _main(argv: list[str]) -> int:
+    # Run as a file, sys.path[0] is this folder: drop it so that its modules shadow nothing.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    cmd = argv[0] if argv else ""
+    if cmd == "choose-python":
+        venv = None if os.environ.get("PYTHON") else os.environ.get("VIRTUAL_ENV")
+        kind, py = choose_python(argv[1] if len(argv) > 1 else CHECKOUT, executable=sys.executable,
+                                 in_venv=in_virtualenv(), externally_managed=is_externally_managed(),
+                                 virtual_env=venv)
+        print(kind, py)
+        return 0
+    if cmd == "missing":
+        print(" ".join(missing_modules(argv[1:])))
+        return 0
+    if cmd == "installed":
+        return 0 if installed_from(argv[1] if len(argv) > 1 else CHECKOUT) else 1
+    if cmd == "build-isolation":
+        print("no" if local_build_ok() else "yes")
+        return 0
+    print(f"usage: {sys.argv[0]} choose-python [CHECKOUT] | missing MODULE... | installed [ROOT] | build-isolation",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
