@@ -190,8 +190,8 @@ def run_on_comm_stream(fn: Callable[[], Any], device: torch.device, comm_stream,
         if previous_event is not None and previous_event.event is not None:
             raise ValueError("previous_event holds a CUDA event but the tensors are on the CPU")
         return fn(), EventOverlap(None)
-    if allocate_on_comm_stream and not async_finish and previous_event is None:
-        raise ValueError("allocate_on_comm_stream=True needs previous_event or async_finish")
+    if allocate_on_comm_stream and (not async_finish or previous_event is None):
+        raise ValueError("allocate_on_comm_stream=True needs both previous_event and async_finish=True (as DeepEP)")
     if comm_stream is None:
         comm_stream = s.comm_stream_for(owner, device)
     compute_stream = s.current_stream(device)

@@ -105,7 +105,8 @@ def grouped_fp8_gemm_kernel(
     # Step 3: which expert, which rows.
     if MASKED:
         g = tl.program_id(1)
-        num_rows = tl.minimum(tl.load(masked_m_ptr + g).to(tl.int32), M)
+        # clamp in the loaded dtype first: an int64 count above 2**31 must not wrap before the clamp
+        num_rows = tl.maximum(tl.minimum(tl.load(masked_m_ptr + g), M), 0).to(tl.int32)
         if pid_m * BLOCK_M >= num_rows:
             return
         row_ok = offs_m < num_rows
