@@ -158,8 +158,11 @@ def test_max_replicas_per_expert():
     (np.ones(8), {}, "shape"),
     (np.ones((1, 2, 3, 8)), {}, "shape"),
     (np.ones((2, 8)), {"num_replicas": 17}, "divisible by num_gpus"),
-    (np.ones((2, 8)), {"num_nodes": 3}, "num_gpus=4 must be divisible by num_nodes=3"),
-    (np.ones((2, 8)), {"num_groups": 3}, "num_groups"),
+    # Only the hierarchical policy needs groups / GPUs to divide (auto falls back to global).
+    (np.ones((2, 8)), {"num_nodes": 3, "num_groups": 3, "policy": "hierarchical"}, "hierarchical. needs"),
+    (np.ones((2, 8)), {"num_groups": 3, "num_nodes": 1, "policy": "hierarchical"}, "num_experts=8 divisible by num_groups"),
+    (np.ones((2, 8)), {"num_groups": 2, "num_nodes": 2, "num_gpus": 3, "num_replicas": 12, "policy": "hierarchical"},
+     "num_gpus=3 .*divisible by num_nodes=2"),
     (np.ones((2, 8)), {"num_replicas": 4}, ">= num_experts"),
     (np.ones((2, 8)), {"max_replicas_per_expert": 1, "num_replicas": 12}, "cannot be filled"),
     (np.ones((2, 8)), {"policy": "best"}, "policy"),
@@ -175,3 +178,32 @@ def test_errors(bad, kwargs, match):
         eplb.rebalance_experts(bad, *pos, **args)
     with pytest.raises(TypeError):
         eplb.rebalance_experts(np.ones((2, 8), bool), 8, 2, 2, 4)
+
+
+@pytest.mark.parametrize("weight, P, groups, nodes, G", [
+    ([[10, 20, 30, 40]], 8, 3, 2, 4),  # vLLM's case, plain lists: 3 groups do not divide over 2 nodes
+    (np.arange(1, 13, dtype=np.float64)[None], 16, 5, 1, 8),  # 12 experts not divisible by 5 groups
+    (np.arange(1, 13, dtype=np.float64)[None], 12, 4, 4, 6),  # 6 GPUs not divisible by 4 nodes
+    (np.arange(1, 13, dtype=np.float64)[None], 12, 4, 2, 6),  # 12 slots, 2 nodes, but 12 experts / 4 groups ok
+])
+def test_falls_back_to_global_where_the_layout_is_not_hierarchical(weight, P, groups, nodes, G):
+    out = eplb.rebalance_experts(weight, P, groups, nodes, G)
+    E = len(weight[0])
+    check_valid(*out, 1, E, P, G)
+    ref = eplb.rebalance_experts(torch.as_tensor(np.asarray(weight, np.float64)), P, groups, nodes, G)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))  # a list plans like the tensor
+    if groups % nodes or E % groups or G % nodes:
+        glob = eplb.rebalance_experts(weight, P, groups, nodes, G, policy="global")
+        assert all(torch.equal(a, b) for a, b in zip(out, glob))
+        with pytest.raises(ValueError, match="policy='hierarchical' needs"):
+            eplb.rebalance_experts(weight, P, groups, nodes, G, policy="hierarchical")
+
+
+def test_layout_errors_that_remain():
+    w = np.ones((1, 8))
+    with pytest.raises(ValueError, match="divisible by num_gpus"):
+        eplb.rebalance_experts(w, 10, 1, 1, 4)
+    with pytest.raises(ValueError, match=">= num_experts"):
+        eplb.rebalance_experts(w, 4, 1, 1, 4)
+    with pytest.raises(ValueError, match="num_nodes must be >= 1"):
+        eplb.rebalance_experts(w, 8, 1, 0, 4)
