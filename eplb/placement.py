@@ -160,11 +160,14 @@ def _plan_hierarchical(w, scen, z, num_replicas, num_groups, num_nodes, num_gpus
 
 
 def log2phy_from_phy2log(phy2log: np.ndarray, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log2phy`` `[L, E, max_replicas]` (slots ascending, -1 padded) and ``logcnt`` `[L, E]`, int64 torch."""
+    """``log2phy`` `[L, E, P - E + 1]` (slots ascending, -1 padded) and ``logcnt`` `[L, E]`, int64 torch.
+
+    The last dimension is the most replicas any expert can have (every other expert keeps one), as in
+    DeepSeek's EPLB, so its shape depends on the layout only, never on the load."""
     L, P = phy2log.shape
     logcnt = np.zeros((L, num_experts), np.int64)
     np.add.at(logcnt, (np.arange(L)[:, None], phy2log), 1)
-    maxcnt = int(logcnt.max())
+    maxcnt = max(P - num_experts + 1, int(logcnt.max()))  # larger only for a phy2log missing experts
     order = np.argsort(phy2log, axis=1, kind="stable")  # slots grouped by expert, ascending slot
     start = np.cumsum(logcnt, 1) - logcnt
     sorted_e = np.take_along_axis(phy2log, order, 1)
@@ -232,8 +235,8 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
 
     Returns:
         phy2log: `[L, P]` with `torch.int64`, the logical expert of every slot.
-        log2phy: `[L, E, X]` with `torch.int64`, X = the largest replica count; each expert's slots in
-            ascending order, padded with -1.
+        log2phy: `[L, E, P - E + 1]` with `torch.int64` (the most replicas one expert can have); each
+            expert's slots in ascending order, padded with -1.
         logcnt: `[L, E]` with `torch.int64`, replicas per expert (>= 1).
     """
     w_all = check_weight(weight)

@@ -23,7 +23,7 @@ def check_valid(phy2log, log2phy, logcnt, L, E, P, G, cap=None):
     p, l2p, cnt = phy2log.numpy(), log2phy.numpy(), logcnt.numpy()
     assert (cnt >= 1).all(), "every expert needs a replica"
     assert (cnt.sum(1) == P).all()
-    assert log2phy.shape[2] == cnt.max()
+    assert log2phy.shape[2] == P - E + 1  # DeepSeek EPLB's shape (was cnt.max() before; padded with -1)
     if cap is not None:
         assert cnt.max() <= cap
     for layer in range(L):
@@ -207,3 +207,12 @@ def test_layout_errors_that_remain():
         eplb.rebalance_experts(w, 4, 1, 1, 4)
     with pytest.raises(ValueError, match="num_nodes must be >= 1"):
         eplb.rebalance_experts(w, 8, 1, 0, 4)
+
+
+def test_log2phy_last_dim_is_replicas_minus_experts_plus_one():
+    # Uniform load: every expert gets 2 replicas, yet the last dimension is P - E + 1 = 9, -1 padded.
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(np.ones((2, 8)), 16, 1, 1, 4)
+    assert (logcnt == 2).all() and log2phy.shape == (2, 8, 9)
+    assert (log2phy[..., 2:] == -1).all() and (log2phy[..., :2] >= 0).all()
+    _, log2phy, _ = eplb.rebalance_experts([[10, 20, 30, 40]], 8, 3, 2, 4)
+    assert log2phy.shape == (1, 4, 5)
