@@ -62,12 +62,17 @@ class LoadRecorder:
         self._cur[self._layer(layer), offset:offset + counts.numel()] += counts.to(self.buffer.device).long()
 
     def record_physical(self, layer: int, phy_counts: torch.Tensor, phy2log: torch.Tensor) -> None:
-        """Add counts per physical slot `[P]`, folded to logical experts with one layer's ``phy2log`` `[P]`."""
+        """Add counts per physical slot `[P]`, folded to logical experts with one layer's ``phy2log`` `[P]`.
+
+        Slots whose ``phy2log`` entry is not an expert id (-1 for an empty slot, or >= num_experts) are
+        not counted, as `record_topk` ignores such ids (no host check)."""
         phy_counts = torch.as_tensor(phy_counts).reshape(-1).to(self.buffer.device).long()
         phy2log = torch.as_tensor(phy2log).reshape(-1).to(self.buffer.device).long()
         if phy_counts.shape != phy2log.shape:
             raise ValueError(f"phy_counts {tuple(phy_counts.shape)} and phy2log {tuple(phy2log.shape)} must match")
-        self._cur[self._layer(layer)].scatter_add_(0, phy2log, phy_counts)
+        valid = (phy2log >= 0) & (phy2log < self.num_experts)
+        self._cur[self._layer(layer)].scatter_add_(0, torch.where(valid, phy2log, torch.zeros_like(phy2log)),
+                                                   torch.where(valid, phy_counts, torch.zeros_like(phy_counts)))
 
     def step(self) -> None:
         """Close the open step; the next one overwrites the oldest step once the window is full."""

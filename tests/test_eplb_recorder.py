@@ -55,3 +55,11 @@ def test_errors(tmp_path):
     torch.save({"x": torch.zeros(1)}, bad)
     with pytest.raises(ValueError, match="not a LoadRecorder"):
         eplb.LoadRecorder.load(bad)
+
+
+def test_record_physical_ignores_empty_and_out_of_range_slots():
+    rec = eplb.LoadRecorder(1, 4, window=2)
+    phy2log = torch.tensor([0, -1, 2, 4, 3, 7])  # -1: empty slot; 4, 7 >= num_experts
+    rec.record_physical(0, torch.tensor([5, 100, 1, 200, 2, 300]), phy2log)
+    rec.step()
+    assert rec.counts()[0].tolist() == [5, 0, 1, 2]
