@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import warnings
 import tempfile
 from typing import Callable
 
@@ -12,6 +13,13 @@ import numpy as np
 import torch
 
 from ._checks import check_weight
+
+def _torch_load(path):
+    """torch.load, weights only, without the unpickler's warnings on bad bytes (the error says it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
 
 __all__ = ["load_stats", "save_stats", "stats_writer", "load_placement", "save_placement", "placement_writer",
            "atomic_write", "atomic_write_all"]
@@ -35,7 +43,7 @@ def load_stats(path: str) -> np.ndarray:
         if ext == ".npy":
             data = np.load(path, allow_pickle=False)
         elif ext == ".pt":
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = _torch_load(path)
             if isinstance(obj, dict) and "num_steps" in obj and ("steps" in obj or "buffer" in obj):
                 from .recorder import LoadRecorder
                 data = LoadRecorder.from_state_dict(obj).counts(per_step=True).numpy()
@@ -182,7 +190,7 @@ def load_placement(path: str) -> tuple[np.ndarray, dict]:
     ext = _suffix(path, (".json", ".pt"))
     try:
         if ext == ".pt":
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = _torch_load(path)
         else:
             with open(path) as f:
                 obj = json.load(f)

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional, Union
 
 import torch
+
+def _torch_load(path):
+    """torch.load, weights only, without the unpickler's warnings on bad bytes (the error says it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
 
 __all__ = ["LoadRecorder"]
 
@@ -118,7 +126,7 @@ class LoadRecorder:
         """A recorder written by `save`. A missing or unreadable file raises OSError; anything that is not
         a recorder file (corrupt, truncated, wrong keys, shapes or dtypes) raises ValueError naming it."""
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = _torch_load(path)
         except OSError:
             raise
         except Exception as exc:  # whatever the unpickler or zip reader raised on bad bytes
