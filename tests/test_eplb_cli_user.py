@@ -177,3 +177,23 @@ def test_no_command_shows_usage(tmp_path):
     assert r.returncode == 2 and "usage: python -m eplb" in r.stderr and "{plan,report,simulate}" in r.stderr
     assert "cmd" not in r.stderr.replace("COMMAND", "") and "Traceback" not in r.stderr
     assert r.stderr.splitlines()[-1].startswith("error: ")
+
+
+def test_readme_eplb_bash_lines_paste():
+    # Every line of the bash blocks in README's eplb section is a command the parser accepts as it
+    # stands (no usage brackets such as "[--png load.png]") or a comment.
+    import re
+    import shlex
+
+    from eplb.cli import _parser
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("### Expert placement (`eplb`)"):]
+    section = section[: section.index("\n### ", 1)]
+    lines = [ln for block in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in block.splitlines()]
+    commands = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    assert len(commands) >= 3
+    for ln in commands:
+        words = shlex.split(ln)
+        assert words[:3] == ["python", "-m", "eplb"], ln
+        assert not any(w.startswith("[") or w.endswith("]") for w in words), ln
+        _parser().parse_args(words[3:])  # raises (CliError) on anything the CLI would reject
