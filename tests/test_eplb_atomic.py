@@ -142,3 +142,28 @@ rec.save({str(path)!r})
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
     assert r.returncode == -signal.SIGKILL
     assert int(eplb.LoadRecorder.load(path).counts()[0, 0]) == 2
+
+
+def test_plan_outputs_all_or_none_when_a_later_write_fails(tmp_path, monkeypatch, capsys):
+    # The second output (--pt) fails while being written (disk full): the -o file is not left behind
+    # and the error names the user's path, not the temporary file.
+    np.save(tmp_path / "in.npy", np.arange(1, 17)[None].repeat(2, 0))
+    import errno
+    real = eio.tempfile.mkstemp
+    calls = []
+
+    def mkstemp(*a, **k):
+        calls.append(1)
+        fd, tmp = real(*a, **k)
+        if len(calls) == 2:
+            os.close(fd)
+            os.unlink(tmp)
+            raise OSError(errno.ENOSPC, "No space left on device", tmp)
+        return fd, tmp
+    monkeypatch.setattr(eio.tempfile, "mkstemp", mkstemp)
+    rc = main(["plan", str(tmp_path / "in.npy"), "--replicas", "24", "--gpus", "8", "-o", str(tmp_path / "o.json"),
+               "--pt", str(tmp_path / "o.pt")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert f"cannot write {tmp_path / 'o.pt'}: No space left on device" in err and ".tmp-" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["in.npy"]

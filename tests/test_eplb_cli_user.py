@@ -22,7 +22,8 @@ def _files(d):
     np.save(d / "good.npy", w)
     good_pt = d / "good.pt"
     torch.save(torch.from_numpy(w), good_pt)
-    (d / "good.json").write_text(json.dumps({"meta": {"num_gpus": 8}, "phy2log": [list(range(16)) + list(range(8))] * 2}))
+    placement = {"meta": {"num_gpus": 8}, "phy2log": [list(range(16)) + list(range(8))] * 2}
+    (d / "good.json").write_text(json.dumps(placement))
     (d / "corrupt.pt").write_bytes(b"\x80\x04 this is not a torch file at all")
     (d / "trunc.pt").write_bytes(good_pt.read_bytes()[: len(good_pt.read_bytes()) // 2])
     (d / "trunc.npy").write_bytes((d / "good.npy").read_bytes()[:150])
