@@ -4,8 +4,11 @@
     python -m eplb plan stats.npy --replicas 288 --gpus 144 --nodes 18 --groups 8 -o placement.json
     python -m eplb report later.npy placement.json
 
-Bad input (NaN, negative counts, wrong rank or shape, slots not divisible by GPUs, GPUs not
-divisible by nodes, ...) prints one ``error: ...`` line, exits with status 2 and writes nothing.
+Bad input (a corrupt, truncated or garbage file, wrong keys or shapes, NaN or negative counts, an
+option out of range such as ``--gpus 0``, slots not divisible by GPUs, ...) prints one
+``error: ...`` line naming the file or option, exits with status 2 and writes nothing. A command's
+output files are written all or none, each atomically. A closed stdout (``... | head``) ends the
+command quietly with status 141.
 """
 
 from __future__ import annotations
