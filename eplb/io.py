@@ -15,10 +15,18 @@ import torch
 from ._checks import check_weight
 
 def _torch_load(path):
-    """torch.load, weights only, without the unpickler's warnings on bad bytes (the error says it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.load(path, map_location="cpu", weights_only=True)
+    """torch.load, weights only, without the unpickler's warnings on bad bytes. A file torch cannot
+    read raises ValueError with the first sentence of torch's reason (its full text suggests
+    ``weights_only=False``, wrong advice for a corrupt file); a missing one raises OSError."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:
+        first = _reason(exc).split(". ")[0].rstrip(".")
+        raise ValueError(f"corrupt, truncated or not a weights-only torch.save file: {first}") from exc
 
 
 __all__ = ["load_stats", "save_stats", "stats_writer", "load_placement", "save_placement", "placement_writer",

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Optional, Union
 
 import torch
-
-def _torch_load(path):
-    """torch.load, weights only, without the unpickler's warnings on bad bytes (the error says it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.load(path, map_location="cpu", weights_only=True)
-
 
 __all__ = ["LoadRecorder"]
 
@@ -125,13 +117,11 @@ class LoadRecorder:
     def load(cls, path: Union[str, os.PathLike], device: Optional[Union[str, torch.device]] = None) -> "LoadRecorder":
         """A recorder written by `save`. A missing or unreadable file raises OSError; anything that is not
         a recorder file (corrupt, truncated, wrong keys, shapes or dtypes) raises ValueError naming it."""
+        from .io import _torch_load
         try:
             state = _torch_load(path)
-        except OSError:
-            raise
-        except Exception as exc:  # whatever the unpickler or zip reader raised on bad bytes
-            msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ValueError(f"{os.fspath(path)} is not a LoadRecorder file: cannot read it ({msg})") from exc
+        except ValueError as exc:  # whatever the unpickler or zip reader raised on bad bytes
+            raise ValueError(f"{os.fspath(path)} is not a LoadRecorder file: {exc}") from exc
         return cls.from_state_dict(state, device, name=os.fspath(path))
 
     @classmethod
