@@ -39,9 +39,9 @@ def check_valid(phy2log, log2phy, logcnt, L, E, P, G, cap=None):
 @st.composite
 def layouts(draw):
     num_nodes = draw(st.sampled_from([1, 2, 4]))
-    num_gpus = num_nodes * draw(st.integers(1, 4))
-    num_groups = draw(st.sampled_from([1, 2, 4]))
-    E = num_groups * draw(st.integers(1, 6))
+    num_gpus = num_nodes * draw(st.integers(1, 4)) + draw(st.sampled_from([0, 0, 0, 1]))  # sometimes not whole nodes
+    num_groups = draw(st.sampled_from([1, 2, 3, 4]))
+    E = num_groups * draw(st.integers(1, 6)) + draw(st.sampled_from([0, 0, 0, 1]))  # sometimes not whole groups
     per_gpu_min = -(-E // num_gpus)
     m = draw(st.integers(per_gpu_min, per_gpu_min + 3))
     P = m * num_gpus
@@ -68,7 +68,8 @@ def layouts(draw):
 def test_valid_over_generated_shapes(case):
     w, P, groups, nodes, G, cap, policy = case
     L, E = w.shape[-2:]
-    hier_ok = groups % nodes == 0 and (E // nodes) * min(cap or G, G // nodes) >= P // nodes
+    hier_ok = (groups % nodes == 0 and E % groups == 0 and G % nodes == 0
+               and (E // nodes) * min(cap or G, G // nodes) >= P // nodes)
     if E * min(cap or G, G) < P or (policy == "hierarchical" and not hier_ok):
         with pytest.raises(ValueError):
             eplb.rebalance_experts(w, P, groups, nodes, G, max_replicas_per_expert=cap, policy=policy)
