@@ -49,6 +49,7 @@ def check_weight(weight) -> np.ndarray:
 
 
 def check_layout(num_experts: int, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int) -> None:
+    """What every policy needs: positive ints, a slot per expert, equal slots per GPU."""
     for name, v in (("num_replicas", num_replicas), ("num_groups", num_groups), ("num_nodes", num_nodes),
                     ("num_gpus", num_gpus)):
         check_int(v, name)
@@ -56,7 +57,5 @@ def check_layout(num_experts: int, num_replicas: int, num_groups: int, num_nodes
         raise ValueError(f"num_replicas={num_replicas} must be >= num_experts={num_experts} (every expert needs a slot)")
     if num_replicas % num_gpus != 0:
         raise ValueError(f"num_replicas={num_replicas} must be divisible by num_gpus={num_gpus} (equal slots per GPU)")
-    if num_gpus % num_nodes != 0:
-        raise ValueError(f"num_gpus={num_gpus} must be divisible by num_nodes={num_nodes}")
-    if num_experts % num_groups != 0:
-        raise ValueError(f"num_experts={num_experts} must be divisible by num_groups={num_groups}")
+    # num_groups / num_nodes that do not divide experts / GPUs are no error: the hierarchical policy
+    # needs them to, the global policy (the fallback, as in DeepSeek's EPLB) ignores them.

@@ -4,8 +4,11 @@
     python -m eplb plan stats.npy --replicas 288 --gpus 144 --nodes 18 --groups 8 -o placement.json
     python -m eplb report later.npy placement.json
 
-Bad input (NaN, negative counts, wrong rank or shape, slots not divisible by GPUs, GPUs not
-divisible by nodes, ...) prints one ``error: ...`` line, exits with status 2 and writes nothing.
+Bad input (a corrupt, truncated or garbage file, wrong keys or shapes, NaN or negative counts, an
+option out of range such as ``--gpus 0``, slots not divisible by GPUs, ...) prints one
+``error: ...`` line naming the file or option, exits with status 2 and writes nothing. A command's
+output files are written all or none, each atomically. A closed stdout (``... | head``) ends the
+command quietly with status 141.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from . import metrics
-from .io import atomic_write, load_placement, load_stats, save_placement, save_stats
+from .io import atomic_write_all, load_placement, load_stats, placement_writer, stats_writer
 from .placement import DEFAULT_HEDGE, POLICIES, rebalance_experts
 from .synthetic import PRESETS, simulate_counts
 
@@ -89,7 +92,8 @@ def _report_lines(phy2log: np.ndarray, stats: np.ndarray, num_gpus: int, before:
     return lines
 
 
-def _plot(path: str, phy2log: np.ndarray, stats: np.ndarray, num_gpus: int) -> None:
+def _png_writer(phy2log: np.ndarray, stats: np.ndarray, num_gpus: int):
+    """The function writing the per-GPU load heat map as PNG to a given (temporary) file name."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -103,9 +107,11 @@ def _plot(path: str, phy2log: np.ndarray, stats: np.ndarray, num_gpus: int) -> N
     fig.colorbar(im, ax=ax)
 
     def write(tmp):
-        fig.savefig(tmp, format="png", dpi=100)
-    atomic_write(path, write)
-    plt.close(fig)
+        try:
+            fig.savefig(tmp, format="png", dpi=100)
+        finally:
+            plt.close(fig)
+    return write
 
 
 def _have_matplotlib() -> bool:
@@ -123,10 +129,20 @@ def _baseline(L: int, E: int, P: int, num_gpus: int) -> Optional[np.ndarray]:
     return np.tile(np.arange(E), (L, 1))
 
 
+def _check_outputs(*opts) -> None:
+    """Output paths usable before any work: (option, path) pairs; None paths are skipped."""
+    for opt, path in opts:
+        if path is None:
+            continue
+        if os.path.isdir(path):
+            raise CliError(f"{opt} {path} is a directory; give a file name")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise CliError(f"{opt} {path}: folder {folder} does not exist")
+
+
 def cmd_plan(a) -> int:
-    for path in (a.output, a.pt, a.png):
-        if path is not None and os.path.isdir(path):
-            raise CliError(f"{path} is a directory; give a file name")
+    _check_outputs(("--output", a.output), ("--pt", a.pt), ("--png", a.png))
     if not a.output.lower().endswith((".json", ".pt")):
         raise CliError(f"--output {a.output}: use a .json or .pt file name")
     if a.pt is not None and not a.pt.lower().endswith(".pt"):
@@ -159,18 +175,21 @@ def cmd_plan(a) -> int:
     phy_t = torch.from_numpy(phy2log)
     meta = {"num_replicas": a.replicas, "num_groups": a.groups, "num_nodes": a.nodes, "num_gpus": a.gpus,
             "policy": a.policy, "stats": os.path.basename(a.stats)}
-    save_placement(a.output, phy_t, log2phy, logcnt, meta)
+    outputs = [(a.output, placement_writer(a.output, phy_t, log2phy, logcnt, meta))]
     if a.pt is not None:
-        save_placement(a.pt, phy_t, log2phy, logcnt, meta)
+        outputs.append((a.pt, placement_writer(a.pt, phy_t, log2phy, logcnt, meta)))
     if a.png is not None:
-        _plot(a.png, phy2log, stats, a.gpus)
+        outputs.append((a.png, _png_writer(phy2log, stats, a.gpus)))
     before = previous if previous is not None else _baseline(L, E, a.replicas, a.gpus)
     label = "previous placement" if previous is not None else "no replicas, experts in order"
     if before is None:
         label = f"after; no baseline: {E} experts do not divide over {a.gpus} GPUs"
+    lines = _report_lines(phy2log, stats, a.gpus, before, previous, label)
+    atomic_write_all(outputs)  # all files or none, after everything that can fail on the input
+    written = ", ".join(p for p, _ in outputs)
     print(f"eplb plan: {L} layers x {E} experts -> {a.replicas} slots on {a.gpus} GPUs ({a.nodes} nodes, "
-          f"{a.groups} groups), policy {a.policy}; written {a.output}" + (f", {a.pt}" if a.pt else ""))
-    print("\n".join(_report_lines(phy2log, stats, a.gpus, before, previous, label)))
+          f"{a.groups} groups), policy {a.policy}; written {written}")
+    print("\n".join(lines))
     return 0
 
 
@@ -180,6 +199,8 @@ def cmd_report(a) -> int:
     num_gpus = a.gpus if a.gpus is not None else meta.get("num_gpus")
     if num_gpus is None:
         raise CliError(f"{a.placement} does not record num_gpus; pass --gpus")
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise CliError(f"{a.placement}: recorded num_gpus={num_gpus!r} is not a positive int; pass --gpus")
     L, E = stats.shape[-2:]
     if phy2log.shape[0] != L:
         raise CliError(f"placement has {phy2log.shape[0]} layers but the statistics have {L}")
@@ -188,10 +209,11 @@ def cmd_report(a) -> int:
     if phy2log.shape[1] % num_gpus != 0:
         raise CliError(f"slots={phy2log.shape[1]} must be divisible by num_gpus={num_gpus}")
     missing = int(sum(E - len(np.unique(row)) for row in phy2log))
-    print(f"eplb report: {a.placement} ({phy2log.shape[1]} slots on {num_gpus} GPUs) on {a.stats} ({L} x {E})")
+    lines = [f"eplb report: {a.placement} ({phy2log.shape[1]} slots on {num_gpus} GPUs) on {a.stats} ({L} x {E})"]
     if missing:
-        print(f"experts without a slot: {missing} (summed over layers)")
-    print("\n".join(_report_lines(phy2log, stats, int(num_gpus), None, None, "this placement")))
+        lines.append(f"experts without a slot: {missing} (summed over layers)")
+    lines += _report_lines(phy2log, stats, int(num_gpus), None, None, "this placement")
+    print("\n".join(lines))  # all or nothing: every check is done
     return 0
 
 
@@ -199,6 +221,7 @@ def cmd_simulate(a) -> int:
     for path in (a.output, a.later):
         if path is not None and not path.lower().endswith((".npy", ".pt", ".json")):
             raise CliError(f"{path}: use a .npy, .pt or .json file name ([steps, layers, experts])")
+    _check_outputs(("--output", a.output), ("--later", a.later))
     wl = PRESETS[a.preset]
     over = {k: v for k, v in (("num_layers", a.layers), ("num_steps", a.steps), ("tokens_per_step", a.tokens))
             if v is not None}
@@ -206,13 +229,11 @@ def cmd_simulate(a) -> int:
         wl = dataclasses.replace(wl, **over)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    for k, v in over.items():
-        if v < 1:
-            raise CliError(f"--{k.replace('num_', '').replace('_per_step', '')} must be >= 1, got {v}")
     counts = simulate_counts(wl, 2 if a.later else 1, seed=a.seed, progress=Progress("simulating", a.progress))
-    save_stats(a.output, counts[0])
+    outputs = [(a.output, stats_writer(a.output, counts[0]))]
     if a.later:
-        save_stats(a.later, counts[1])
+        outputs.append((a.later, stats_writer(a.later, counts[1])))
+    atomic_write_all(outputs)
     print(f"eplb simulate: {a.preset}, {wl.num_steps} steps x {wl.num_layers} layers x {wl.num_experts} experts "
           f"({wl.tokens_per_step} tokens/step, top-{wl.topk}), seed {a.seed}; written {a.output}"
           + (f" and the next window {a.later}" if a.later else ""))
@@ -224,20 +245,48 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(message)
 
 
+def _int_min(minimum: int):
+    """argparse type: an int >= minimum (argparse names the option in the error)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return v
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def _float_nonneg(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not np.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+POSITIVE = _int_min(1)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m eplb", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{plan,report,simulate}", parser_class=_Parser)
     pl = sub.add_parser("plan", help="plan a placement from statistics ([L, E] or [S, L, E])")
     pl.add_argument("stats", help="statistics file: .npy, .pt, .json or .csv")
-    pl.add_argument("--replicas", type=int, required=True, help="physical slots per layer (multiple of --gpus)")
-    pl.add_argument("--gpus", type=int, required=True)
-    pl.add_argument("--nodes", type=int, default=1)
-    pl.add_argument("--groups", type=int, default=1, help="expert groups (hierarchical policy)")
+    pl.add_argument("--replicas", type=POSITIVE, required=True, help="physical slots per layer (multiple of --gpus)")
+    pl.add_argument("--gpus", type=POSITIVE, required=True)
+    pl.add_argument("--nodes", type=POSITIVE, default=1)
+    pl.add_argument("--groups", type=POSITIVE, default=1, help="expert groups (hierarchical policy)")
     pl.add_argument("--policy", choices=POLICIES, default="auto")
-    pl.add_argument("--max-replicas-per-expert", type=int, default=None)
-    pl.add_argument("--hedge", type=float, default=DEFAULT_HEDGE, help="robustness weight for [S, L, E] input")
+    pl.add_argument("--max-replicas-per-expert", type=POSITIVE, default=None)
+    pl.add_argument("--hedge", type=_float_nonneg, default=DEFAULT_HEDGE, help="robustness weight for [S, L, E] input")
     pl.add_argument("--previous", default=None, help="placement in force now (.json/.pt): keep experts in place")
-    pl.add_argument("--stickiness", type=float, default=0.03,
+    pl.add_argument("--stickiness", type=_float_nonneg, default=0.03,
                     help="keep experts in place while the robust max GPU load stays within 1 + this of a fresh plan")
     pl.add_argument("-o", "--output", required=True, help="placement file (.json or .pt)")
     pl.add_argument("--pt", default=None, help="also write the placement as .pt")
@@ -247,25 +296,47 @@ def _parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="score a placement file against statistics")
     rp.add_argument("stats")
     rp.add_argument("placement")
-    rp.add_argument("--gpus", type=int, default=None, help="GPUs (default: from the placement file)")
+    rp.add_argument("--gpus", type=POSITIVE, default=None, help="GPUs (default: from the placement file)")
     rp.set_defaults(fn=cmd_report)
     sm = sub.add_parser("simulate", help="write synthetic per-step statistics [S, L, E]")
     sm.add_argument("-o", "--output", required=True)
     sm.add_argument("--later", default=None, help="also write the next (drifted) window here")
     sm.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v3-decode")
-    sm.add_argument("--layers", type=int, default=None)
-    sm.add_argument("--steps", type=int, default=None)
-    sm.add_argument("--tokens", type=int, default=None, help="tokens per step")
-    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--layers", type=POSITIVE, default=None)
+    sm.add_argument("--steps", type=POSITIVE, default=None)
+    sm.add_argument("--tokens", type=POSITIVE, default=None, help="tokens per step")
+    sm.add_argument("--seed", type=_int_min(0), default=0)
     sm.add_argument("--progress", choices=("auto", "always", "never"), default="auto")
     sm.set_defaults(fn=cmd_simulate)
     return p
 
 
-def main(argv=None) -> int:
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so the interpreter's final flush stays quiet."""
     try:
-        args = _parser().parse_args(argv)
-        return args.fn(args)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (captured)
+        pass
+
+
+def main(argv=None) -> int:
+    """Run one command; returns the exit status (0 ok, 2 bad input: one ``error:`` line on stderr)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            sys.stderr.write(parser.format_usage())
+            raise CliError("choose a command: plan, report or simulate (python -m eplb COMMAND --help)")
+        rc = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handler below
+        return rc
+    except BrokenPipeError:
+        # The reader went away (python -m eplb plan ... | head): the work is done and written; exit
+        # quietly with the status a shell gives a tool ended by SIGPIPE (128 + 13).
+        _quiet_stdout()
+        return 141
     except (CliError, ValueError, TypeError, OSError, RuntimeError) as exc:
         msg = " ".join(str(exc).split()) or type(exc).__name__
         print(f"error: {msg}", file=sys.stderr)

@@ -10,8 +10,11 @@ data-dependent output size), so it runs on CPU and GPU and can be captured in a 
   ``(j + seed) % logcnt``.
 - ``balanced``: books the load of single-replica experts on their GPUs first, then splits every
   replicated expert's selections over its replicas by damped water-filling on the GPU loads
-  (``iters`` rounds, all experts at once), keeps the result only where it beats an even split, and
-  hands out the j-th selection of an expert to the replica whose cumulative share covers j.
+  (``iters`` rounds, all experts at once), hands out the j-th selection of an expert to the replica
+  whose cumulative share covers j, and keeps that only if its busiest GPU, counted in whole
+  selections, carries no more than with the even split (the j-th of an expert's c selections to
+  replica ``j * n // c``: each of its n replicas gets floor(c / n) or ceil(c / n)). So ``balanced`` is
+  never worse than that even split, exactly, for every batch.
 """
 
 from __future__ import annotations
@@ -105,6 +108,14 @@ def replica_shares(counts: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Te
     return torch.where(better, s, even)
 
 
+def _busiest(log2phy, safe, rep, is_none, num_gpus: int, slots_per_gpu: int) -> torch.Tensor:
+    """Selections on the busiest GPU (0-dim int64) when selection (n, k) goes to replica rep[n, k]."""
+    gpu = torch.where(is_none, torch.full_like(rep, num_gpus), log2phy[safe, rep].clamp_min(0) // slots_per_gpu)
+    per_gpu = torch.zeros(num_gpus + 1, dtype=torch.int64, device=rep.device)  # the last bin: no expert
+    per_gpu.scatter_add_(0, gpu.reshape(-1), torch.ones_like(gpu).reshape(-1))
+    return per_gpu[:num_gpus].max()
+
+
 def map_topk(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, policy: str = "static", *,
              seed: Union[int, torch.Tensor] = 0, num_gpus: Optional[int] = None, num_slots: Optional[int] = None,
              iters: int = 8) -> torch.Tensor:
@@ -150,10 +161,18 @@ def map_topk(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor
                                  "(slot p is on GPU p // (num_slots // num_gpus))")
             if num_slots % num_gpus != 0:
                 raise ValueError(f"num_slots={num_slots} must be divisible by num_gpus={num_gpus}")
-            shares = replica_shares(counts[:E].to(torch.float32), log2phy, logcnt, num_gpus, num_slots // num_gpus, iters)
+            spg = num_slots // num_gpus
+            shares = replica_shares(counts[:E].to(torch.float32), log2phy, logcnt, num_gpus, spg, iters)
             # Replica r of expert e takes the selections j with cum[r-1] <= j + 0.5 < cum[r].
             cum = torch.cumsum(shares, 1)[safe]  # [N, K, X]
             rep = ((rank.to(torch.float32) + 0.5)[..., None] >= cum).sum(-1)
             rep = torch.minimum(rep, cnt - 1)
+            # The even split in whole selections: the j-th of an expert's c selections goes to replica
+            # j * n // c, so each of its n replicas gets floor(c / n) or ceil(c / n). Rounding the
+            # balanced shares to whole selections can cost a token on the busiest GPU, so keep them only
+            # where the busiest GPU is not above the even split's (exact integer counts, no host sync).
+            even = torch.where(is_none, torch.zeros_like(rank), rank * cnt // counts[safe].clamp_min(1))
+            rep = torch.where(_busiest(log2phy, safe, rep, is_none, num_gpus, spg)
+                              <= _busiest(log2phy, safe, even, is_none, num_gpus, spg), rep, even)
     phy = log2phy[safe, rep]
     return torch.where(is_none, torch.full_like(phy, -1), phy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import warnings
 import tempfile
 from typing import Callable
 
@@ -13,7 +14,23 @@ import torch
 
 from ._checks import check_weight
 
-__all__ = ["load_stats", "save_stats", "load_placement", "save_placement", "atomic_write"]
+def _torch_load(path):
+    """torch.load, weights only, without the unpickler's warnings on bad bytes. A file torch cannot
+    read raises ValueError with the first sentence of torch's reason (its full text suggests
+    ``weights_only=False``, wrong advice for a corrupt file); a missing one raises OSError."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:
+        first = _reason(exc).split(". ")[0].rstrip(".")
+        raise ValueError(f"corrupt, truncated or not a weights-only torch.save file: {first}") from exc
+
+
+__all__ = ["load_stats", "save_stats", "stats_writer", "load_placement", "save_placement", "placement_writer",
+           "atomic_write", "atomic_write_all"]
 
 STATS_SUFFIXES = (".npy", ".pt", ".json", ".csv")
 
@@ -34,10 +51,10 @@ def load_stats(path: str) -> np.ndarray:
         if ext == ".npy":
             data = np.load(path, allow_pickle=False)
         elif ext == ".pt":
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-            if isinstance(obj, dict) and "buffer" in obj and "num_steps" in obj:
+            obj = _torch_load(path)
+            if isinstance(obj, dict) and "num_steps" in obj and ("steps" in obj or "buffer" in obj):
                 from .recorder import LoadRecorder
-                data = LoadRecorder.load(path).counts(per_step=True).numpy()
+                data = LoadRecorder.from_state_dict(obj).counts(per_step=True).numpy()
             elif isinstance(obj, dict) and "counts" in obj:
                 data = obj["counts"]
             else:
@@ -55,18 +72,31 @@ def load_stats(path: str) -> np.ndarray:
             if len({len(r) for r in rows}) > 1:
                 raise ValueError("rows have different numbers of columns")
             data = np.array([[float(v) for v in r] for r in rows], dtype=np.float64)
-    except FileNotFoundError:
-        raise
-    except (ValueError, TypeError, KeyError, json.JSONDecodeError, RuntimeError, EOFError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"{path}: cannot read statistics ({msg})") from exc
+    except OSError:
+        raise  # missing file, a folder, no permission: the OS message names the path
+    except Exception as exc:  # corrupt, truncated or garbage content: whatever the parser raised
+        raise ValueError(f"{path}: cannot read statistics ({_reason(exc)})") from exc
     try:
         return check_weight(data)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path}: {exc}") from exc
 
 
+def _reason(exc: BaseException) -> str:
+    """First line of an exception's message (its type name when it has none)."""
+    msg = str(exc).strip()
+    if isinstance(exc, KeyError):
+        msg = f"missing key {msg}"
+    return msg.splitlines()[0] if msg else type(exc).__name__
+
+
 def save_stats(path: str, counts: np.ndarray) -> None:
+    """Statistics to .npy, .pt, .json or .csv (`[L, E]` only), atomically."""
+    atomic_write(path, stats_writer(path, counts))
+
+
+def stats_writer(path: str, counts: np.ndarray) -> Callable[[str], None]:
+    """The function writing ``counts`` in ``path``'s format to a given (temporary) file name."""
     ext = _suffix(path, STATS_SUFFIXES)
     if ext == ".csv" and counts.ndim != 2:
         raise ValueError(f"{path}: .csv holds [layers, experts] only, got shape {counts.shape}; use .npy or .pt")
@@ -84,27 +114,72 @@ def save_stats(path: str, counts: np.ndarray) -> None:
         else:
             with open(tmp, "w", newline="") as f:
                 csv.writer(f).writerows(counts.tolist())
-    atomic_write(path, write)
+    return write
+
+
+def _fsync(path: str, folder: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _named(exc: OSError, path: str) -> OSError:
+    """The same OSError with the user's path instead of a temporary file name."""
+    return OSError(f"cannot write {path}: {exc.strerror or _reason(exc)}")
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Write through a temporary file in the same folder, renamed into place only on success."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-    os.close(fd)
+    """Write one file atomically (see `atomic_write_all`)."""
+    atomic_write_all([(path, write)])
+
+
+def atomic_write_all(items: list[tuple[str, Callable[[str], None]]]) -> None:
+    """Write several files all or none: each ``write(tmp)`` fills a temporary file in its target's
+    folder, which is fsynced; only when every one succeeded are they renamed into place (os.replace,
+    atomic per file) and the folders fsynced. A crash or error before that leaves every previous file
+    as it was (a killed process may leave a ``.tmp-*`` file behind). Errors name the target path,
+    never the temporary one (OSError for the file system, the writer's own exception otherwise)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    done: list[tuple[str, str]] = []
     try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
+        for path, write in items:
+            tmp = None
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
+                os.close(fd)
+                done.append((path, tmp))
+                write(tmp)
+                os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+                _fsync(tmp)
+            except OSError as exc:
+                raise _named(exc, path) from exc
+        for path, tmp in done:
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise _named(exc, path) from exc
+        for folder in {os.path.dirname(os.path.abspath(p)) for p, _ in done}:
+            try:
+                _fsync(folder, folder=True)
+            except OSError:
+                pass  # some file systems cannot fsync a folder; the files themselves are synced
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for _, tmp in done:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def save_placement(path: str, phy2log: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, meta: dict) -> None:
-    """A placement as .json (lists plus ``meta``) or .pt (int64 tensors plus ``meta``)."""
+    """A placement as .json (lists plus ``meta``) or .pt (int64 tensors plus ``meta``), atomically."""
+    atomic_write(path, placement_writer(path, phy2log, log2phy, logcnt, meta))
+
+
+def placement_writer(path: str, phy2log: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
+                     meta: dict) -> Callable[[str], None]:
+    """The function writing a placement in ``path``'s format to a given (temporary) file name."""
     ext = _suffix(path, (".json", ".pt"))
 
     def write(tmp):
@@ -115,7 +190,7 @@ def save_placement(path: str, phy2log: torch.Tensor, log2phy: torch.Tensor, logc
             with open(tmp, "w") as f:
                 json.dump({"meta": meta, "phy2log": phy2log.tolist(), "log2phy": log2phy.tolist(),
                            "logcnt": logcnt.tolist()}, f)
-    atomic_write(path, write)
+    return write
 
 
 def load_placement(path: str) -> tuple[np.ndarray, dict]:
@@ -123,7 +198,7 @@ def load_placement(path: str) -> tuple[np.ndarray, dict]:
     ext = _suffix(path, (".json", ".pt"))
     try:
         if ext == ".pt":
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = _torch_load(path)
         else:
             with open(path) as f:
                 obj = json.load(f)
@@ -132,11 +207,12 @@ def load_placement(path: str) -> tuple[np.ndarray, dict]:
         else:
             phy, meta = obj, {}
         phy = np.array(torch.as_tensor(phy).tolist() if isinstance(phy, torch.Tensor) else phy)
-    except FileNotFoundError:
+        if not isinstance(meta, dict):
+            raise ValueError(f"'meta' must be a dict, got {type(meta).__name__}")
+    except OSError:
         raise
-    except (ValueError, TypeError, KeyError, json.JSONDecodeError, RuntimeError, EOFError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"{path}: cannot read a placement ({msg})") from exc
-    if phy.ndim != 2 or not np.issubdtype(phy.dtype, np.integer):
+    except Exception as exc:
+        raise ValueError(f"{path}: cannot read a placement ({_reason(exc)})") from exc
+    if phy.ndim != 2 or phy.size == 0 or not np.issubdtype(phy.dtype, np.integer):
         raise ValueError(f"{path}: phy2log must be integer [layers, slots], got shape {phy.shape} dtype {phy.dtype}")
     return phy.astype(np.int64), dict(meta)

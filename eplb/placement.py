@@ -19,7 +19,9 @@ Algorithm (vectorised over layers, numpy):
    mix drifts (with `[L, E]` input: the plain load).
 5. Policy: ``hierarchical`` packs expert groups to nodes first (less cross-node traffic), then
    places each node's experts on its GPUs; ``global`` ignores nodes; ``auto`` plans both where
-   groups divide over nodes and keeps, per layer, hierarchical when it is at least as balanced.
+   the layout allows hierarchical (groups divide over nodes, as in the reference, experts over groups,
+   GPUs over nodes) and keeps, per layer, hierarchical when it is at least as balanced; elsewhere it
+   falls back to global, as the reference does.
 6. With ``previous`` (see `eplb.sticky`), experts stay on their GPU unless that leaves the robust
    maximum GPU load more than ``stickiness`` above a fresh plan's.
 """
@@ -158,11 +160,14 @@ def _plan_hierarchical(w, scen, z, num_replicas, num_groups, num_nodes, num_gpus
 
 
 def log2phy_from_phy2log(phy2log: np.ndarray, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log2phy`` `[L, E, max_replicas]` (slots ascending, -1 padded) and ``logcnt`` `[L, E]`, int64 torch."""
+    """``log2phy`` `[L, E, P - E + 1]` (slots ascending, -1 padded) and ``logcnt`` `[L, E]`, int64 torch.
+
+    The last dimension is the most replicas any expert can have (every other expert keeps one), as in
+    DeepSeek's EPLB, so its shape depends on the layout only, never on the load."""
     L, P = phy2log.shape
     logcnt = np.zeros((L, num_experts), np.int64)
     np.add.at(logcnt, (np.arange(L)[:, None], phy2log), 1)
-    maxcnt = int(logcnt.max())
+    maxcnt = max(P - num_experts + 1, int(logcnt.max()))  # larger only for a phy2log missing experts
     order = np.argsort(phy2log, axis=1, kind="stable")  # slots grouped by expert, ascending slot
     start = np.cumsum(logcnt, 1) - logcnt
     sorted_e = np.take_along_axis(phy2log, order, 1)
@@ -181,6 +186,21 @@ def _score(phy, w, num_gpus):
     return np.where(mx > 0, loads.mean(1) / np.where(mx > 0, mx, 1), 1.0)
 
 
+def _hierarchical_blocker(E: int, P: int, num_groups: int, num_nodes: int, num_gpus: int, cap: int) -> str:
+    """Why the hierarchical policy cannot lay this out ("" when it can). DeepSeek's EPLB uses it exactly
+    when groups divide over nodes; we also need whole groups, whole nodes of GPUs and slots per node
+    that the node's experts can fill."""
+    if num_groups % num_nodes != 0:
+        return f"num_groups={num_groups} divisible by num_nodes={num_nodes}"
+    if E % num_groups != 0:
+        return f"num_experts={E} divisible by num_groups={num_groups}"
+    if num_gpus % num_nodes != 0 or P % num_nodes != 0:
+        return f"num_gpus={num_gpus} (and num_replicas={P}) divisible by num_nodes={num_nodes}"
+    if E // num_nodes * min(cap, num_gpus // num_nodes) < P // num_nodes:
+        return f"enough experts per node to fill {P // num_nodes} slots (at most one replica per GPU)"
+    return ""
+
+
 def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int, num_groups: int, num_nodes: int,
                       num_gpus: int, *, previous: Optional[Union[torch.Tensor, np.ndarray]] = None,
                       max_replicas_per_expert: Optional[int] = None, policy: str = "auto",
@@ -192,18 +212,22 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
 
     Arguments:
         weight: `[L, E]` load per layer and logical expert (tokens routed), or per-step statistics
-            `[S, L, E]`; torch tensor or numpy array, any real dtype, finite and >= 0.
+            `[S, L, E]`; torch tensor, numpy array or nested lists, any real dtype, finite and >= 0.
         num_replicas: physical slots P per layer, a multiple of ``num_gpus`` and >= E.
-        num_groups: expert groups (E a multiple of it); used by the hierarchical policy.
-        num_nodes: server nodes (``num_gpus`` a multiple of it).
+        num_groups: expert groups; used by the hierarchical policy.
+        num_nodes: server nodes. The hierarchical policy needs ``num_groups % num_nodes == 0`` (the
+            reference's condition), E a multiple of ``num_groups`` and ``num_gpus`` of ``num_nodes``;
+            where any fails, ``"auto"`` falls back to the global policy as DeepSeek's EPLB does
+            (it plans as one node with one group).
         num_gpus: GPUs; slot p lives on GPU ``p // (P // num_gpus)``.
         previous: optional `[L, P]` ``phy2log`` in force now: experts stay on their GPU (and slot)
             unless keeping them leaves the maximum GPU load more than ``stickiness`` (relative) above
             a fresh plan's. The sticky plan keeps the fresh plan's replica counts but not the
             hierarchical policy's group-per-node layout.
         max_replicas_per_expert: optional cap on replicas of one expert (always <= GPUs of the scope).
-        policy: ``"auto"`` (hierarchical per layer where groups divide over nodes and it is at least as
-            balanced, else global), ``"global"`` or ``"hierarchical"``.
+        policy: ``"auto"`` (hierarchical per layer where the layout allows it and it is at least as
+            balanced, else global), ``"global"`` or ``"hierarchical"`` (raises where the layout does
+            not allow it).
         hedge: with `[S, L, E]` input, the robustness weight: GPUs are scored by mean + hedge * std of
             their load over chunks of steps (0: plan on the mean).
         stickiness: relative maximum-load slack allowed to keep experts in place (with ``previous``).
@@ -211,8 +235,8 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
 
     Returns:
         phy2log: `[L, P]` with `torch.int64`, the logical expert of every slot.
-        log2phy: `[L, E, X]` with `torch.int64`, X = the largest replica count; each expert's slots in
-            ascending order, padded with -1.
+        log2phy: `[L, E, P - E + 1]` with `torch.int64` (the most replicas one expert can have); each
+            expert's slots in ascending order, padded with -1.
         logcnt: `[L, E]` with `torch.int64`, replicas per expert (>= 1).
     """
     w_all = check_weight(weight)
@@ -237,10 +261,10 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
             raise ValueError(f"previous entries must be expert ids in [0, {E}), got range [{prev.min()}, {prev.max()}]")
     w, scen, z = planning_weight(w_all, hedge)
 
-    hier_ok = num_groups % num_nodes == 0 and E // num_nodes * min(cap, num_gpus // num_nodes) >= num_replicas // num_nodes
-    if policy == "hierarchical" and not hier_ok:
-        raise ValueError(f"hierarchical policy needs num_groups={num_groups} divisible by num_nodes={num_nodes} and "
-                         f"enough experts per node for {num_replicas // num_nodes} slots; use policy='global'")
+    why_not = _hierarchical_blocker(E, num_replicas, num_groups, num_nodes, num_gpus, cap)
+    if policy == "hierarchical" and why_not:
+        raise ValueError(f"policy='hierarchical' needs {why_not}; use policy='auto' or 'global'")
+    hier_ok = not why_not
     if policy == "hierarchical":
         phy = _plan_hierarchical(w, scen, z, num_replicas, num_groups, num_nodes, num_gpus, cap, improve_iters)
     else:

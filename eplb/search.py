@@ -59,7 +59,7 @@ def improve(phy: np.ndarray, ws: np.ndarray, z: float, max_iters: int, target: O
             active[xs[done]] = False
             if done.all():
                 break
-            xs, k, ph, B, V, mV, sqV, h, rh = (a[~done] for a in (xs, k, ph, B, V, mV, sqV, h, rh))
+            xs, k, ph, B, V, mV, sqV, rob, h, rh = (a[~done] for a in (xs, k, ph, B, V, mV, sqV, rob, h, rh))
             k = np.arange(xs.size)
         A = B.reshape(xs.size, G, m, S)[k, h]  # [x, m, S]
         # Partners: the slots of the num_partners least loaded GPUs (the best swap almost always lands there).

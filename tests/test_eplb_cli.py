@@ -86,7 +86,7 @@ def _write(path, arr):
     (np.ones(16), [], "shape"),
     (np.ones((2, 2, 2, 16)), [], "shape"),
     (np.ones((2, 16)), ["--replicas", "25"], "divisible by num_gpus"),
-    (np.ones((2, 16)), ["--nodes", "3"], "divisible by num_nodes"),
+    (np.ones((2, 16)), ["--nodes", "3", "--policy", "hierarchical"], "divisible by num_nodes"),
     (np.ones((2, 16)), ["--replicas", "8"], ">= num_experts"),
     (np.ones((2, 16)), ["--policy", "best"], "invalid choice"),
     (np.ones((2, 16)), ["--output", "o.txt"], ".json or .pt"),

@@ -23,7 +23,7 @@ def check_valid(phy2log, log2phy, logcnt, L, E, P, G, cap=None):
     p, l2p, cnt = phy2log.numpy(), log2phy.numpy(), logcnt.numpy()
     assert (cnt >= 1).all(), "every expert needs a replica"
     assert (cnt.sum(1) == P).all()
-    assert log2phy.shape[2] == cnt.max()
+    assert log2phy.shape[2] == P - E + 1  # DeepSeek EPLB's shape (was cnt.max() before; padded with -1)
     if cap is not None:
         assert cnt.max() <= cap
     for layer in range(L):
@@ -39,9 +39,9 @@ def check_valid(phy2log, log2phy, logcnt, L, E, P, G, cap=None):
 @st.composite
 def layouts(draw):
     num_nodes = draw(st.sampled_from([1, 2, 4]))
-    num_gpus = num_nodes * draw(st.integers(1, 4))
-    num_groups = draw(st.sampled_from([1, 2, 4]))
-    E = num_groups * draw(st.integers(1, 6))
+    num_gpus = num_nodes * draw(st.integers(1, 4)) + draw(st.sampled_from([0, 0, 0, 1]))  # sometimes not whole nodes
+    num_groups = draw(st.sampled_from([1, 2, 3, 4]))
+    E = num_groups * draw(st.integers(1, 6)) + draw(st.sampled_from([0, 0, 0, 1]))  # sometimes not whole groups
     per_gpu_min = -(-E // num_gpus)
     m = draw(st.integers(per_gpu_min, per_gpu_min + 3))
     P = m * num_gpus
@@ -68,7 +68,8 @@ def layouts(draw):
 def test_valid_over_generated_shapes(case):
     w, P, groups, nodes, G, cap, policy = case
     L, E = w.shape[-2:]
-    hier_ok = groups % nodes == 0 and (E // nodes) * min(cap or G, G // nodes) >= P // nodes
+    hier_ok = (groups % nodes == 0 and E % groups == 0 and G % nodes == 0
+               and (E // nodes) * min(cap or G, G // nodes) >= P // nodes)
     if E * min(cap or G, G) < P or (policy == "hierarchical" and not hier_ok):
         with pytest.raises(ValueError):
             eplb.rebalance_experts(w, P, groups, nodes, G, max_replicas_per_expert=cap, policy=policy)
@@ -158,8 +159,11 @@ def test_max_replicas_per_expert():
     (np.ones(8), {}, "shape"),
     (np.ones((1, 2, 3, 8)), {}, "shape"),
     (np.ones((2, 8)), {"num_replicas": 17}, "divisible by num_gpus"),
-    (np.ones((2, 8)), {"num_nodes": 3}, "num_gpus=4 must be divisible by num_nodes=3"),
-    (np.ones((2, 8)), {"num_groups": 3}, "num_groups"),
+    # Only the hierarchical policy needs groups / GPUs to divide (auto falls back to global).
+    (np.ones((2, 8)), {"num_nodes": 3, "num_groups": 3, "policy": "hierarchical"}, "hierarchical. needs"),
+    (np.ones((2, 8)), {"num_groups": 3, "num_nodes": 1, "policy": "hierarchical"}, "num_experts=8 divisible by num_groups"),
+    (np.ones((2, 8)), {"num_groups": 2, "num_nodes": 2, "num_gpus": 3, "num_replicas": 12, "policy": "hierarchical"},
+     "num_gpus=3 .*divisible by num_nodes=2"),
     (np.ones((2, 8)), {"num_replicas": 4}, ">= num_experts"),
     (np.ones((2, 8)), {"max_replicas_per_expert": 1, "num_replicas": 12}, "cannot be filled"),
     (np.ones((2, 8)), {"policy": "best"}, "policy"),
@@ -175,3 +179,41 @@ def test_errors(bad, kwargs, match):
         eplb.rebalance_experts(bad, *pos, **args)
     with pytest.raises(TypeError):
         eplb.rebalance_experts(np.ones((2, 8), bool), 8, 2, 2, 4)
+
+
+@pytest.mark.parametrize("weight, P, groups, nodes, G", [
+    ([[10, 20, 30, 40]], 8, 3, 2, 4),  # vLLM's case, plain lists: 3 groups do not divide over 2 nodes
+    (np.arange(1, 13, dtype=np.float64)[None], 16, 5, 1, 8),  # 12 experts not divisible by 5 groups
+    (np.arange(1, 13, dtype=np.float64)[None], 12, 4, 4, 6),  # 6 GPUs not divisible by 4 nodes
+    (np.arange(1, 13, dtype=np.float64)[None], 12, 4, 2, 6),  # 12 slots, 2 nodes, but 12 experts / 4 groups ok
+])
+def test_falls_back_to_global_where_the_layout_is_not_hierarchical(weight, P, groups, nodes, G):
+    out = eplb.rebalance_experts(weight, P, groups, nodes, G)
+    E = len(weight[0])
+    check_valid(*out, 1, E, P, G)
+    ref = eplb.rebalance_experts(torch.as_tensor(np.asarray(weight, np.float64)), P, groups, nodes, G)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))  # a list plans like the tensor
+    if groups % nodes or E % groups or G % nodes:
+        glob = eplb.rebalance_experts(weight, P, groups, nodes, G, policy="global")
+        assert all(torch.equal(a, b) for a, b in zip(out, glob))
+        with pytest.raises(ValueError, match="policy='hierarchical' needs"):
+            eplb.rebalance_experts(weight, P, groups, nodes, G, policy="hierarchical")
+
+
+def test_layout_errors_that_remain():
+    w = np.ones((1, 8))
+    with pytest.raises(ValueError, match="divisible by num_gpus"):
+        eplb.rebalance_experts(w, 10, 1, 1, 4)
+    with pytest.raises(ValueError, match=">= num_experts"):
+        eplb.rebalance_experts(w, 4, 1, 1, 4)
+    with pytest.raises(ValueError, match="num_nodes must be >= 1"):
+        eplb.rebalance_experts(w, 8, 1, 0, 4)
+
+
+def test_log2phy_last_dim_is_replicas_minus_experts_plus_one():
+    # Uniform load: every expert gets 2 replicas, yet the last dimension is P - E + 1 = 9, -1 padded.
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(np.ones((2, 8)), 16, 1, 1, 4)
+    assert (logcnt == 2).all() and log2phy.shape == (2, 8, 9)
+    assert (log2phy[..., 2:] == -1).all() and (log2phy[..., :2] >= 0).all()
+    _, log2phy, _ = eplb.rebalance_experts([[10, 20, 30, 40]], 8, 3, 2, 4)
+    assert log2phy.shape == (1, 4, 5)
