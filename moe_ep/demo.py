@@ -124,8 +124,8 @@ def _rank_main(rank: int, world: int, args) -> dict:
                      num_rdma_bytes=SymmBackend.get_low_latency_size_hint(args.tokens, args.hidden, args.ranks,
                                                                           args.experts, args.topk),
                      device=device)
-    buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=args.mode != "normal", backend=args.backend, timeout_s=args.timeout,
-                        **extra)
+    buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=args.mode != "normal", backend=args.backend,
+                        timeout_s=args.timeout, **extra)
     selections = int((topk_idx >= 0).sum())
     stats: dict = {}
 

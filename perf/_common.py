@@ -223,7 +223,6 @@ def time_us(fn, device=None, iters: int = 5, warmup: int = 1, between=None) -> T
 
 def rel_err(out, ref) -> float:
     """max |out - ref| / max |ref| (float32); ``inf`` on shape mismatch or non-finite values."""
-    import torch
 
     if tuple(out.shape) != tuple(ref.shape):
         return float("inf")

@@ -41,7 +41,6 @@ import os
 for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_v, "1")  # one CPU core, before numpy/torch load their thread pools
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import glob  # noqa: E402

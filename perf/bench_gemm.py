@@ -33,9 +33,7 @@ Targets (rows per expert >= 1024): >= 0.6x DeepGEMM's speed and >= 1.5x the BF16
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import subprocess
 import sys

@@ -18,11 +18,8 @@ The smallest batch where two microbatches win is the break-even point.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

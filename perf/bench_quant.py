@@ -23,11 +23,9 @@ and without programmatic dependent launch (PDL).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

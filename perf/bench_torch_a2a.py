@@ -15,7 +15,6 @@ table shows the table shows the same byte count moved by a local device copy
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -248,7 +247,8 @@ def main(argv=None):
             valid = worst["err"] <= TOL
             print(f"{world:>5} {n:>6} | {worst['t_d'] * 1e6:>11.0f} {r0['d'] / worst['t_d'] / 1e9:>7.2f} | "
                   f"{worst['t_c'] * 1e6:>10.0f} {r0['c'] / worst['t_c'] / 1e9:>7.2f} | {worst['t_ld'] * 1e6:>10.0f} "
-                  f"{r0['ld'] / worst['t_ld'] / 1e9:>7.2f} | {worst['t_lc'] * 1e6:>10.0f} {r0['lc'] / worst['t_lc'] / 1e9:>7.2f} | "
+                  f"{r0['ld'] / worst['t_ld'] / 1e9:>7.2f} | {worst['t_lc'] * 1e6:>10.0f} "
+                  f"{r0['lc'] / worst['t_lc'] / 1e9:>7.2f} | "
                   f"{copy_bw / 1e9:>9.1f} | {'ok' if valid else 'INVALID'} ({worst['err']:.1e})", flush=True)
             for key, bkey, label in (("t_d", "d", "dispatch FP8"), ("t_c", "c", "combine BF16"),
                                      ("t_ld", "ld", "LL dispatch FP8"), ("t_lc", "lc", "LL combine BF16")):

@@ -83,7 +83,8 @@ def _layer_rank(rank: int, world: int, case: dict) -> dict:
     if backend == "symm":
         kwargs = dict(num_nvl_bytes=SymmBackend.get_normal_size_hint(max(T, 1), HIDDEN, k, world),
                       num_rdma_bytes=SymmBackend.get_low_latency_size_hint(T, HIDDEN, world, num_experts, k))
-    buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=mode == "decode", backend=backend, timeout_s=120, **kwargs)
+    buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=mode == "decode", backend=backend,
+                        timeout_s=120, **kwargs)
     shared = None
     if case.get("shared"):
         ws = w2[0].to(torch.bfloat16)  # [H, I]: a simple shared projection H -> I -> H

@@ -91,7 +91,7 @@ def test_run_on_comm_stream_async_inputs():
     with checked_streams() as chk:
         x = torch.randn(4, 8)
         report(writes=x, what="producer")
-        out, ev = events.run_on_comm_stream(lambda: x * 2, torch.device("cpu"), None, previous_event=None,
+        out, ev = events.run_on_comm_stream(lambda x=x: x * 2, torch.device("cpu"), None, previous_event=None,
                                             async_finish=True, allocate_on_comm_stream=False, inputs=(x,),
                                             owner=owner)
         del x  # dropped before the wait: safe only with record_stream(comm)
