@@ -231,19 +231,21 @@ def run_configs(trace, cost, cfg, configs: list[AdpConfig], router: str = "rr", 
     return out
 
 
-PARETO_SETTINGS = [(0, 0), (10, 0), (25, 0), (50, 0), (50, 5), (50, 10), (100, 10), (100, 30)]
-PARETO_LOADS = [512, 1024, 2048, 5120]
+PARETO_SETTINGS = [(0, 0), (10, 0), (50, 0), (50, 10), (100, 10), (100, 30)]
+PARETO_LOADS = [512, 1024, 2048, 4096]
 
 
-def pareto_sweep(trace, cost, cfg, router: str = "rr", settings=PARETO_SETTINGS, loads=PARETO_LOADS):
+def pareto_sweep(make_trace, cost, cfg, router: str = "rr", settings=PARETO_SETTINGS, loads=PARETO_LOADS):
     """TPS per GPU and TTFT over (timeout_iters, batching_wait_iters) settings and closed-loop loads.
-    ``(0, 0)`` is the baseline (gate off). Returns ``[(setting, load, metrics)]``."""
+    ``make_trace(load)`` gives the trace for a load (enough requests to reach a steady state); ``(0, 0)``
+    is the baseline (gate off). Returns ``[(setting, load, metrics)]``."""
     from dataclasses import replace
 
     from serving.sim import simulate
     rows = []
     for load in loads:
         c = replace(cfg, concurrency=load)
+        trace = make_trace(load)
         for to, bw in settings:
             gate = ADPGate(enabled=(to, bw) != (0, 0), timeout_iters=to, batching_wait_iters=bw)
             m = simulate(trace, cost, make_router(router), gate, c).metrics()
@@ -340,8 +342,8 @@ def add_adp_parser(subparsers) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--out", default="adp_out", help="folder for the PNG plots and metrics.json")
     g.add_argument("--no-plots", action="store_true")
-    g.add_argument("--pareto-requests", type=int, default=2000,
-                   help="requests per point of the Pareto sweep (0 skips it)")
+    g.add_argument("--pareto-scale", type=float, default=3.0,
+                   help="Pareto sweep: requests per point = scale x concurrency, at least 1000 (0 skips it)")
     g.add_argument("--progress", action="store_true", help="progress lines on stderr")
     p.set_defaults(func=_cmd_adp)
 
@@ -358,8 +360,8 @@ def _cmd_adp(args) -> int:
     for name in ("requests", "ranks", "max_batch_size", "max_num_tokens", "concurrency", "max_output"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    if args.pareto_requests < 0:
-        raise ValueError(f"--pareto-requests={args.pareto_requests} must be >= 0")
+    if not args.pareto_scale >= 0:
+        raise ValueError(f"--pareto-scale={args.pareto_scale} must be >= 0")
     if args.timeout_iters < 0 or args.batching_wait_iters < 0:
         raise ValueError("--timeout-iters and --batching-wait-iters must be >= 0")
     t0 = time.perf_counter()
@@ -385,11 +387,14 @@ def _cmd_adp(args) -> int:
         print("cells: ours / seed 003; seed time-weighted balance derived as TPS / SOL TPS")
     t_main = time.perf_counter() - t0
     pareto_rows = []
-    if not args.no_plots and args.pareto_requests:
-        ptrace = synthetic(args.pareto_requests, args.mean_input, args.mean_output, args.sigma_input,
-                           args.sigma_output, max_input=max(1, args.max_num_tokens - args.max_batch_size + 1),
-                           max_output=args.max_output, seed=args.seed) if not args.trace else trace
-        pareto_rows = pareto_sweep(ptrace, cost, cfg, args.router)
+    if not args.no_plots and args.pareto_scale:
+        def make_trace(load):
+            if args.trace:
+                return trace
+            return synthetic(max(1000, int(args.pareto_scale * load)), args.mean_input, args.mean_output,
+                             args.sigma_input, args.sigma_output, max_output=args.max_output, seed=args.seed,
+                             max_input=max(1, args.max_num_tokens - args.max_batch_size + 1))
+        pareto_rows = pareto_sweep(make_trace, cost, cfg, args.router)
     written = [] if args.no_plots else write_plots(args.out, results, pareto_rows, args.ranks)
     if not args.no_plots:
         os.makedirs(args.out, exist_ok=True)
