@@ -381,7 +381,7 @@ def _cmd_adp(args) -> int:
           + (f" ({args.hardware})" if args.cost == "roofline" else "") + f", router {args.router}")
     results = run_configs(trace, cost, cfg, paper_configs(args.timeout_iters, args.batching_wait_iters),
                           args.router, args.batching, args.progress)
-    compare = not args.trace and (args.timeout_iters, args.batching_wait_iters) == (50, 10)
+    compare = not args.trace and args.requests == 16000 and (args.timeout_iters, args.batching_wait_iters) == (50, 10)
     print("\n" + format_table([(n, m) for n, m, _ in results], compare=compare))
     if compare:
         print("cells: ours / seed 003; seed time-weighted balance derived as TPS / SOL TPS")
