@@ -128,3 +128,37 @@ def test_cost_model_direction():
     assert choose_algorithm(big, 4, 1, t) == "flat"
     with pytest.raises(ValueError, match="algorithm must be"):
         predict_time("ring2", 1, 1, 2)
+
+
+def netns_probe(rank, world, numel):
+    """Bytes leaving host A per all-reduce, for each algorithm (run inside a TwoHostCluster)."""
+    import torch.distributed as dist
+
+    from moe_ep.testing.netns import link_bytes
+    out = {}
+    for algorithm in ("tree", "ps", "hierarchical", "flat"):
+        x = torch.full((numel,), float(rank + 1))
+        dist.barrier()
+        before = link_bytes()
+        all_reduce(x, algorithm=algorithm, ranks_per_node=2)
+        dist.barrier()
+        after = link_bytes()
+        assert bool((x == world * (world + 1) / 2).all())
+        out[algorithm] = after[0] - before[0]
+    return out
+
+
+def test_netns_two_hosts_bytes_across():
+    from moe_ep.testing.netns import TwoHostCluster, available
+    ok, reason = available()
+    if not ok:
+        pytest.skip(reason)
+    numel = 1 << 18  # 1 MiB of float32
+    with TwoHostCluster(rate="1gbit") as cluster:
+        res = cluster.run(f"{__file__}:netns_probe", ranks_per_host=2, kwargs={"numel": numel}, timeout_s=120)
+    m = numel * 4
+    a = res[0]  # host A's veth, A -> B (payload plus TCP/IP headers, acks, barriers, arrival checks)
+    assert m <= a["tree"] < 1.15 * m  # the GM sends the result once
+    assert 2 * m <= a["ps"] < 2.3 * m  # the server sends it to both remote ranks
+    assert m <= a["hierarchical"] < 1.15 * m  # two shards, (H-1)/H of each, twice
+    assert a["flat"] > m
