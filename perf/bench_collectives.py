@@ -56,6 +56,7 @@ def allreduce_worker(rank, world, ranks_per_node, hidden, tokens, dtypes, iters,
                 for _ in range(reps):
                     all_reduce(x, algorithm=algo, ranks_per_node=G)
                 dt = (time.perf_counter() - t0) / reps
+                dist.barrier()  # NOTES: a send returns once buffered; the counters are read after delivery
                 after = link_bytes()
                 t = torch.tensor([dt], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -113,6 +114,7 @@ def dispatch_worker(rank, world, ranks_per_node, hidden, tokens, iters, num_expe
             for _ in range(iters):
                 step()
             dt = (time.perf_counter() - t0) / iters
+            dist.barrier()
             after = link_bytes()
             t = torch.tensor([dt], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
