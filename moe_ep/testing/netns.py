@@ -6,7 +6,8 @@ ranks of different hosts cross the shaped veth. Needs root (``ip netns``, ``tc``
     with TwoHostCluster(rate="1gbit") as cluster:
         results = cluster.run("mypkg.mod:fn", ranks_per_host=2, kwargs={...})
 
-``fn`` (``"module:function"`` or ``"path/file.py:function"``) is called as ``fn(rank, world_size, **kwargs)``; it runs in a fresh ``python`` process per rank with a gloo process group
+``fn`` (``"module:function"`` or ``"path/file.py:function"``) is called as ``fn(rank, world_size, **kwargs)``
+in a fresh ``python`` process per rank with a gloo process group
 (rendezvous over a TCPStore on host A's address, gloo bound to the namespace's veth); its JSON-able
 return value comes back. Inside ``fn``, :func:`link_bytes` reads the host's veth byte counters.
 The namespaces (and with them the veth pair and its qdiscs) are removed on exit, on error, and at
