@@ -85,7 +85,9 @@ class Buffer:
             :class:`moe_ep.sync.RankTimeoutError` (a ``TimeoutError``) naming it.
         check_inputs: value checks of ``topk_idx`` (range, duplicates) read the tensor on the host; they
             are skipped automatically while a CUDA graph is being captured, and can be turned off here.
-        backend_kwargs: passed to the backend: ``provider=`` (``"cuda"`` / ``"shm"``) and ``device=`` for ``symm``.
+        backend_kwargs: passed to the backend: ``provider=`` (``"cuda"`` / ``"shm"``) and ``device=`` for ``symm``;
+            ``ranks_per_node=`` (and ``partial_dtype=``) for ``torch``: node-aware normal mode (a token crosses
+            nodes once per destination node, then fans out inside it; ``num_tokens_per_rdma_rank`` is filled).
 
     The ``symm`` backend needs its buffer sizes: ``num_nvl_bytes`` from
     :meth:`moe_ep.backends.symm.SymmBackend.get_normal_size_hint` and ``num_rdma_bytes`` from
@@ -126,7 +128,10 @@ class Buffer:
                       low_latency_mode=low_latency_mode, timeout_s=self.timeout_s)
         if self.backend_name == "torch":
             from .backends.torch_a2a import TorchBackend
-            self._impl: Backend = TorchBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
+            from .backends.torch_hier import TorchHierBackend
+            # ranks_per_node=G: node-aware (a token crosses nodes once per destination node, then fans out)
+            cls = TorchHierBackend if backend_kwargs.get("ranks_per_node") is not None else TorchBackend
+            self._impl: Backend = cls(self.group, self.rank, self.group_size, **common, **backend_kwargs)
         else:
             from .backends.symm import SymmBackend
             self._impl = SymmBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)

@@ -145,3 +145,14 @@ def test_bad_ranks_per_node():
                              timeout_s=5, ranks_per_node=3)
         return True
     assert launch(worker, 2, timeout_s=60) == [True, True]
+
+
+def _suite_through_buffer(rank, world):
+    from moe_ep.testing.suite import check_buffer_case
+
+    return check_buffer_case(rank, world, dict(seed=7, n=[5, 0, 9, 3], hidden=128, E=8, k=3, routing="random"),
+                             "torch", modes=("normal",), ranks_per_node=2)
+
+
+def test_buffer_selects_the_node_aware_backend_and_passes_the_suite():
+    assert launch(_suite_through_buffer, 4, timeout_s=240) == [True] * 4

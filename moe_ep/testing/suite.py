@@ -45,7 +45,10 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
             for e in row:
                 if e >= 0:
                     exp_in_rank[t, e // num_local] = True
-        assert per_rdma is None
+        if per_rdma is not None:  # node-aware backends: tokens per destination node
+            nodes = per_rdma.shape[0]
+            per_node = exp_in_rank.view(-1, nodes, world // nodes).any(2).sum(0).int()
+            assert_bitwise_equal(per_rdma, per_node, "num_tokens_per_rdma_rank")
         assert_bitwise_equal(in_rank, exp_in_rank, "is_token_in_rank")
         assert_bitwise_equal(per_rank, exp_in_rank.sum(0).int(), "num_tokens_per_rank")
         valid = inputs[rank].topk_idx[inputs[rank].topk_idx >= 0]
