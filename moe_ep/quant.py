@@ -94,6 +94,17 @@ def _alloc_scales(lead, num_rows, num_groups, device, column_major, tma_aligned,
     return storage[..., :num_rows].transpose(-1, -2)
 
 
+def _owns_tma_padding(s3: torch.Tensor, strides: tuple) -> bool:
+    """Whether the TMA padding rows under the scales ``s3`` `[L, T, cols]` (canonical ``strides``,
+    column stride M_padded) are theirs to zero: the storage ends exactly where the last column's
+    padding ends, as in _alloc_scales' and DeepGEMM's allocations (a slice of `[L, cols, M_padded]`).
+    Storage that stops short (``torch.empty_strided``) or goes on past it (a scale tensor carved out of
+    a larger workspace, where the bytes after it may be someone else's) is left alone. Host metadata
+    only: no device access."""
+    end = s3.storage_offset() + (s3.shape[0] - 1) * strides[0] + s3.shape[2] * strides[2]
+    return end * s3.element_size() == s3.untyped_storage().nbytes()
+
+
 def _same_strides(t: torch.Tensor, strides: tuple) -> bool:
     # Strides of size-0/1 dims carry no information (torch picks them freely).
     if t.numel() == 0:
@@ -182,10 +193,12 @@ def _check_out_scales(out_scales: torch.Tensor, lead, num_rows, num_groups, devi
 # ---------------------------------------------------------------------------------------------
 
 def _quant_op(launch, x, width_factor, group_size, column_major_scales, tma_aligned_scales, round_scale,
-              use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl):
+              use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales):
     name = "x"
     _check_input(x, name, group_size, width_factor)
     masked_m = _check_masked_m(masked_m, x)
+    if not isinstance(zero_masked_scales, bool):
+        raise TypeError(f"zero_masked_scales must be a bool, got {type(zero_masked_scales).__name__}")
     lead, num_rows, k_out = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1] // width_factor
     num_groups = k_out // group_size
     q_shape = (*lead, k_out, num_rows) if transpose_out else (*lead, num_rows, k_out)
@@ -213,7 +226,13 @@ def _quant_op(launch, x, width_factor, group_size, column_major_scales, tma_alig
     s3 = out_scales if out_scales.dim() == 3 else out_scales.unsqueeze(0)
     # Element strides of the logical [L, T, K] FP8 tensor (a transposed output is [L, K, T]).
     q_strides = (q3.stride(0), q3.stride(2), q3.stride(1)) if transpose_out else q3.stride()
-    launch(x3, q3, tuple(q_strides), s3, masked_m, group_size, round_scale, use_ue8m0, transpose_out, use_pdl)
+    # The layout's own strides, not out_scales': they agree on every dim of size > 1, and a size-1
+    # dim's stride (free in torch) would otherwise move the TMA padding rows the kernel zeroes.
+    s_strides = scale_layout((x3.shape[0],), num_rows, num_groups, column_major=column_major_scales,
+                             tma_aligned=tma_aligned_scales, use_ue8m0=use_ue8m0)[2]
+    launch(x3, q3, tuple(q_strides), s3, masked_m, group_size, round_scale, use_ue8m0, transpose_out, use_pdl,
+           s_strides=s_strides, zero_masked_scales=zero_masked_scales and masked_m is not None,
+           keep_padding=tma_aligned_scales and not _owns_tma_padding(s3, s_strides))
     return out, out_scales
 
 
@@ -234,6 +253,7 @@ def per_token_group_quant_fp8(
     out_scales: torch.Tensor | None = None,
     masked_m: torch.Tensor | None = None,
     use_pdl: bool = False,
+    zero_masked_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations to FP8 with one scale per ``group_size`` consecutive channels of a row.
 
@@ -261,7 +281,7 @@ def per_token_group_quant_fp8(
             with ``use_ue8m0``; leading `L` for 3D input; layout per the options.
     """
     return _quant_op(launch_per_token_group_quant, x, 1, group_size, column_major_scales, tma_aligned_scales,
-                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl)
+                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales)
 
 
 def silu_and_mul_quant_fp8(
@@ -277,6 +297,7 @@ def silu_and_mul_quant_fp8(
     out_scales: torch.Tensor | None = None,
     masked_m: torch.Tensor | None = None,
     use_pdl: bool = False,
+    zero_masked_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``per_token_group_quant_fp8(silu(gate) * up)`` in one pass, the product kept in float32.
 
@@ -295,7 +316,7 @@ def silu_and_mul_quant_fp8(
     sits on a rounding boundary.
     """
     return _quant_op(launch_silu_and_mul_quant, x, 2, group_size, column_major_scales, tma_aligned_scales,
-                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl)
+                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales)
 
 
 def silu_and_mul_fp32(x: torch.Tensor) -> torch.Tensor:
