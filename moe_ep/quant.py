@@ -15,6 +15,26 @@ options                           scales of a `[.., T, K]` input (G = K / group_
                                   (padded to a multiple of 4 rows with TMA)
 ================================  ============================================================
 
+TMA padding: the rows ``T .. ceil4(T) - 1`` of every column of a TMA-aligned scale storage are
+written as zeros by the kernel itself (no memset), where the storage is the op's own or ends exactly
+at the padded end (DeepGEMM's ``get_mn_major_tma_aligned_tensor``, a slice of ``torch.empty(G, ceil4(T))``);
+caller storage that stops short of it or goes on past it (a workspace) keeps its padding untouched.
+
+Drop-in notes for vLLM / SGLang callers:
+
+- ``use_ue8m0`` here is SGLang's / DeepGEMM's: packed int32 exponents. vLLM's
+  ``per_token_group_quant_fp8(..., use_ue8m0=True)`` returns float32 power-of-two scales: pass
+  ``round_scale=True`` for that (the same ``2**ceil(log2(amax / 448))`` values).
+- The amax floor is 1e-4 (DeepGEMM's), not vLLM's ``eps=1e-10``: an all-zero (or tiny) group gets
+  scale ``float32(1e-4) / 448``, deliberately (tiny groups quantize to the same bytes either way; the
+  floor keeps ``1 / scale`` finite for the GEMM); there is no ``eps`` argument.
+- :func:`silu_and_mul_quant_fp8` quantizes ``silu(gate) * up`` in float32; SGLang rounds the product to
+  BF16 first. Deliberate: one rounding instead of two, so an FP8 byte can differ by one step from
+  SGLang's where the BF16 rounding crosses an e4m3 rounding boundary.
+- Masked rows (``>= masked_m[l]``) are not written by default (DeepGEMM's contract);
+  ``zero_masked_scales=True`` stores zero scales there (what vLLM's / SGLang's masked tests expect)
+  at 4 bytes per masked row and group (per UE8M0 word), their FP8 rows still unwritten.
+
 Numerics (bitwise equal to :func:`moe_ep.fp8.per_token_group_quant_fp8_ref`): float32
 ``amax = max|x_group|`` clamped to at least 1e-4, ``scale = amax / 448`` (rounded up to a power of
 two with ``round_scale``; ``use_ue8m0`` implies it), ``q = e4m3(x / scale)`` round-to-nearest-even,
@@ -270,10 +290,23 @@ def per_token_group_quant_fp8(
         out: optional FP8 output of the shape above; padded rows allowed, contiguous last dim.
         out_scales: optional scales output with exactly the layout the options select.
         masked_m: `[L]` int32/int64 on x's device, 3D input only: rows ``t >= masked_m[l]`` (values
-            clamped to [0, T]) are neither read nor written, in ``x``, the FP8 output and the scales.
-            Read on the device: no host synchronisation (CUDA-graph safe).
+            clamped to [0, T]) are neither read nor written, in ``x``, the FP8 output and the scales
+            (unless ``zero_masked_scales``). Read on the device: no host synchronisation (CUDA-graph safe).
         use_pdl: launch with programmatic dependent launch where supported (Hopper+, Triton >= 3.4);
             ignored elsewhere. Results are identical either way.
+        zero_masked_scales: with ``masked_m``, store zero scales (float32 +0.0, or all-zero UE8M0
+            words) for the masked rows, as vLLM's and SGLang's masked ops do; the FP8 rows stay
+            unwritten. Costs only those scale stores (4 bytes per masked row and group, 1/33 of a
+            valid row's stores for groups of 128) in the same launch; off by default (DeepGEMM's
+            contract: masked rows are not written). Ignored without ``masked_m``.
+
+    Scales with ``round_scale`` are float32 ``2**ceil(log2(amax / 448))``: what vLLM's
+    ``use_ue8m0=True`` returns. Our ``use_ue8m0`` is SGLang's / DeepGEMM's packed int32 exponents
+    (the same values, ``2**(byte - 127)``). ``amax`` is floored at 1e-4 (DeepGEMM's; vLLM's ``eps`` is
+    1e-10): an all-zero group gets scale ``float32(1e-4) / 448`` and zero bytes, deliberately.
+    With ``tma_aligned_scales`` the padding rows of the storage (T rounded up to a multiple of 4, in
+    every column) are zeros, written by the kernel, when the storage is the op's own or ends exactly at
+    the padded end (a slice of a `[.., cols, ceil4(T)]` allocation); other caller storage keeps them.
 
     Returns:
         x_fp8: `[M, K]` (or `[K, M]` with ``transpose_out``; 3D likewise) with `torch.float8_e4m3fn`.
@@ -314,6 +347,10 @@ def silu_and_mul_quant_fp8(
     :func:`silu_and_mul_fp32` to float32 rounding (the exponential differs by a few ulp between
     torch, the interpreter and the GPU), so FP8 bytes can differ by one e4m3 step where the product
     sits on a rounding boundary.
+
+    Deliberately the float32 product is quantized directly: SGLang's fused op rounds it to BF16 first,
+    so where that rounding crosses an e4m3 rounding boundary (double rounding) SGLang's byte is one
+    step off ours; ours is the single rounding of the float32 value.
     """
     return _quant_op(launch_silu_and_mul_quant, x, 2, group_size, column_major_scales, tma_aligned_scales,
                      round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales)

@@ -16,7 +16,12 @@ Numerics come from :mod:`moe_ep.kernels.fp8_cast` (shared with every quantizing 
 for the scale and for ``x / scale`` (a multiply by the exact reciprocal for power-of-two scales),
 round-to-nearest-even onto the e4m3 grid (hardware cvt on sm90+, integer arithmetic elsewhere).
 
-Masked 3D input: rows at or past ``masked_m[l]`` (clamped to [0, T]) are neither loaded nor stored.
+Masked 3D input: rows at or past ``masked_m[l]`` (clamped to [0, T]) are neither loaded nor stored,
+except, with ``ZERO_MASKED_SCALES`` in ``HAS_MASK``, their scales, stored as zeros.
+
+TMA-aligned scales (column-major, column stride ``ceil4(T) > T``): the programs of the last row block
+also store zeros into the padding rows ``T .. ceil4(T) - 1`` of every column (unless ``KEEP_PADDING``),
+so the storage the GEMM's TMA box reads holds no garbage, at no extra launch or memset.
 """
 
 from __future__ import annotations

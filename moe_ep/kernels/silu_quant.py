@@ -3,7 +3,8 @@
 Input `[L, T, 2N]`: ``gate = x[..., :N]``, ``up = x[..., N:]`` (the first GEMM's output). The
 product is formed in float32 and quantized directly (it is never rounded to the input dtype), then
 stored through :func:`moe_ep.kernels.quant.quantize_tile`, so every output layout option of the plain
-quant kernel applies unchanged. Masked rows (``>= masked_m[l]``) are neither read nor written.
+quant kernel applies unchanged (TMA padding rows zeroed; masked rows, ``>= masked_m[l]``, neither
+read nor written, their scales zeroed with ``ZERO_MASKED_SCALES``).
 """
 
 from __future__ import annotations
