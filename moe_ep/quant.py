@@ -15,6 +15,26 @@ options                           scales of a `[.., T, K]` input (G = K / group_
                                   (padded to a multiple of 4 rows with TMA)
 ================================  ============================================================
 
+TMA padding: the rows ``T .. ceil4(T) - 1`` of every column of a TMA-aligned scale storage are
+written as zeros by the kernel itself (no memset), where the storage is the op's own or ends exactly
+at the padded end (DeepGEMM's ``get_mn_major_tma_aligned_tensor``, a slice of ``torch.empty(G, ceil4(T))``);
+caller storage that stops short of it or goes on past it (a workspace) keeps its padding untouched.
+
+Drop-in notes for vLLM / SGLang callers:
+
+- ``use_ue8m0`` here is SGLang's / DeepGEMM's: packed int32 exponents. vLLM's
+  ``per_token_group_quant_fp8(..., use_ue8m0=True)`` returns float32 power-of-two scales: pass
+  ``round_scale=True`` for that (the same ``2**ceil(log2(amax / 448))`` values).
+- The amax floor is 1e-4 (DeepGEMM's), not vLLM's ``eps=1e-10``: an all-zero (or tiny) group gets
+  scale ``float32(1e-4) / 448``, deliberately (tiny groups quantize to the same bytes either way; the
+  floor keeps ``1 / scale`` finite for the GEMM); there is no ``eps`` argument.
+- :func:`silu_and_mul_quant_fp8` quantizes ``silu(gate) * up`` in float32; SGLang rounds the product to
+  BF16 first. Deliberate: one rounding instead of two, so an FP8 byte can differ by one step from
+  SGLang's where the BF16 rounding crosses an e4m3 rounding boundary.
+- Masked rows (``>= masked_m[l]``) are not written by default (DeepGEMM's contract);
+  ``zero_masked_scales=True`` stores zero scales there (what vLLM's / SGLang's masked tests expect)
+  at 4 bytes per masked row and group (per UE8M0 word), their FP8 rows still unwritten.
+
 Numerics (bitwise equal to :func:`moe_ep.fp8.per_token_group_quant_fp8_ref`): float32
 ``amax = max|x_group|`` clamped to at least 1e-4, ``scale = amax / 448`` (rounded up to a power of
 two with ``round_scale``; ``use_ue8m0`` implies it), ``q = e4m3(x / scale)`` round-to-nearest-even,
@@ -92,6 +112,17 @@ def _alloc_scales(lead, num_rows, num_groups, device, column_major, tma_aligned,
     rows_padded = strides[-1]
     storage = torch.empty(*lead, shape[-1], rows_padded, dtype=dtype, device=device)
     return storage[..., :num_rows].transpose(-1, -2)
+
+
+def _owns_tma_padding(s3: torch.Tensor, strides: tuple) -> bool:
+    """Whether the TMA padding rows under the scales ``s3`` `[L, T, cols]` (canonical ``strides``,
+    column stride M_padded) are theirs to zero: the storage ends exactly where the last column's
+    padding ends, as in _alloc_scales' and DeepGEMM's allocations (a slice of `[L, cols, M_padded]`).
+    Storage that stops short (``torch.empty_strided``) or goes on past it (a scale tensor carved out of
+    a larger workspace, where the bytes after it may be someone else's) is left alone. Host metadata
+    only: no device access."""
+    end = s3.storage_offset() + (s3.shape[0] - 1) * strides[0] + s3.shape[2] * strides[2]
+    return end * s3.element_size() == s3.untyped_storage().nbytes()
 
 
 def _same_strides(t: torch.Tensor, strides: tuple) -> bool:
@@ -182,10 +213,12 @@ def _check_out_scales(out_scales: torch.Tensor, lead, num_rows, num_groups, devi
 # ---------------------------------------------------------------------------------------------
 
 def _quant_op(launch, x, width_factor, group_size, column_major_scales, tma_aligned_scales, round_scale,
-              use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl):
+              use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales):
     name = "x"
     _check_input(x, name, group_size, width_factor)
     masked_m = _check_masked_m(masked_m, x)
+    if not isinstance(zero_masked_scales, bool):
+        raise TypeError(f"zero_masked_scales must be a bool, got {type(zero_masked_scales).__name__}")
     lead, num_rows, k_out = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1] // width_factor
     num_groups = k_out // group_size
     q_shape = (*lead, k_out, num_rows) if transpose_out else (*lead, num_rows, k_out)
@@ -213,7 +246,13 @@ def _quant_op(launch, x, width_factor, group_size, column_major_scales, tma_alig
     s3 = out_scales if out_scales.dim() == 3 else out_scales.unsqueeze(0)
     # Element strides of the logical [L, T, K] FP8 tensor (a transposed output is [L, K, T]).
     q_strides = (q3.stride(0), q3.stride(2), q3.stride(1)) if transpose_out else q3.stride()
-    launch(x3, q3, tuple(q_strides), s3, masked_m, group_size, round_scale, use_ue8m0, transpose_out, use_pdl)
+    # The layout's own strides, not out_scales': they agree on every dim of size > 1, and a size-1
+    # dim's stride (free in torch) would otherwise move the TMA padding rows the kernel zeroes.
+    s_strides = scale_layout((x3.shape[0],), num_rows, num_groups, column_major=column_major_scales,
+                             tma_aligned=tma_aligned_scales, use_ue8m0=use_ue8m0)[2]
+    launch(x3, q3, tuple(q_strides), s3, masked_m, group_size, round_scale, use_ue8m0, transpose_out, use_pdl,
+           s_strides=s_strides, zero_masked_scales=zero_masked_scales and masked_m is not None,
+           keep_padding=tma_aligned_scales and not _owns_tma_padding(s3, s_strides))
     return out, out_scales
 
 
@@ -234,6 +273,7 @@ def per_token_group_quant_fp8(
     out_scales: torch.Tensor | None = None,
     masked_m: torch.Tensor | None = None,
     use_pdl: bool = False,
+    zero_masked_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations to FP8 with one scale per ``group_size`` consecutive channels of a row.
 
@@ -250,10 +290,23 @@ def per_token_group_quant_fp8(
         out: optional FP8 output of the shape above; padded rows allowed, contiguous last dim.
         out_scales: optional scales output with exactly the layout the options select.
         masked_m: `[L]` int32/int64 on x's device, 3D input only: rows ``t >= masked_m[l]`` (values
-            clamped to [0, T]) are neither read nor written, in ``x``, the FP8 output and the scales.
-            Read on the device: no host synchronisation (CUDA-graph safe).
+            clamped to [0, T]) are neither read nor written, in ``x``, the FP8 output and the scales
+            (unless ``zero_masked_scales``). Read on the device: no host synchronisation (CUDA-graph safe).
         use_pdl: launch with programmatic dependent launch where supported (Hopper+, Triton >= 3.4);
             ignored elsewhere. Results are identical either way.
+        zero_masked_scales: with ``masked_m``, store zero scales (float32 +0.0, or all-zero UE8M0
+            words) for the masked rows, as vLLM's and SGLang's masked ops do; the FP8 rows stay
+            unwritten. Costs only those scale stores (4 bytes per masked row and group, 1/33 of a
+            valid row's stores for groups of 128) in the same launch; off by default (DeepGEMM's
+            contract: masked rows are not written). Ignored without ``masked_m``.
+
+    Scales with ``round_scale`` are float32 ``2**ceil(log2(amax / 448))``: what vLLM's
+    ``use_ue8m0=True`` returns. Our ``use_ue8m0`` is SGLang's / DeepGEMM's packed int32 exponents
+    (the same values, ``2**(byte - 127)``). ``amax`` is floored at 1e-4 (DeepGEMM's; vLLM's ``eps`` is
+    1e-10): an all-zero group gets scale ``float32(1e-4) / 448`` and zero bytes, deliberately.
+    With ``tma_aligned_scales`` the padding rows of the storage (T rounded up to a multiple of 4, in
+    every column) are zeros, written by the kernel, when the storage is the op's own or ends exactly at
+    the padded end (a slice of a `[.., cols, ceil4(T)]` allocation); other caller storage keeps them.
 
     Returns:
         x_fp8: `[M, K]` (or `[K, M]` with ``transpose_out``; 3D likewise) with `torch.float8_e4m3fn`.
@@ -261,7 +314,7 @@ def per_token_group_quant_fp8(
             with ``use_ue8m0``; leading `L` for 3D input; layout per the options.
     """
     return _quant_op(launch_per_token_group_quant, x, 1, group_size, column_major_scales, tma_aligned_scales,
-                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl)
+                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales)
 
 
 def silu_and_mul_quant_fp8(
@@ -277,6 +330,7 @@ def silu_and_mul_quant_fp8(
     out_scales: torch.Tensor | None = None,
     masked_m: torch.Tensor | None = None,
     use_pdl: bool = False,
+    zero_masked_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``per_token_group_quant_fp8(silu(gate) * up)`` in one pass, the product kept in float32.
 
@@ -293,9 +347,13 @@ def silu_and_mul_quant_fp8(
     :func:`silu_and_mul_fp32` to float32 rounding (the exponential differs by a few ulp between
     torch, the interpreter and the GPU), so FP8 bytes can differ by one e4m3 step where the product
     sits on a rounding boundary.
+
+    Deliberately the float32 product is quantized directly: SGLang's fused op rounds it to BF16 first,
+    so where that rounding crosses an e4m3 rounding boundary (double rounding) SGLang's byte is one
+    step off ours; ours is the single rounding of the float32 value.
     """
     return _quant_op(launch_silu_and_mul_quant, x, 2, group_size, column_major_scales, tma_aligned_scales,
-                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl)
+                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales)
 
 
 def silu_and_mul_fp32(x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,12 @@ Numerics come from :mod:`moe_ep.kernels.fp8_cast` (shared with every quantizing 
 for the scale and for ``x / scale`` (a multiply by the exact reciprocal for power-of-two scales),
 round-to-nearest-even onto the e4m3 grid (hardware cvt on sm90+, integer arithmetic elsewhere).
 
-Masked 3D input: rows at or past ``masked_m[l]`` (clamped to [0, T]) are neither loaded nor stored.
+Masked 3D input: rows at or past ``masked_m[l]`` (clamped to [0, T]) are neither loaded nor stored,
+except, with ``ZERO_MASKED_SCALES`` in ``HAS_MASK``, their scales, stored as zeros.
+
+TMA-aligned scales (column-major, column stride ``ceil4(T) > T``): the programs of the last row block
+also store zeros into the padding rows ``T .. ceil4(T) - 1`` of every column (unless ``KEEP_PADDING``),
+so the storage the GEMM's TMA box reads holds no garbage, at no extra launch or memset.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ import triton.language as tl
 from .fp8_cast import e4m3_byte, group_scale, native_e4m3_supported
 from .pdl import INTERPRET, pdl_launch_kwargs
 
-__all__ = ["choose_config", "launch_per_token_group_quant", "quantize_tile"]
+__all__ = ["KEEP_PADDING", "MASK_ROWS", "ZERO_MASKED_SCALES", "choose_config", "launch_per_token_group_quant",
+           "mask_flags", "quantize_tile", "zero_scale_rows"]
 
 
 @triton.jit
 def quantize_tile(
     y,  # float32 [BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE]
     pid_l, pid_g, offs_t, row_ok,  # expert, group block, [BLOCK_M] row indices and their validity
+    zero_row,  # [BLOCK_M]: rows (never row_ok) whose scales are stored as 0 (TMA padding, masked rows)
     G, W,  # groups per row, int32 words per row of UE8M0 scales
     q_ptr, stride_ql, stride_qt, stride_qk,
     s_ptr, stride_sl, stride_st, stride_sg,
@@ -77,7 +84,7 @@ def quantize_tile(
         # [BLOCK_M, GROUPS_PER_PROG // 4] planes (j = 2a + b after the reshape) and OR them together.
         # Padding groups (g >= G) pack as zero bytes, like pack_ue8m0.
         exps = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        exps = tl.where(group_ok[None, :], exps, 0)
+        exps = tl.where(group_ok[None, :] & row_ok[:, None], exps, 0)
         exps = tl.reshape(exps, [BLOCK_M, GROUPS_PER_PROG // 4, 2, 2])
         even, odd = tl.split(exps)  # j in {0, 2}, j in {1, 3}
         e0, e2 = tl.split(even)
@@ -85,10 +92,48 @@ def quantize_tile(
         words = e0 | (e1 << 8) | (e2 << 16) | (e3 << 24)  # [BLOCK_M, GROUPS_PER_PROG // 4]
         offs_w = pid_g * (GROUPS_PER_PROG // 4) + tl.arange(0, GROUPS_PER_PROG // 4)
         s_off = l64 * stride_sl + rows64[:, None] * stride_st + offs_w[None, :] * stride_sg
-        tl.store(s_ptr + s_off, words, mask=row_ok[:, None] & (offs_w < W)[None, :])
+        tl.store(s_ptr + s_off, words, mask=(row_ok | zero_row)[:, None] & (offs_w < W)[None, :])
     else:
         s_off = l64 * stride_sl + rows64[:, None] * stride_st + offs_g[None, :] * stride_sg
-        tl.store(s_ptr + s_off, scale, mask=row_ok[:, None] & group_ok[None, :])
+        tl.store(s_ptr + s_off, tl.where(zero_row[:, None], 0.0, scale),
+                 mask=(row_ok | zero_row)[:, None] & group_ok[None, :])
+
+
+# ``HAS_MASK`` is a constexpr bit set (a bool is fine: True == MASK_ROWS): the kernels' argument list is
+# what the sm90 compile checks and perf/sm90_report.py build their signatures from, so new options ride
+# on it instead of adding arguments. (The jit code spells the bits as literals: plain int globals are
+# not constexprs there.)
+MASK_ROWS = 1  # masked_m_ptr holds masked_m: rows >= masked_m[l] are neither read nor FP8-written
+ZERO_MASKED_SCALES = 2  # ... and their scales are stored as zeros (zero_masked_scales=True)
+KEEP_PADDING = 4  # leave the TMA padding rows alone (caller storage that ends at the last valid row)
+
+
+@triton.jit
+def zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK: tl.constexpr):
+    """``[BLOCK_M]`` mask of the rows whose scales are stored as zeros (never a valid row).
+
+    TMA padding: column-major scales (``stride_st == 1``) whose column stride exceeds ``T`` have
+    rows ``T .. stride_sg - 1`` in every column; the wrapper passes the layout's canonical strides
+    and sets ``KEEP_PADDING`` where the storage does not hold them. With ``ZERO_MASKED_SCALES`` the
+    masked rows ``num_rows .. T - 1`` too. A few scalar ops and one select on the scale tile: the
+    zeros ride on the scale stores the program issues anyway.
+    """
+    pad_end = T
+    if (HAS_MASK & 4) == 0:  # not KEEP_PADDING
+        if stride_st == 1:
+            pad_end = tl.maximum(stride_sg, T)
+    zero_from = T
+    if (HAS_MASK & 2) != 0:  # ZERO_MASKED_SCALES
+        zero_from = num_rows
+    return (offs_t >= zero_from) & (offs_t < pad_end)
+
+
+def mask_flags(has_mask: bool, zero_masked_scales: bool, keep_padding: bool) -> int:
+    """The ``HAS_MASK`` constexpr for a launch."""
+    flags = MASK_ROWS if has_mask else 0
+    if has_mask and zero_masked_scales:
+        flags |= ZERO_MASKED_SCALES
+    return flags | (KEEP_PADDING if keep_padding else 0)
 
 
 @triton.jit
@@ -111,7 +156,7 @@ def _per_token_group_quant_kernel(
 
     # Step 1: which rows of this expert exist.
     num_rows = T
-    if HAS_MASK:
+    if (HAS_MASK & 1) != 0:  # MASK_ROWS
         num_rows = tl.minimum(tl.load(masked_m_ptr + pid_l).to(tl.int32), T)
     offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_t < num_rows
@@ -124,7 +169,8 @@ def _per_token_group_quant_kernel(
     y = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
 
     # Step 3: quantize and store.
-    quantize_tile(y, pid_l, pid_g, offs_t, row_ok, G, W,
+    zero_row = zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK)
+    quantize_tile(y, pid_l, pid_g, offs_t, row_ok, zero_row, G, W,
                   q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
                   GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8)
     if USE_PDL:
@@ -170,7 +216,8 @@ def choose_config(L: int, T: int, G: int, group_size: int, use_ue8m0: bool, tran
 def launch_per_token_group_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple[int, int, int],
                                  scales: torch.Tensor, masked_m: torch.Tensor | None, group_size: int,
                                  round_scale: bool, use_ue8m0: bool, transpose_out: bool,
-                                 use_pdl: bool) -> None:
+                                 use_pdl: bool, s_strides: tuple[int, int, int] | None = None,
+                                 zero_masked_scales: bool = False, keep_padding: bool = False) -> None:
     """Launch on validated 3D views: ``x`` `[L, T, K]` (last dim contiguous), ``q`` the FP8 output
     (any shape, addressed through ``q_strides`` = element strides of its logical `[L, T, K]`),
     ``scales`` `[L, T, G]` float32 or `[L, T, ceil(G / 4)]` int32 with any strides."""
@@ -178,14 +225,19 @@ def launch_per_token_group_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tu
     G = K // group_size
     W = scales.shape[-1] if use_ue8m0 else 0
     block_m, gpp, num_warps = choose_config(L, T, G, group_size, use_ue8m0, transpose_out, x.device)
-    grid = (triton.cdiv(T, block_m), triton.cdiv(G, gpp), L)
+    s_strides = tuple(scales.stride()) if s_strides is None else tuple(s_strides)
+    # Column-major scales padded past T (TMA): the programs cover the padding rows too (their scales
+    # are stored as zeros, see zero_scale_rows).
+    rows = max(T, s_strides[2]) if s_strides[1] == 1 and not keep_padding else T
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(G, gpp), L)
     _per_token_group_quant_kernel[grid](
         x, q.view(torch.uint8), scales, masked_m if masked_m is not None else x,
         T, G, W,
         x.stride(0), x.stride(1),
         *q_strides,
-        scales.stride(0), scales.stride(1), scales.stride(2),
+        *s_strides,
         GROUP_SIZE=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=gpp,
-        ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0, HAS_MASK=masked_m is not None,
+        ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0,
+        HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding),
         NATIVE_FP8=native_e4m3_supported(x.device), num_warps=num_warps, **pdl_launch_kwargs(use_pdl, x.device),
     )

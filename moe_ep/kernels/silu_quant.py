@@ -3,7 +3,8 @@
 Input `[L, T, 2N]`: ``gate = x[..., :N]``, ``up = x[..., N:]`` (the first GEMM's output). The
 product is formed in float32 and quantized directly (it is never rounded to the input dtype), then
 stored through :func:`moe_ep.kernels.quant.quantize_tile`, so every output layout option of the plain
-quant kernel applies unchanged. Masked rows (``>= masked_m[l]``) are neither read nor written.
+quant kernel applies unchanged (TMA padding rows zeroed; masked rows, ``>= masked_m[l]``, neither
+read nor written, their scales zeroed with ``ZERO_MASKED_SCALES``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import triton.language as tl
 
 from .fp8_cast import native_e4m3_supported
 from .pdl import pdl_launch_kwargs
-from .quant import choose_config, quantize_tile
+from .quant import choose_config, mask_flags, quantize_tile, zero_scale_rows
 
 __all__ = ["launch_silu_and_mul_quant"]
 
@@ -38,7 +39,7 @@ def _silu_and_mul_quant_kernel(
 
     # Step 1: which rows of this expert exist.
     num_rows = T
-    if HAS_MASK:
+    if (HAS_MASK & 1) != 0:  # MASK_ROWS
         num_rows = tl.minimum(tl.load(masked_m_ptr + pid_l).to(tl.int32), T)
     offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_t < num_rows
@@ -60,7 +61,8 @@ def _silu_and_mul_quant_kernel(
     y = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
 
     # Step 4: quantize and store.
-    quantize_tile(y, pid_l, pid_g, offs_t, row_ok, G, W,
+    zero_row = zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK)
+    quantize_tile(y, pid_l, pid_g, offs_t, row_ok, zero_row, G, W,
                   q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
                   GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8)
     if USE_PDL:
@@ -70,21 +72,27 @@ def _silu_and_mul_quant_kernel(
 def launch_silu_and_mul_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple[int, int, int],
                               scales: torch.Tensor, masked_m: torch.Tensor | None, group_size: int,
                               round_scale: bool, use_ue8m0: bool, transpose_out: bool,
-                              use_pdl: bool) -> None:
+                              use_pdl: bool, s_strides: tuple[int, int, int] | None = None,
+                              zero_masked_scales: bool = False, keep_padding: bool = False) -> None:
     """Launch on validated 3D views: ``x`` `[L, T, 2N]` (last dim contiguous), ``q`` addressed through
     ``q_strides`` (element strides of its logical `[L, T, N]`), ``scales`` `[L, T, G or ceil(G / 4)]`."""
     L, T, two_n = x.shape
     G = two_n // 2 // group_size
     W = scales.shape[-1] if use_ue8m0 else 0
     block_m, gpp, num_warps = choose_config(L, T, G, group_size, use_ue8m0, transpose_out, x.device)
-    grid = (triton.cdiv(T, block_m), triton.cdiv(G, gpp), L)
+    s_strides = tuple(scales.stride()) if s_strides is None else tuple(s_strides)
+    # Column-major scales padded past T (TMA): the programs cover the padding rows too (their scales
+    # are stored as zeros, see zero_scale_rows).
+    rows = max(T, s_strides[2]) if s_strides[1] == 1 and not keep_padding else T
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(G, gpp), L)
     _silu_and_mul_quant_kernel[grid](
         x, q.view(torch.uint8), scales, masked_m if masked_m is not None else x,
         T, G, W,
         x.stride(0), x.stride(1),
         *q_strides,
-        scales.stride(0), scales.stride(1), scales.stride(2),
+        *s_strides,
         GROUP_SIZE=group_size, BLOCK_M=block_m, GROUPS_PER_PROG=gpp,
-        ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0, HAS_MASK=masked_m is not None,
+        ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0,
+        HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding),
         NATIVE_FP8=native_e4m3_supported(x.device), num_warps=num_warps, **pdl_launch_kwargs(use_pdl, x.device),
     )
