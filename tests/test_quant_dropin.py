@@ -236,3 +236,15 @@ def test_zero_masked_variant_compiles_for_sm90(keep_padding):
         assert ops.get("ld.global.v4.b32", 0) + ops.get("ld.global.v2.b32", 0) > 0, ops
         assert ops.get("st.global.b8", 0) == 0 and ops.get("st.global.v4.b32", 0) > 0, ops
         assert ops.get("cvt.rn.satfinite.e4m3x2.f32", 0) > 0, ops
+
+
+def test_int64_masked_m_is_clamped_before_narrowing():
+    """An int64 count of 2**32 + 1 means "all T rows", not 1 (it must not wrap to int32 first)."""
+    from moe_ep.quant import per_token_group_quant_fp8
+
+    x = torch.randn(2, 8, 128).to(torch.bfloat16)
+    mm = torch.tensor([2**32 + 1, 3], dtype=torch.int64)
+    q, s = per_token_group_quant_fp8(x, masked_m=mm)
+    ref_q, ref_s = per_token_group_quant_fp8(x.reshape(16, 128))
+    assert torch.equal(q[0].view(torch.uint8), ref_q[:8].view(torch.uint8))
+    assert torch.equal(s[0], ref_s[:8])

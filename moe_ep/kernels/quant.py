@@ -157,7 +157,7 @@ def _per_token_group_quant_kernel(
     # Step 1: which rows of this expert exist.
     num_rows = T
     if (HAS_MASK & 1) != 0:  # MASK_ROWS
-        num_rows = tl.minimum(tl.load(masked_m_ptr + pid_l).to(tl.int32), T)
+        num_rows = tl.maximum(tl.minimum(tl.load(masked_m_ptr + pid_l), T), 0).to(tl.int32)  # clamp before narrowing
     offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_t < num_rows
 
