@@ -36,7 +36,7 @@ import bisect
 import math
 from dataclasses import dataclass, field, replace
 
-from serving.hardware import HARDWARE, Hardware
+from serving.hardware import Hardware
 
 __all__ = [
     "ModelSpec", "MODELS", "Cluster", "Workload", "SLO", "Knobs", "ParallelConfig", "StageRate",
@@ -145,9 +145,9 @@ class Knobs:
     roofline: bool = True
     prefill_tokens: int = 8192  # prefill batch: enough requests to fill this many tokens
     max_util: float = 0.95  # highest utilisation a stage is planned at
-    splitwise_ratio: tuple[int, int] = (1, 1)
+    splitwise_ratio: tuple[int, int] = (1, 1)  # fixed P:D node ratio of the Splitwise-style baseline
     search: str = "ratio"  # "paper": one bisect at the prefill rate; "ratio": one per replication ratio
-    colocated_gpus: int = 0  # instance size of the colocated baseline; 0 = the smallest that holds the weights  # fixed P:D node ratio of the Splitwise-style baseline
+    colocated_gpus: int = 0  # instance size of the colocated baseline; 0 = the smallest that holds the weights
 
 
 @dataclass(frozen=True)
