@@ -97,6 +97,11 @@ class SymmBuffer:
                                "destroy the Buffer and create a new one")
 
     def _raise_status(self, code: int, what: str) -> None:
+        if code < 0:  # a device-side error flag (see moe_ep.kernels.signals.STATUS_*)
+            from .kernels.signals import STATUS_MESSAGES
+            self.broken = STATUS_MESSAGES.get(code, f"device error code {code}")
+            raise RuntimeError(f"moe_ep {what}: {self.broken} (this is rank {self.rank}; outputs since then are "
+                               "NaN; destroy the Buffer)")
         peer = code - 1
         self.broken = f"rank {peer} did not arrive at {what}"
         raise RankTimeoutError(

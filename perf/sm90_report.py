@@ -328,7 +328,8 @@ def _layout_cases() -> list[Case]:
 
     N, E, K, R = 4096, 256, 8, 8
     return [_case("layout", f"N={N} E={E} top-{K} EP{R}", _layout_kernel,
-                  {"topk_ptr": "*i64", "in_rank_ptr": "*i8", "per_rank_ptr": "*i32", "per_expert_ptr": "*i32"},
+                  {"topk_ptr": "*i64", "in_rank_ptr": "*i8", "per_rank_ptr": "*i32", "per_expert_ptr": "*i32",
+                   "bad_ptr": "*i32"},
                   {"N": N, "E": E, "L": E // R},
                   {"K": K, "KP": K, "R": R, "RP": R, "EB": triton.next_power_of_2(E + 1), "BLOCK_T": 32})]
 

@@ -271,3 +271,33 @@ def test_symm_timeout_poisons_the_combined_output():
     assert skipped == "skipped the combine"
     assert kind == "RankTimeoutError" and "[1]" in msg, msg
     assert all_nan, "a combine that missed a rank must come out as NaN, never as plausible partial sums"
+
+
+# ---------------------------------------------------------------------------------------------- 6: device flags
+def _flags(rank, world, what):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    buf = moe_ep.Buffer(None, backend="symm", timeout_s=5, provider="shm", check_inputs=False,
+                        num_nvl_bytes=SymmBackend.get_normal_size_hint(8, 128, 2, world))
+    inp = make_rank_inputs(rank, 6, 128, 8, 2, seed=1, world_size=world)
+    if what == "bad_expert":
+        idx = inp.topk_idx.clone()
+        idx[0, 0] = 8 + rank  # >= num_experts; the host checks are off
+        first = _outcome(lambda: buf.get_dispatch_layout(idx, 8))
+        second = _outcome(lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, 8)))
+        return first[0], second[:2]
+    args = _layout_args(buf, inp, 8)
+    # one row of worst-case room: any rank receiving more must report it (the CPU guard or the device flag)
+    return _outcome(lambda: buf.dispatch(inp.x, num_worst_tokens=1, **args))[:2]
+
+
+def test_expert_ids_out_of_range_with_checks_off_are_reported_not_silent():
+    for first, (kind, msg) in launch(_flags, 2, "bad_expert", timeout_s=120):
+        assert first == "ok"  # the layout itself reads nothing on the host
+        assert kind == "RuntimeError" and "num_experts" in msg, msg
+
+
+def test_more_rows_than_num_worst_tokens_is_reported():
+    for kind, msg in launch(_flags, 2, "overflow", timeout_s=120):
+        assert kind == "RuntimeError" and "num_worst_tokens" in msg, msg

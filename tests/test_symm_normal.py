@@ -102,7 +102,8 @@ def compile_layout():
     kern = lm._layout_kernel
     const = {"K": 8, "KP": 8, "R": 8, "RP": 8, "EB": 512, "BLOCK_T": 32}
     sig = {n: "i32" for n in kern.arg_names}
-    sig.update({"topk_ptr": "*i64", "in_rank_ptr": "*i8", "per_rank_ptr": "*i32", "per_expert_ptr": "*i32"})
+    sig.update({"topk_ptr": "*i64", "in_rank_ptr": "*i8", "per_rank_ptr": "*i32", "per_expert_ptr": "*i32",
+                "bad_ptr": "*i32"})
     sig.update({n: "constexpr" for n in const})
     try:
         src = ASTSource(kern, sig, const)

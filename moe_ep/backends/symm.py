@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .._env import require_triton_device
+from ..kernels.signals import STATUS_BAD_EXPERT
 from ..symm import create_symm_buffer, create_virtual_symm_buffers
 from .base import Backend, LowLatencyDispatchResult
 
@@ -121,7 +122,12 @@ class SymmBackend(Backend):
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx, num_experts):
         self._check_device(topk_idx)
-        per_rank, per_expert, in_rank = self.normal.layout(topk_idx, num_experts)
+        bad = torch.zeros(1, dtype=torch.int32, device=topk_idx.device)
+        per_rank, per_expert, in_rank = self.normal.layout(topk_idx, num_experts, bad)
+        # An id >= num_experts (host checks off) raises the status flag on the device: the next status check
+        # raises and combines come out NaN (no host read here).
+        st = self.normal.symm.status[:1]
+        st.copy_(torch.where((st == 0) & (bad > 0), torch.full_like(st, STATUS_BAD_EXPERT), st))
         return per_rank, None, per_expert, in_rank
 
     def dispatch_send(self, x, x_scales, **kwargs):

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .low_latency import _bf16_bits, _status_ok
-from .signals import arrive_last, signal_release, wait_ne
+from .signals import report_error, arrive_last, signal_release, wait_ne
 
 __all__ = ["signal_layout", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
            "_combine_recv_kernel"]
@@ -133,6 +133,8 @@ def _gather_recv_kernel(
     tl.debug_barrier()
     if c == 0:
         tl.store(counts_ptr + s, n_s)
+        if offset + n_s > M:  # more rows than the worst-case size: dropped, but never silently
+            report_error(status_ptr, -1)  # STATUS_OVERFLOW
 
     # Step 2: copy rows of s's block (rows past M, the worst-case size, are dropped).
     rows = c * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -22,6 +22,7 @@ def _layout_kernel(
     in_rank_ptr,  # [N, R] int8 out
     per_rank_ptr,  # [R] int32, zero-initialised
     per_expert_ptr,  # [E + 1] int32, zero-initialised; bin E collects the -1 holes
+    bad_ptr,  # [1] int32, zero-initialised: set to 1 if an id is >= E (counted nowhere, never silently)
     N, E, L,
     K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, EB: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -30,7 +31,9 @@ def _layout_kernel(
     kk = tl.arange(0, KP)
     m = t_ok[:, None] & (kk < K)[None, :]
     e = tl.load(topk_ptr + offs_t.to(tl.int64)[:, None] * K + kk[None, :], mask=m, other=-1)
-    valid = e >= 0
+    bad = (e >= E) & m
+    valid = (e >= 0) & (e < E)
+    tl.atomic_max(bad_ptr, tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0))
     # Step 1: per-expert histogram of the block (holes and padding go to bin E).
     bins = tl.where(valid & m, e, E).to(tl.int32)
     hist = tl.histogram(tl.reshape(bins, [BLOCK_T * KP]), EB)
@@ -45,19 +48,22 @@ def _layout_kernel(
     tl.atomic_add(per_rank_ptr + rr, tl.sum(tl.where(t_ok[:, None], hit, 0), axis=0), mask=rr < R)
 
 
-def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int):
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int, bad_flag: torch.Tensor = None):
     """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)``
     for a validated ``topk_idx`` `[N, K]` int64 (bitwise what ``moe_ep.backends.torch_a2a.layout_from_topk``
-    computes)."""
+    computes). Ids ``>= num_experts`` (possible only with the host checks off) are counted nowhere and set
+    ``bad_flag`` (`[1]` int32, when given) to 1 on the device."""
     n, k = topk_idx.shape
     dev = topk_idx.device
     per_rank = torch.zeros(world_size, dtype=torch.int32, device=dev)
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
     in_rank = torch.zeros(n, world_size, dtype=torch.int8, device=dev)
+    if bad_flag is None:
+        bad_flag = torch.zeros(1, dtype=torch.int32, device=dev)
     if n > 0:
         block_t = 64 if INTERPRET or dev.type != "cuda" else 32
         _layout_kernel[(triton.cdiv(n, block_t),)](
-            topk_idx.contiguous(), in_rank, per_rank, per_expert, n, num_experts, num_experts // world_size,
+            topk_idx.contiguous(), in_rank, per_rank, per_expert, bad_flag, n, num_experts, num_experts // world_size,
             K=k, KP=triton.next_power_of_2(k), R=world_size, RP=triton.next_power_of_2(world_size),
             EB=triton.next_power_of_2(num_experts + 1), BLOCK_T=block_t)
     return per_rank, per_expert[:num_experts], in_rank.view(torch.bool)

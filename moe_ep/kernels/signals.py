@@ -12,7 +12,8 @@ memory ordering are the same everywhere:
   program issued before it is visible to a peer that observes the signal with an acquire load.
 
 Status word (``status_ptr``, int32, on the waiting rank): 0 = fine; ``peer + 1`` = the first peer
-a wait of this rank gave up on. The host reads it (:meth:`moe_ep.symm.SymmBuffer.check_status`) and
+a wait of this rank gave up on; negative = a device-side error flag (``STATUS_*`` below: more rows received
+than ``num_worst_tokens``, an expert id out of range when the host checks are off). The first report wins. The host reads it (:meth:`moe_ep.symm.SymmBuffer.check_status`) and
 raises :class:`moe_ep.RankTimeoutError` naming the peer.
 
 NOTES: the phase rule (DESIGN.md): a kernel only waits on signals written by *earlier* launches
@@ -29,7 +30,15 @@ import triton.language as tl
 
 from .pdl import INTERPRET
 
-__all__ = ["now_ns", "wait_ne", "signal_release", "load_acquire", "arrive_last", "report_timeout"]
+__all__ = ["now_ns", "wait_ne", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
+           "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_MESSAGES"]
+
+STATUS_OVERFLOW = -1
+STATUS_BAD_EXPERT = -2
+STATUS_MESSAGES = {
+    STATUS_OVERFLOW: "a dispatch received more rows than num_worst_tokens (the extra rows were dropped)",
+    STATUS_BAD_EXPERT: "topk_idx held an expert id >= num_experts (input checks were off)",
+}
 
 
 def _host_monotonic_ns():
@@ -65,6 +74,12 @@ def signal_release(ptr, value):
 def report_timeout(status_ptr, peer):
     """Record that a wait on ``peer`` timed out (the first report wins)."""
     tl.atomic_cas(status_ptr, 0, peer + 1, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def report_error(status_ptr, code):
+    """Record a device-side error (a negative ``STATUS_*`` code; the first report wins)."""
+    tl.atomic_cas(status_ptr, 0, code, sem="relaxed", scope="sys")
 
 
 @triton.jit
