@@ -29,7 +29,10 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 HEADER_KEYS = ("kind", "bench", "commit", "dirty", "date", "device", "python", "torch", "triton", "cuda",
                "driver", "nccl", "cpu-smoke", "argv")
 ROW_KEYS = ("bench", "case", "metric", "value", "unit", "p10", "p90", "iterations", "baseline", "limit", "ratio",
-            "valid")
+            "valid", "l2_resident", "note")
+# the state of the GPU, queried before the first and after the last measurement (header keys gpu_before / gpu_after)
+GPU_QUERY = ("clocks.sm", "clocks.mem", "power.limit", "temperature.gpu")
+VIRTUAL_NOTE = "virtual ranks: no NVLink, no cross-GPU waits"
 
 
 def smoke_env(argv=None) -> bool:
@@ -96,6 +99,36 @@ def gpu_count() -> int:
     return r.stdout.count("GPU ") if r.returncode == 0 else 0
 
 
+def gpu_state(index: int | None = None) -> list | None:
+    """Per GPU ``{clocks.sm, clocks.mem, power.limit, temperature.gpu}`` from nvidia-smi (a value it cannot give
+    is ``None``; no nvidia-smi or no GPU: ``None``). ``index``: only that GPU (a one-element list)."""
+    smi = shutil.which("nvidia-smi")
+    if not smi or os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return None
+    cmd = [smi, f"--query-gpu={','.join(GPU_QUERY)}", "--format=csv,noheader"]
+    if index is not None:
+        cmd.append(f"--id={index}")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0 or not r.stdout.strip():
+        return None
+    return [parse_gpu_state(line) for line in r.stdout.strip().splitlines()]
+
+
+def parse_gpu_state(line: str) -> dict:
+    """One nvidia-smi CSV line (``1980 MHz, 2619 MHz, 700.00 W, 34``) -> numbers; ``[N/A]`` etc. -> ``None``."""
+    out = {}
+    cells = [c.strip() for c in line.split(",")]
+    for key, cell in zip(GPU_QUERY, cells + [""] * (len(GPU_QUERY) - len(cells))):
+        try:
+            out[key] = float(cell.split()[0])
+        except (ValueError, IndexError):
+            out[key] = None
+    return out
+
+
 def _git(*args) -> str:
     try:
         r = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=20)
@@ -133,7 +166,8 @@ def header(bench: str, smoke: bool, device: str | None = None, argv=None) -> dic
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device,
             "python": platform.python_version(), "torch": torch.__version__, "triton": triton_v, "cuda": cuda,
             "driver": driver, "nccl": nccl, "cpu-smoke": bool(smoke),
-            "argv": list(sys.argv[1:] if argv is None else argv)}
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "gpu_before": None if smoke else gpu_state(), "gpu_after": None, "limits": {}}
 
 
 class Records:
@@ -148,11 +182,24 @@ class Records:
             with open(path, "w") as f:
                 f.write(json.dumps(self.header) + "\n")
 
+    def update_header(self, **kw) -> None:
+        """Add keys to the header (e.g. ``limits``, ``gpu_after``) and rewrite the file's first line."""
+        self.header.update(kw)
+        if self.path and os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = f.readlines()
+            lines[:1] = [json.dumps(self.header, default=float) + "\n"]
+            with open(self.path, "w") as f:
+                f.writelines(lines)
+
     def add(self, case: str, metric: str, value, unit: str, p10=None, p90=None, iterations=None, baseline=None,
-            limit=None, ratio=None, valid=True, **extra) -> dict:
+            limit=None, ratio=None, valid=True, l2_resident=None, note=None, **extra) -> dict:
+        """One row. ``l2_resident``: True when the timed working set stayed in L2 between iterations (no flush, or
+        it fits), False when flushed / larger than L2, None when unknown (CPU). ``note``: caveats of the row,
+        e.g. :data:`VIRTUAL_NOTE`."""
         row = {"bench": self.bench, "case": case, "metric": metric, "value": value, "unit": unit, "p10": p10,
                "p90": p90, "iterations": iterations, "baseline": baseline, "limit": limit, "ratio": ratio,
-               "valid": bool(valid), **extra}
+               "valid": bool(valid), "l2_resident": l2_resident, "note": note, **extra}
         self.rows.append(row)
         if self.path:
             with open(self.path, "a") as f:
@@ -163,7 +210,10 @@ class Records:
         return [r for r in self.rows if not r["valid"]]
 
     def finish(self, prog: str) -> int:
-        """Exit status: 1 with one stderr line when nothing was measured or a case was INVALID, else 0."""
+        """Exit status: 1 with one stderr line when nothing was measured or a case was INVALID, else 0. Records the
+        GPU state after the run in the header (``gpu_after``)."""
+        if not self.header.get("cpu-smoke"):
+            self.update_header(gpu_after=gpu_state())
         bad = self.invalid()
         if not self.rows:
             return error(prog, "measured nothing (no case ran)")
@@ -195,18 +245,66 @@ def quantiles(samples) -> Timing:
     return Timing((q(0.5), q(0.1), q(0.9), n))
 
 
-def time_us(fn, device=None, iters: int = 5, warmup: int = 1, between=None) -> Timing:
-    """Median / p10 / p90 microseconds of ``fn()`` over ``iters`` calls after ``warmup`` (CUDA events on a GPU,
-    ``time.perf_counter`` on CPU). ``between()`` runs untimed before each call (a barrier, an L2 flush)."""
+def l2_bytes(device=None) -> int:
+    """The L2 cache size of a CUDA device in bytes (0 on CPU or when torch does not say)."""
+    import torch
+
+    if device is None or getattr(device, "type", device) != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+
+
+class L2Flush:
+    """``flush()`` writes a buffer of twice the L2 size (at least 64 MiB) so the next kernel starts with a cold L2;
+    a no-op on CPU. ``flush.bytes`` is the L2 size it flushes (0: none)."""
+
+    def __init__(self, device=None):
+        import torch
+
+        self.bytes = l2_bytes(device)
+        self.buf = (torch.empty(max(2 * self.bytes, 64 << 20), dtype=torch.uint8, device=device)
+                    if self.bytes else None)
+
+    def __call__(self) -> None:
+        if self.buf is not None:
+            self.buf.zero_()
+
+    def resident(self, working_set_bytes) -> bool | None:
+        """What a row timed with this flusher reports as ``l2_resident``: None on CPU; False otherwise (flushed
+        before every iteration, so the timed kernel reads its inputs from HBM whatever their size)."""
+        return None if not self.bytes else False
+
+
+def fits_l2(nbytes, device=None) -> bool | None:
+    """Whether ``nbytes`` fit in the device's L2 (None on CPU / unknown). A row whose bytes fit in L2 and were not
+    flushed must not be compared against the HBM copy limit without saying so."""
+    lb = l2_bytes(device)
+    return None if not lb else bool(nbytes <= lb)
+
+
+def time_us(fn, device=None, iters: int = 5, warmup: int = 1, between=None, flush: bool = True,
+            barrier=None) -> Timing:
+    """Median / p10 / p90 microseconds of ``fn()`` over ``iters`` calls after ``warmup`` untimed calls.
+
+    GPU: CUDA events around each call; before each timed call (outside the events) the L2 is flushed (``flush``,
+    :class:`L2Flush`), ``between()`` runs, then ``barrier()`` (multi-rank cases: every rank starts together).
+    CPU: ``time.perf_counter``. The flush buffer is allocated once per call of this function."""
     import torch
 
     cuda = device is not None and getattr(device, "type", device) == "cuda"
+    fl = L2Flush(device) if (cuda and flush) else None
     for _ in range(warmup):
         fn()
+    if cuda:
+        torch.cuda.synchronize(device)
     out = []
     for _ in range(max(1, iters)):
+        if fl is not None:
+            fl()
         if between is not None:
             between()
+        if barrier is not None:
+            barrier()
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -219,6 +317,115 @@ def time_us(fn, device=None, iters: int = 5, warmup: int = 1, between=None) -> T
             fn()
             out.append((time.perf_counter() - t0) * 1e6)
     return quantiles(out)
+
+
+def graph_fn(fn, device):
+    """``(replay, out, note)``: ``fn`` captured in a CUDA graph (after one eager warm-up call on a side stream);
+    ``replay()`` replays it and ``out`` is the captured call's output (refreshed by each replay). When capture
+    fails, ``replay`` is ``fn`` itself, ``out`` its eager output and ``note`` says why (else ``note`` is None)."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        return fn, fn(), "eager (CPU)"
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            out = fn()
+    except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager, said in the row
+        torch.cuda.synchronize(device)
+        return fn, fn(), f"eager launches (CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:80]})"
+    g.replay()
+    torch.cuda.synchronize(device)
+    return g.replay, out, None
+
+
+def time_ranks(fn, device, group=None, iters: int = 20, warmup: int = 3, flush: bool = True):
+    """Multi-rank timing (one process per rank, torch.distributed initialised): a barrier before each timed
+    iteration, CUDA events per rank, then the per-iteration times are gathered and, per iteration, the slowest
+    rank's time is taken. Returns ``(slowest: Timing, per_rank_medians: list[float])`` on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    def barrier():
+        dist.barrier(group=group)
+        torch.cuda.synchronize(device)
+    samples = []
+    cuda = getattr(device, "type", device) == "cuda"
+    fl = L2Flush(device) if (cuda and flush) else None
+    for _ in range(warmup):
+        fn()
+    for _ in range(max(1, iters)):
+        if fl is not None:
+            fl()
+        barrier()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            samples.append(a.elapsed_time(b) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+    mine = torch.tensor(samples, dtype=torch.float64, device=device if cuda else "cpu")
+    allt = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(allt, mine, group=group)
+    allt = torch.stack(allt).cpu()  # [ranks, iters]
+    return quantiles(allt.max(0).values.tolist()), [quantiles(r.tolist()).median for r in allt]
+
+
+def measure_limits(device, peer: bool = True, fp8: bool = True, size: int = 1 << 30) -> dict:
+    """The physical limits of this run, measured now (GPU; on CPU only a small ``copy_gbps``):
+
+    - ``copy_gbps``: device-to-device copy of ``size`` bytes (read + write counted once, as a copy of the
+      payload: bytes / time), far larger than L2;
+    - ``peer_gbps``: ``tensor.to('cuda:1')`` of ``size`` bytes (peer copy over NVLink/PCIe; two or more GPUs), else None;
+    - ``fp8_tflops``: ``torch._scaled_mm`` e4m3 x e4m3 -> BF16 on an 8192 square (None when unavailable);
+    - ``l2_bytes``: the L2 size (rows whose bytes fit in it are not compared with ``copy_gbps`` unflushed)."""
+    import torch
+
+    cuda = getattr(device, "type", device) == "cuda"
+    out = {"copy_gbps": None, "peer_gbps": None, "fp8_tflops": None, "l2_bytes": l2_bytes(device) or None}
+    n = size if cuda else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = time_us(lambda: dst.copy_(src), device, iters=10 if cuda else 3, warmup=2, flush=False)
+    out["copy_gbps"] = n / t.median / 1e3
+    del src, dst
+    if not cuda:
+        return out
+    if peer and torch.cuda.device_count() >= 2:
+        try:
+            other = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
+            src = torch.empty(size, dtype=torch.uint8, device=device)
+            dst = torch.empty(size, dtype=torch.uint8, device=other)
+            t = time_us(lambda: dst.copy_(src, non_blocking=True), device, iters=10, warmup=2, flush=False)
+            torch.cuda.synchronize(other)
+            out["peer_gbps"] = size / t.median / 1e3
+            del src, dst
+        except Exception as exc:  # noqa: BLE001 - recorded, never fatal
+            out["peer_note"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    if fp8 and hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e4m3fn"):
+        try:
+            m = 8192
+            a = torch.randn(m, m, device=device).to(torch.float8_e4m3fn)
+            b = torch.randn(m, m, device=device).to(torch.float8_e4m3fn)
+            one = torch.ones((), device=device)
+            t = time_us(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                 use_fast_accum=True), device, iters=10, warmup=3, flush=False)
+            out["fp8_tflops"] = 2 * m ** 3 / t.median / 1e6
+            del a, b
+        except Exception as exc:  # noqa: BLE001
+            out["fp8_note"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    return out
 
 
 def rel_err(out, ref) -> float:

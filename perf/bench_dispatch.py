@@ -53,7 +53,10 @@ torch reference (identity experts: each token's output is its weighted / summed 
     python perf/bench_combine.py --cpu-smoke     # every code path on CPU (interpreter), tiny shapes
 """
 
-SMOKE = dict(ranks=[2, 4], hidden=256, experts=16, topk=4, ll_tokens=4, normal_tokens=8, iters=2)
+SMOKE = dict(ranks=[2, 4], hidden=256, experts=16, topk=4, ll_tokens=4, normal_tokens=8, iters=2,
+             routing=["grouped-drop"])
+ROUTINGS = ("uniform", "grouped", "zipf", "grouped-drop")
+GROUPS, TOPK_GROUPS, ZIPF_S, DROP = 8, 4, 1.0, 0.05
 
 
 def _parse(argv=None, op=None):
@@ -62,21 +65,33 @@ def _parse(argv=None, op=None):
     p = _common.parser(prog, COMBINE_DOC if op == "combine" else __doc__)
     if op is None:
         p.add_argument("--op", choices=["dispatch", "combine"], default="dispatch", help="which operation to time")
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="EP sizes (virtual ranks on one device)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64],
+                   help="EP sizes (virtual ranks on one device; a size one GPU cannot hold is skipped with a line)")
+    p.add_argument("--routing", nargs="+", choices=ROUTINGS, default=list(ROUTINGS),
+                   help=f"uniform: top-K of uniform scores; grouped: DeepSeek group-limited ({GROUPS} groups, top-"
+                        f"{TOPK_GROUPS} groups, then top-K experts); zipf: expert popularity ~ 1/rank^{ZIPF_S} (skewed); "
+                        f"grouped-drop: grouped with {DROP * 100:.0f}%% of the entries -1 (no expert)")
+    p.add_argument("--launcher", choices=["virtual", "torchrun"], default="virtual",
+                   help="virtual: every rank in this process on one GPU; torchrun: one process per GPU on the real "
+                        "path (needs RANK, WORLD_SIZE, LOCAL_RANK from torchrun; --ranks is then the world size)")
+    p.add_argument("--backend", choices=["symm", "torch"], default="symm",
+                   help="the moe_ep.Buffer backend timed under --launcher torchrun")
     p.add_argument("--hidden", type=int, default=7168, help="hidden size H (a multiple of 128)")
     p.add_argument("--experts", type=int, default=256, help="routed experts E")
     p.add_argument("--topk", type=int, default=8, help="experts per token K")
     p.add_argument("--ll-tokens", type=int, default=128, help="T: tokens per rank in low-latency mode")
     p.add_argument("--normal-tokens", type=int, default=4096, help="tokens per rank in normal mode")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time on a GPU (ms)")
-    p.add_argument("--iters", type=int, default=5, help="timed calls per case on CPU (median, p10, p90)")
+    p.add_argument("--iters", type=int, default=5,
+                   help="timed calls per case (median, p10, p90; GPU default 50, CPU 5)")
     p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
     args = p.parse_args(argv)
     if op is not None:
         args.op = op
     if args.cpu_smoke:
         _common.smoke_defaults(args, p, argv, **SMOKE)
-    for name in ("hidden", "experts", "topk", "ll_tokens", "normal_tokens", "rep", "iters"):
+    elif "iters" not in _common.given(p, argv):
+        args.iters = 50
+    for name in ("hidden", "experts", "topk", "ll_tokens", "normal_tokens", "iters"):
         if getattr(args, name) < 1:
             p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if min(args.ranks) < 1:
@@ -88,57 +103,61 @@ def _parse(argv=None, op=None):
     return args, prog
 
 
-def _inputs(R, n, H, E, K, device, seed=0):
+def route(n, E, K, routing, g):
+    """``[n, K]`` int64 expert ids for one rank's ``n`` tokens (see ``--routing``)."""
+    if routing == "zipf":
+        perm = torch.randperm(E, generator=g)
+        p = torch.empty(E)
+        p[perm] = 1.0 / torch.arange(1, E + 1, dtype=torch.float32) ** ZIPF_S
+        return torch.multinomial(p.expand(n, E), K, replacement=False, generator=g)
+    scores = torch.rand(n, E, generator=g)
+    if routing.startswith("grouped") and E % GROUPS == 0 and TOPK_GROUPS * (E // GROUPS) >= K:
+        grp = scores.view(n, GROUPS, E // GROUPS).topk(min(2, E // GROUPS), dim=-1).values.sum(-1)  # DeepSeek: top-2 sum
+        keep = torch.zeros(n, GROUPS, dtype=torch.bool).scatter_(1, grp.topk(TOPK_GROUPS, dim=1).indices, True)
+        scores = scores.masked_fill(~keep.repeat_interleave(E // GROUPS, dim=1), -1.0)
+    idx = scores.topk(K, dim=1).indices
+    if routing.endswith("-drop"):
+        idx = idx.masked_fill(torch.rand(n, K, generator=g) < DROP, -1)
+    return idx.contiguous()
+
+
+def _inputs(R, n, H, E, K, device, seed=0, routing="uniform"):
     g = torch.Generator().manual_seed(seed)
     xs, idxs, ws = [], [], []
     for _ in range(R):
         xs.append(torch.randn(n, H, generator=g).to(torch.bfloat16).to(device))
-        idxs.append(torch.rand(n, E, generator=g).argsort(dim=1)[:, :K].contiguous().to(device))
+        idxs.append(route(n, E, K, routing, g).to(device))
         ws.append(torch.rand(n, K, generator=g).to(device))
     return xs, idxs, ws
 
 
-def _timer(device, rep, graph, iters):
-    """``time_us(fn) -> (Timing, out)``: microseconds of ``fn`` (median, p10, p90; CUDA-graph replays on a GPU
-    unless disabled) and the output of the last timed call (the graph's output tensors after its last replay)."""
-    if device.type != "cuda":
-        def time_us(fn):
-            box = {}
-
-            def run():
-                box["out"] = fn()
-            return _common.time_us(run, device, iters=iters), box["out"]
-        return time_us
-    import triton
-
+def _timer(device, graph, iters):
+    """``time_us(fn) -> (Timing, out)`` (``time_us.how``: how the last call was timed): microseconds of ``fn`` (median, p10, p90 over ``iters``; on a GPU CUDA
+    events around CUDA-graph replays unless disabled, L2 flushed before each, warm-up outside), the output of the
+    last timed call (a graph's output tensors after its last replay) and how it was timed."""
     def time_us(fn):
-        fn()
-        torch.cuda.synchronize()
-        if graph:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = fn()
-            ts = triton.testing.do_bench(g.replay, rep=rep, return_mode="all")
-            g.replay()
-            torch.cuda.synchronize()
-        else:
-            ts = triton.testing.do_bench(fn, rep=rep, return_mode="all")
-            out = fn()
-        return _common.quantiles([t * 1e3 for t in ts]), out
+        box = {}
+        if device.type == "cuda" and graph:
+            replay, out, note = _common.graph_fn(fn, device)
+            t = _common.time_us(replay, device, iters=iters, warmup=2)
+            time_us.how = note or "CUDA graph replay"
+            return t, (out if note is None else fn())
+
+        def run():
+            box["out"] = fn()
+        t = _common.time_us(run, device, iters=iters, warmup=1 if device.type == "cuda" else 0)
+        time_us.how = "eager launches" if device.type == "cuda" else "CPU"
+        return t, box["out"]
+    time_us.how = None
     return time_us
 
 
-def _copy_gbps(device, time_us):
-    n = (1 << 30) if device.type == "cuda" else (1 << 24)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return n / time_us(lambda: dst.copy_(src))[0].median / 1e3
-
-
 def _torch_baseline(op, xs, idxs, ws, E, per_token_rank=False):
-    """One-process torch equivalent: quantize, then gather every rank's received rows (dispatch), or
-    gather every selection's row and reduce it with its weight (combine). ``per_token_rank``: one row
-    per (token, rank) pair (normal mode) instead of one per selection (low-latency mode)."""
+    """One-process torch equivalent: gather every rank's received rows (dispatch), or gather every selection's
+    row and reduce it with its weight (combine). ``per_token_rank``: one row per (token, rank) pair (normal mode)
+    instead of one per selection (low-latency mode). Fairness: the inputs match ours on both sides of the timer,
+    so in normal mode (ours receives FP8 + scales) the baseline quantizes before the timer; in low-latency mode
+    (ours receives BF16 and casts inside the send) it quantizes inside the timed region."""
     from moe_ep.fp8 import per_token_group_quant_fp8_ref
 
     R = len(xs)
@@ -153,6 +172,13 @@ def _torch_baseline(op, xs, idxs, ws, E, per_token_rank=False):
     if per_token_rank:  # normal mode: a token's row travels once to each rank (sorted, unique source rows)
         per_rank = [torch.unique(rows) for rows in per_rank]
     if op == "dispatch":
+        if per_token_rank:  # ours gets (FP8, scales): so does the baseline, quantized outside the timer
+            q0, s0 = per_token_group_quant_fp8_ref(allx, 128)
+
+            def run_fp8_in():
+                return [(q0.index_select(0, rows), s0.index_select(0, rows)) for rows in per_rank]
+            return run_fp8_in
+
         def run():
             q, s = per_token_group_quant_fp8_ref(allx, 128)
             return [(q.index_select(0, rows), s.index_select(0, rows)) for rows in per_rank]
@@ -189,7 +215,7 @@ def _ll_case(op, R, args, device, time_us):
 
     T, H, E, K = args.ll_tokens, args.hidden, args.experts, args.topk
     L = E // R
-    xs, idxs, ws = _inputs(R, T, H, E, K, device)
+    xs, idxs, ws = _inputs(R, T, H, E, K, device, routing=args.cur_routing)
     bs = virtual_backends(R, num_nvl_bytes=0, num_rdma_bytes=SymmBackend.get_low_latency_size_hint(T, H, R, E, K),
                           low_latency_mode=True, device=device, timeout_s=60)
 
@@ -203,14 +229,15 @@ def _ll_case(op, R, args, device, time_us):
         xq = _deq_all(xs)
         ref = torch.zeros(E, H, dtype=torch.float32, device=device)
         for x, i in zip(xq, idxs):
-            ref.index_add_(0, i.flatten(), x.repeat_interleave(K, dim=0))
+            m = i.flatten() >= 0  # -1: no expert
+            ref.index_add_(0, i.flatten()[m], x.repeat_interleave(K, dim=0)[m])
         got = torch.zeros(E, H, dtype=torch.float32, device=device)
         for r, res_r in enumerate(res):
             for le in range(L):
                 c = int(res_r.recv_count[le])
                 if c:
                     got[r * L + le] = dequant_fp8_ref(res_r.recv_x[le, :c], res_r.recv_x_scales[le, :c]).sum(0)
-        return t, R * T * K, _common.rel_err(got, ref)
+        return t, int(sum(int((i >= 0).sum()) for i in idxs)), _common.rel_err(got, ref)
     res = dispatch()
     ys = [r.recv_x.to(torch.bfloat16) for r in res]  # identity experts on the raw FP8 values
     outs = [torch.empty(T, H, dtype=torch.bfloat16, device=device) for _ in range(R)]
@@ -220,8 +247,8 @@ def _ll_case(op, R, args, device, time_us):
         return [b.low_latency_combine_recv(s) for b, s in zip(bs, st)]
 
     t, _ = time_us(combine)
-    ref = torch.cat([w.sum(1, keepdim=True) * per_token_group_quant_fp8_ref(x, 128)[0].float() for x, w in zip(xs, ws)])
-    return t, R * T * K, _common.rel_err(torch.cat(outs), ref)
+    ref = torch.cat([(w * (i >= 0)).sum(1, keepdim=True) * per_token_group_quant_fp8_ref(x, 128)[0].float() for x, w, i in zip(xs, ws, idxs)])
+    return t, int(sum(int((i >= 0).sum()) for i in idxs)), _common.rel_err(torch.cat(outs), ref)
 
 
 def _normal_case(op, R, args, device, time_us):
@@ -229,7 +256,7 @@ def _normal_case(op, R, args, device, time_us):
     from moe_ep.fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
 
     N, H, E, K = args.normal_tokens, args.hidden, args.experts, args.topk
-    xs, idxs, ws = _inputs(R, N, H, E, K, device, seed=1)
+    xs, idxs, ws = _inputs(R, N, H, E, K, device, seed=1, routing=args.cur_routing)
     qs = [per_token_group_quant_fp8_ref(x, 128) for x in xs]
     bs = virtual_backends(R, num_nvl_bytes=SymmBackend.get_normal_size_hint(N, H, K, R), device=device, timeout_s=60)
     layouts = [b.get_dispatch_layout(i, E) for b, i in zip(bs, idxs)]
@@ -264,6 +291,100 @@ def _normal_case(op, R, args, device, time_us):
     return t, rows, _common.rel_err(torch.cat(outs), ref)
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def main_torchrun(args, prog, argv) -> int:
+    """``--launcher torchrun``: one process per GPU, the real path through ``moe_ep.Buffer`` (``--backend``),
+    a barrier before each timed iteration, per-rank times and the slowest rank's reported (rank 0 prints and
+    writes the JSON). Without torchrun's environment: one line on stderr, exit 2."""
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        return _common.error(prog, f"--launcher torchrun needs {', '.join(missing)} in the environment: run it as "
+                                   f"`torchrun --nproc-per-node <GPUs> perf/{prog} --launcher torchrun`", 2)
+    if args.cpu_smoke or not torch.cuda.is_available():
+        return _common.error(prog, "--launcher torchrun needs one CUDA GPU per rank (not --cpu-smoke)", 2)
+    import torch.distributed as dist
+
+    import moe_ep
+
+    rank, world, local = (int(os.environ[k]) for k in TORCHRUN_ENV)
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        return _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep)
+    finally:
+        dist.destroy_process_group()
+
+
+def _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep) -> int:
+    from moe_ep.fp8 import per_token_group_quant_fp8_ref
+
+    H, E, K = args.hidden, args.experts, args.topk
+    if E % world:
+        return _common.error(prog, f"--experts {E} is not divisible by the world size {world}", 2)
+    name = torch.cuda.get_device_name(device)
+    rec = _common.Records(prog[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv)
+    limits = _common.measure_limits(device, peer=world >= 2, fp8=False) if rank == 0 else {}
+    rec.update_header(limits=limits, launcher="torchrun", world_size=world, backend=args.backend)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"# {args.backend} {args.op}, torchrun, {world} ranks x {name}, commit {rec.header['commit']}; hidden {H}, {E} "
+        f"experts, top-{K}; barrier before each timed call, L2 flushed, slowest rank per iteration; limits "
+        f"{limits}", flush=True)
+    say(_common.table_header(["mode", "routing", "EP", "tokens/rank", "slowest us", "p10-p90 us", "per-rank medians us",
+                              "GB/s (slowest)", "% of peer copy"]), flush=True)
+    for mode, n in (("LL", args.ll_tokens), ("normal", args.normal_tokens)):
+        for rt in args.routing:
+            g = torch.Generator().manual_seed(1000 + rank)
+            x = torch.randn(n, H, generator=g).to(torch.bfloat16).to(device)
+            idx = route(n, E, K, rt, g).to(device)
+            w = torch.rand(n, K, generator=g).to(device)
+            if mode == "LL":
+                buf = moe_ep.Buffer(None, 0, moe_ep.Buffer.get_low_latency_rdma_size_hint(n, H, world, E),
+                                    low_latency_mode=True, backend=args.backend)
+                recv = buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)
+                y = torch.randn(E // world, world * n, H, device=device).to(torch.bfloat16)
+                fn = ((lambda: buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)) if args.op == "dispatch" else
+                      (lambda: buf.low_latency_combine(y, idx, w, recv[2])))
+                sel = int((idx >= 0).sum())
+                nbytes = sel * (H + H // 32 + 16 if args.op == "dispatch" else 2 * H)
+            else:
+                buf = moe_ep.Buffer(None, _normal_hint(n, H, K, world), 0, backend=args.backend)
+                q = per_token_group_quant_fp8_ref(x, 128)  # ours receives FP8: quantized before the timer
+                lay = buf.get_dispatch_layout(idx, E)
+                kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                          topk_idx=idx, topk_weights=w)
+                out = buf.dispatch(q, **kw)
+                handle, recv_x = out[4], out[0]
+                yb = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).float().to(torch.bfloat16)
+                fn = (lambda: buf.dispatch(q, **kw)) if args.op == "dispatch" else (lambda: buf.combine(yb, handle))
+                nbytes = int(lay[0].sum()) * (H + H // 32 if args.op == "dispatch" else 2 * H)
+            torch.cuda.synchronize(device)
+            t, per_rank = _common.time_ranks(fn, device, iters=args.iters)
+            total = torch.tensor([nbytes], dtype=torch.float64, device=device)
+            dist.all_reduce(total)
+            gbps = float(total) / world / t.median / 1e3  # per rank, against the slowest rank's time
+            peer = limits.get("peer_gbps")
+            say(f"| {mode} | {rt} | {world} | {n} | {t.median:.1f} | {t.p10:.1f}-{t.p90:.1f} | "
+                f"{' '.join(f'{v:.0f}' for v in per_rank)} | {gbps:.0f} | "
+                f"{f'{100 * gbps / peer:.0f}%' if peer else 'n/a'} |", flush=True)
+            rec.add(f"{args.op} {mode} {rt} EP{world} {n} tokens/rank torchrun {args.backend}", "time", t.median, "us",
+                    p10=t.p10, p90=t.p90, iterations=t.n, limit=peer, ratio=(gbps / peer) if peer else None,
+                    valid=True, l2_resident=False, note="real ranks (torchrun); not checked against a reference "
+                    "here (pytest -m gpu checks the real path)", per_rank_us=per_rank, bytes_per_rank=float(total) / world,
+                    gbps_per_rank=gbps, routing=rt, backend=args.backend)
+            del buf
+            dist.barrier()
+    return rec.finish(prog) if rank == 0 else 0
+
+
+def _normal_hint(n, H, K, world):
+    from moe_ep.backends.symm import SymmBackend
+
+    return SymmBackend.get_normal_size_hint(n, H, K, world)
+
+
 def deepep_normal_nvl_bytes(hidden: int, num_ranks: int, num_sms: int = 20, num_recv_tokens: int = 256) -> int:
     """DeepEP's intranode ``Config.get_nvl_buffer_size_hint`` (BF16 hidden bytes, its top-k/scale maxima of
     128, 8-byte source metadata), restated here for the memory comparison."""
@@ -275,8 +396,23 @@ def deepep_normal_nvl_bytes(hidden: int, num_ranks: int, num_sms: int = 20, num_
 TOL = 2e-2  # max |out - ref| / max |ref| (BF16 rounding of the combine; dispatch sums are float32)
 
 
+def _bytes_needed(mode, R, n, args) -> int:
+    """Device bytes the virtual ranks of one case need (buffers, inputs, worst-case receive tensors, baseline)."""
+    from moe_ep.backends.symm import SymmBackend
+
+    H, E, K = args.hidden, args.experts, args.topk
+    inputs = R * n * (2 * H + 16 * K) * 3  # BF16 x, routing; baseline copies of them
+    if mode == "LL":
+        recv = R * (E // R) * R * n * (2 * H)  # per rank [L, R*T, H] (BF16 upper bound)
+        return R * SymmBackend.get_low_latency_size_hint(n, H, R, E, K) + 2 * recv + inputs
+    worst = R * n
+    return R * SymmBackend.get_normal_size_hint(n, H, K, R) + 3 * R * worst * (2 * H + 4 * K) + inputs
+
+
 def main(argv=None, op=None) -> int:
     args, prog = _parse(argv, op)
+    if args.launcher == "torchrun":
+        return main_torchrun(args, prog, argv)
     if args.cpu_smoke:
         device = torch.device("cpu")
     elif _common.gpu_count():
@@ -286,8 +422,11 @@ def main(argv=None, op=None) -> int:
     bench = prog[:-3]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     rec = _common.Records(bench, args.json, args.cpu_smoke, device=name, argv=argv)
-    time_us = _timer(device, args.rep, not args.no_graph, args.iters)
-    copy = _copy_gbps(device, time_us)
+    time_us = _timer(device, not args.no_graph, args.iters)
+    limits = _common.measure_limits(device, peer=False, fp8=False)
+    rec.update_header(limits=limits, launcher="virtual")
+    copy = limits["copy_gbps"]
+    l2 = limits["l2_bytes"] or 0
     H = args.hidden
     per_row = {"LL": H + H // 32 + 16 if args.op == "dispatch" else 2 * H,  # per selection
                "normal": H + H // 32 if args.op == "dispatch" else 2 * H}  # per token-rank row
@@ -296,35 +435,67 @@ def main(argv=None, op=None) -> int:
         modes = [("LL", args.ll_tokens, _ll_case), ("normal", args.normal_tokens, _normal_case)]
     except ImportError:
         modes = [("LL", args.ll_tokens, _ll_case)]
-    cases = [(m, n, c, R) for m, n, c in modes for R in args.ranks if args.experts % R == 0]
+    cases = [(m, n, c, R, rt) for m, n, c in modes for rt in args.routing for R in args.ranks if args.experts % R == 0]
     for R in args.ranks:
         if args.experts % R:
             print(f"{prog}: skipping EP{R}: --experts {args.experts} is not divisible by it", file=sys.stderr)
-    print(f"# symm {args.op}, virtual ranks on {name}, {rec.header['date']}, commit {rec.header['commit']}; hidden {H}, "
-          f"{args.experts} experts, top-{args.topk}; copy bandwidth {copy:.0f} GB/s; times for all ranks together; "
-          f"bytes: LL per selection, normal per received token-rank row", flush=True)
-    print(_common.table_header(["mode", "EP", "tokens/rank", "rows moved", "us", "p10-p90 us", "us/rank", "GB/s",
-                                "% of copy", "torch us", "x torch", "check"]), flush=True)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    print(f"# symm {args.op}, {_common.VIRTUAL_NOTE} (one process plays every rank on {name}), {rec.header['date']}, "
+          f"commit {rec.header['commit']}; hidden {H}, {args.experts} experts, top-{args.topk}; copy bandwidth "
+          f"{copy:.0f} GB/s (measured now, {'1 GiB' if device.type == 'cuda' else '16 MiB'} buffers); L2 "
+          f"{l2 / 2**20:.0f} MiB, flushed before every timed call; times for all ranks together, median of {args.iters}; "
+          f"bytes: LL per selection (-1 entries excluded), normal per received token-rank row", flush=True)
+    print(_common.table_header(["mode", "routing", "EP", "tokens/rank", "rows moved", "us", "p10-p90 us", "us/rank",
+                                "GB/s", "% of copy", "torch us", "x torch", "timed as", "notes", "check"]), flush=True)
     prog_bar = _common.Progress(len(cases), args.op) if len(cases) > 1 else None
-    for mode, n, case, R in cases:
+    for mode, n, case, R, rt in cases:
+        args.cur_routing = rt
+        need = _bytes_needed(mode, R, n, args)
+        if free is not None and need > 0.85 * free:
+            print(f"| {mode} | {rt} | {R} | {n} | skipped: the virtual ranks need ~{need / 1e9:.0f} GB, "
+                  f"{free / 1e9:.0f} GB free on one GPU (use --launcher torchrun) |||||||||||", flush=True)
+            if prog_bar:
+                prog_bar.step(f"{mode} {rt} EP{R} skipped")
+            continue
         t, rows, err = case(args.op, R, args, device, time_us)
+        how = time_us.how
         us = t.median
-        xs, idxs, ws = _inputs(R, n, H, args.experts, args.topk, device, seed=2)
+        xs, idxs, ws = _inputs(R, n, H, args.experts, args.topk, device, seed=2, routing=rt)
         base, _ = time_us(_torch_baseline(args.op, xs, idxs, ws, args.experts, per_token_rank=mode == "normal"))
-        gbps = rows * per_row[mode] / us / 1e3
+        del xs, idxs, ws
+        nbytes = rows * per_row[mode]
+        gbps = nbytes / us / 1e3
+        fits = bool(l2) and nbytes <= l2
+        notes = [_common.VIRTUAL_NOTE]
+        if fits:
+            notes.append("payload fits in L2: the staged copy may stay in L2 between send and receive, so % of the "
+                         "HBM copy limit is not a bound")
+        note = "; ".join(notes)
         valid = err <= TOL
         check = f"ok ({err:.1e})" if valid else f"INVALID ({err:.1e} > {TOL})"
         if prog_bar:
-            prog_bar.step(f"{mode} EP{R}")
-        print(f"| {mode} | {R} | {n} | {rows} | {us:.1f} | {t.p10:.1f}-{t.p90:.1f} | {us / R:.1f} | {gbps:.0f} | "
-              f"{100 * gbps / copy:.0f}% | {base.median:.1f} | {base.median / us:.2f} | {check} |", flush=True)
-        rec.add(f"{args.op} {mode} EP{R} {n} tokens/rank", "time", us, "us", p10=t.p10, p90=t.p90, iterations=t.n,
-                baseline=base.median, limit=None, ratio=base.median / us, valid=valid, rel_err=err,
-                rows=rows, bytes=rows * per_row[mode])
-        rec.add(f"{args.op} {mode} EP{R} {n} tokens/rank", "bandwidth", gbps, "GB/s", iterations=t.n, limit=copy,
-                ratio=gbps / copy, valid=valid)
+            prog_bar.step(f"{mode} {rt} EP{R}")
+        print(f"| {mode} | {rt} | {R} | {n} | {rows} | {us:.1f} | {t.p10:.1f}-{t.p90:.1f} | {us / R:.1f} | {gbps:.0f} | "
+              f"{100 * gbps / copy:.0f}%{' (L2)' if fits else ''} | {base.median:.1f} | {base.median / us:.2f} | {how} | "
+              f"{'V, L2' if fits else 'V'} | {check} |", flush=True)
+        case_name = f"{args.op} {mode} {rt} EP{R} {n} tokens/rank"
+        resident = None if device.type != "cuda" else False
+        rec.add(case_name, "time", us, "us", p10=t.p10, p90=t.p90, iterations=t.n,
+                baseline=base.median, limit=None, ratio=base.median / us, valid=valid, l2_resident=resident, note=note,
+                rel_err=err, rows=rows, bytes=nbytes, routing=rt, timed_as=how, fits_l2=fits,
+                baseline_inputs="FP8 (quantized before the timer)" if mode == "normal" and args.op == "dispatch"
+                else "BF16")
+        rec.add(case_name, "bandwidth", gbps, "GB/s", iterations=t.n, limit=copy, ratio=gbps / copy, valid=valid,
+                l2_resident=resident, note=note, limit_name="device copy bandwidth (HBM, 1 GiB buffers)",
+                routing=rt, fits_l2=fits)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if prog_bar:
         prog_bar.close()
+    print(f"\nnotes: V = {_common.VIRTUAL_NOTE} (a real EP run adds NVLink transfers and waits for the slowest peer: "
+          f"--launcher torchrun); L2 = the bytes moved fit in L2 ({l2 / 2**20:.0f} MiB). torch baseline: normal-mode "
+          f"dispatch gets FP8 inputs quantized before the timer (as ours), low-latency dispatch quantizes inside "
+          f"(as ours).")
     from moe_ep.backends.symm_ll import deepep_ll_buffer_bytes, ll_buffer_bytes
 
     print("\n| low-latency buffer per rank, DeepSeek-V3 decode (T=128, H=7168, 256 experts, top-8) | EP | ours MB | DeepEP MB |")

@@ -51,6 +51,11 @@ while ! (set -o noclobber; : > "$stem.jsonl") 2>/dev/null || [ -e "$stem.md" ]; 
 done
 json="$stem.jsonl"
 md="$stem.md"
+# the run's own record first: commit + dirty flag of the tree that produced every row below
+commit=$(git rev-parse --short=12 HEAD 2>/dev/null)
+dirty=false; [ -n "$(git status --porcelain 2>/dev/null)" ] && dirty=true
+printf '{"kind": "run", "commit": "%s", "dirty": %s, "date": "%s", "cpu-smoke": %s}\n' "$commit" "$dirty" \
+  "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$([ "$smoke" = 1 ] && echo true || echo false)" >> "$json"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 failures=()

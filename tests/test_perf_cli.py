@@ -96,3 +96,29 @@ def test_eplb_never_downloads(tmp_path):
     assert p.returncode == 0
     assert "pip download" not in p.stderr or "--fetch-reference" in p.stderr
     assert not any("fetching" in ln for ln in p.stderr.splitlines())
+
+
+def test_torchrun_launcher_refuses_without_env():
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    p = subprocess.run([sys.executable, os.path.join(PERF, "bench_dispatch.py"), "--launcher", "torchrun",
+                        "--backend", "torch"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "RANK, WORLD_SIZE, LOCAL_RANK" in p.stderr
+    p = _run([sys.executable, os.path.join(PERF, "bench_dispatch.py"), "--launcher", "mpi"], timeout=60)
+    assert p.returncode == 2 and "invalid choice" in p.stderr
+
+
+def test_gpu_state_parse_and_routing():
+    assert _common.parse_gpu_state("1980 MHz, 2619 MHz, [N/A], 34") == {
+        "clocks.sm": 1980.0, "clocks.mem": 2619.0, "power.limit": None, "temperature.gpu": 34.0}
+    import torch
+    from bench_dispatch import route
+    g = torch.Generator().manual_seed(0)
+    idx = route(64, 256, 8, "grouped", g)
+    assert idx.shape == (64, 8)
+    assert all(len({int(e) // 32 for e in row}) <= 4 for row in idx)  # top-4 of 8 groups
+    drop = route(256, 256, 8, "grouped-drop", g)
+    assert (drop == -1).any() and (drop >= -1).all()
+    z = route(512, 256, 8, "zipf", g)
+    assert all(len(set(row.tolist())) == 8 for row in z)
+    assert torch.bincount(z.flatten(), minlength=256).max() > 3 * 512 * 8 / 256  # skewed
