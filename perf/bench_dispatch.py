@@ -132,7 +132,8 @@ def _inputs(R, n, H, E, K, device, seed=0, routing="uniform"):
 
 
 def _timer(device, graph, iters):
-    """``time_us(fn) -> (Timing, out)`` (``time_us.how``: how the last call was timed): microseconds of ``fn`` (median, p10, p90 over ``iters``; on a GPU CUDA
+    """``time_us(fn) -> (Timing, out)`` (``time_us.how``: how the last call was timed): microseconds of ``fn``
+    (median, p10, p90 over ``iters``; on a GPU CUDA
     events around CUDA-graph replays unless disabled, L2 flushed before each, warm-up outside), the output of the
     last timed call (a graph's output tensors after its last replay) and how it was timed."""
     def time_us(fn):
@@ -247,7 +248,8 @@ def _ll_case(op, R, args, device, time_us):
         return [b.low_latency_combine_recv(s) for b, s in zip(bs, st)]
 
     t, _ = time_us(combine)
-    ref = torch.cat([(w * (i >= 0)).sum(1, keepdim=True) * per_token_group_quant_fp8_ref(x, 128)[0].float() for x, w, i in zip(xs, ws, idxs)])
+    ref = torch.cat([(w * (i >= 0)).sum(1, keepdim=True) * per_token_group_quant_fp8_ref(x, 128)[0].float()
+                     for x, w, i in zip(xs, ws, idxs)])
     return t, int(sum(int((i >= 0).sum()) for i in idxs)), _common.rel_err(torch.cat(outs), ref)
 
 
@@ -345,8 +347,8 @@ def _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep) -> int:
                                     low_latency_mode=True, backend=args.backend)
                 recv = buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)
                 y = torch.randn(E // world, world * n, H, device=device).to(torch.bfloat16)
-                fn = ((lambda: buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)) if args.op == "dispatch" else
-                      (lambda: buf.low_latency_combine(y, idx, w, recv[2])))
+                fn = ((lambda buf=buf: buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)) if args.op == "dispatch"
+                      else (lambda buf=buf: buf.low_latency_combine(y, idx, w, recv[2])))
                 sel = int((idx >= 0).sum())
                 nbytes = sel * (H + H // 32 + 16 if args.op == "dispatch" else 2 * H)
             else:
@@ -358,7 +360,8 @@ def _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep) -> int:
                 out = buf.dispatch(q, **kw)
                 handle, recv_x = out[4], out[0]
                 yb = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).float().to(torch.bfloat16)
-                fn = (lambda: buf.dispatch(q, **kw)) if args.op == "dispatch" else (lambda: buf.combine(yb, handle))
+                fn = ((lambda buf=buf: buf.dispatch(q, **kw)) if args.op == "dispatch"
+                      else (lambda buf=buf: buf.combine(yb, handle)))
                 nbytes = int(lay[0].sum()) * (H + H // 32 if args.op == "dispatch" else 2 * H)
             torch.cuda.synchronize(device)
             t, per_rank = _common.time_ranks(fn, device, iters=args.iters)

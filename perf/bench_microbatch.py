@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     rec = _common.Records("bench_microbatch", args.json, args.cpu_smoke, device=name, argv=argv)
     print(f"# two-microbatch overlap, {name}, {rec.header['date']}, commit {rec.header['commit']}; hidden {args.hidden}, "
           f"top-{args.topk}, communication emulated as {args.comm_scale}x the DeepEP bytes copied on a side stream; "
-          f"median of {args.iters}; GPU: each schedule captured in one CUDA graph and replayed (--no-graph: eager), L2 flushed before each timed call", flush=True)
+          f"median of {args.iters}; GPU: each schedule captured in one CUDA graph and replayed (--no-graph: eager), "
+          "L2 flushed before each timed call", flush=True)
     print(_common.table_header(["mode", "tokens", "compute ms", "comm ms", "no split ms", "two mb ms",
                                 "p10-p90 ms", "overlap eff.", "speedup", "timed as", "check"]), flush=True)
     compute = _layer(args, device)
@@ -204,7 +205,8 @@ def main(argv=None) -> int:
             valid = err <= TOL
             eff = (t_comp + t_comm - t_two) / max(min(t_comp, t_comm), 1e-9)
             print(f"| {mode} | {n} | {t_comp:.3f} | {t_comm:.3f} | {t_one:.3f} | {t_two:.3f} | {t2.p10:.3f}-{t2.p90:.3f} | "
-                  f"{100 * eff:.0f}% | {t_one / t_two:.2f} | {how} | {f'ok ({err:.1e})' if valid else f'INVALID ({err:.1e} > {TOL})'} |",
+                  f"{100 * eff:.0f}% | {t_one / t_two:.2f} | {how} | "
+                  f"{f'ok ({err:.1e})' if valid else f'INVALID ({err:.1e} > {TOL})'} |",
                   flush=True)
             rec.add(f"{mode} {n} tokens", "two-microbatch time", t_two, "ms", p10=t2.p10, p90=t2.p90,
                     iterations=t2.n, baseline=t_one, limit=max(t_comp, t_comm), ratio=t_one / t_two, valid=valid,

@@ -13,7 +13,8 @@ memory ordering are the same everywhere:
 
 Status word (``status_ptr``, int32, on the waiting rank): 0 = fine; ``peer + 1`` = the first peer
 a wait of this rank gave up on; negative = a device-side error flag (``STATUS_*`` below: more rows received
-than ``num_worst_tokens``, an expert id out of range when the host checks are off). The first report wins. The host reads it (:meth:`moe_ep.symm.SymmBuffer.check_status`) and
+than ``num_worst_tokens``, an expert id out of range when the host checks are off). The first report wins.
+The host reads it (:meth:`moe_ep.symm.SymmBuffer.check_status`) and
 raises :class:`moe_ep.RankTimeoutError` naming the peer.
 
 NOTES: the phase rule (DESIGN.md): a kernel only waits on signals written by *earlier* launches
