@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 #: dtype of ``topk_idx`` everywhere (DeepEP's ``deep_ep.topk_idx_t``)
 topk_idx_t = _torch.int64
 
-__all__ = ["Buffer", "Config", "EventOverlap", "MoELayer", "RankTimeoutError", "__version__", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventOverlap", "MoELayer", "RankTimeoutError", "__version__",
+           "topk_idx_t"]
 
 
 def __getattr__(name):
@@ -23,4 +24,7 @@ def __getattr__(name):
     if name == "MoELayer":
         from .moe import MoELayer
         return MoELayer
+    if name in ("ElasticBuffer", "EPHandle"):  # DeepEP V2's face (moe_ep/elastic.py)
+        from . import elastic
+        return getattr(elastic, name)
     raise AttributeError(f"module 'moe_ep' has no attribute {name!r}")
