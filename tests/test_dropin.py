@@ -41,7 +41,7 @@ def _positional(rank, world, backend):
     wait_d = torch.zeros(world, dtype=torch.int64)
     wait_c = torch.zeros(world, dtype=torch.int64)
     if rank == 1:
-        time.sleep(0.3)  # rank 0's receive waits for this rank
+        time.sleep(1.5)  # rank 0's receive waits for this rank (long enough to stand out on a loaded machine)
     # (x, topk_idx, T, E, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, ...)
     stats = torch.zeros(E // world, dtype=torch.int32)
     recv_x, count, handle, _, _ = buf.low_latency_dispatch(me.x, me.topk_idx, T, E, stats, wait_d, False)
@@ -51,7 +51,7 @@ def _positional(rank, world, backend):
     # (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
     #  combine_wait_recv_cost_stats)
     if rank == 1:
-        time.sleep(0.3)
+        time.sleep(1.5)
     out, _, hook = buf.low_latency_combine(y, me.topk_idx, me.topk_weights, handle, False, False, False, False, None,
                                            wait_c)
     assert hook is None and out.shape == (T, H)
@@ -77,7 +77,7 @@ def test_positional_low_latency_calls_and_wait_stats(backend):
     (wd0, wc0), (wd1, wc1) = res
     assert all(v >= 0 for v in wd0 + wc0 + wd1 + wc1)
     # rank 0 waited for the late rank 1 in both receives; the stats name it
-    assert wd0[1] > 0.15e9 and wc0[1] > 0.15e9, (wd0, wc0)
+    assert wd0[1] > 0.5e9 and wc0[1] > 0.5e9, (wd0, wc0)
     assert wd0[1] > wd0[0] and wc0[1] > wc0[0]
 
 
