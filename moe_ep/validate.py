@@ -20,7 +20,8 @@ def _check_tensor(t, name: str) -> None:
 
 
 def split_x(x: Union[torch.Tensor, tuple], name: str = "x") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``x`` is BF16 `[N, H]` or ``(x_fp8 e4m3 [N, H], scales float32 [N, H/128])``; returns ``(x, scales)``."""
+    """``x`` is BF16 `[N, H]` or ``(x_fp8 e4m3 [N, H], scales)`` with float32 `[N, H/128]` or packed UE8M0 int32
+    `[N, ceil(H/512)]` scales; returns ``(x, scales)``."""
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
             raise TypeError(f"{name} as a tuple must be (x_fp8, scales), got {len(x)} items")
@@ -34,10 +35,15 @@ def split_x(x: Union[torch.Tensor, tuple], name: str = "x") -> tuple[torch.Tenso
         n, h = data.shape
         if h % GROUP != 0:
             raise ValueError(f"hidden={h} must be a multiple of {GROUP} for FP8")
-        if scales.dtype != torch.float32:
-            raise TypeError(f"{name}[1] (scales) must be torch.float32, got {scales.dtype}")
-        if tuple(scales.shape) != (n, h // GROUP):
-            raise ValueError(f"{name}[1] (scales) must have shape [{n}, {h // GROUP}], got {tuple(scales.shape)}")
+        if scales.dtype == torch.float32:
+            want = (n, h // GROUP)
+        elif scales.dtype == torch.int32:  # packed UE8M0 exponents, four groups per word (DeepEP V2, SM100)
+            want = (n, ceil_div(h // GROUP, 4))
+        else:
+            raise TypeError(f"{name}[1] (scales) must be torch.float32 or packed UE8M0 torch.int32, got {scales.dtype}")
+        if tuple(scales.shape) != want:
+            raise ValueError(f"{name}[1] ({scales.dtype} scales) must have shape [{want[0]}, {want[1]}], got "
+                             f"{tuple(scales.shape)}")
         if data.device != scales.device:
             raise ValueError(f"{name} data and scales are on different devices ({data.device}, {scales.device})")
         return data, scales

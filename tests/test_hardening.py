@@ -301,3 +301,39 @@ def test_expert_ids_out_of_range_with_checks_off_are_reported_not_silent():
 def test_more_rows_than_num_worst_tokens_is_reported():
     for kind, msg in launch(_flags, 2, "overflow", timeout_s=120):
         assert kind == "RuntimeError" and "num_worst_tokens" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------- 8: UE8M0 scales
+def _ue8m0_dispatch(rank, world, backend):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+    from moe_ep.fp8 import pack_ue8m0, per_token_group_quant_fp8_ref
+    from moe_ep.testing.inputs import make_all_inputs
+    from moe_ep.testing.refs import ref_dispatch
+
+    H = 640  # 5 groups: the packed word count (2) is not H/512
+    kw = {}
+    if backend == "symm":
+        kw = dict(provider="shm", num_nvl_bytes=SymmBackend.get_normal_size_hint(8, H, 2, world))
+    buf = moe_ep.Buffer(None, backend=backend, timeout_s=30, **kw)
+    inputs = make_all_inputs(world, [5, 3], H, 8, 2, seed=6)
+    quant = [per_token_group_quant_fp8_ref(i.x, 128, round_scale=True) for i in inputs]
+    packed = [(q, pack_ue8m0(s)) for q, s in quant]
+    me = inputs[rank]
+    args = _layout_args(buf, me, 8)
+    (rq, rs), _, _, _, handle, _ = buf.dispatch(packed[rank], **args)
+    assert rs.dtype == torch.int32 and rs.shape[1] == 2
+    ex_q, *_ = ref_dispatch(rank, [q for q, _ in packed], [i.topk_idx for i in inputs],
+                            [i.topk_weights for i in inputs], 8)
+    ex_s, *_ = ref_dispatch(rank, [s.view(torch.float32) for _, s in packed], [i.topk_idx for i in inputs],
+                            [i.topk_weights for i in inputs], 8)  # the words move as they are: bit views
+    assert torch.equal(rq.view(torch.uint8), ex_q.view(torch.uint8))
+    assert torch.equal(rs, ex_s.view(torch.int32))
+    (cq, cs) = buf.dispatch(packed[rank], handle=handle)[0]  # cached dispatch keeps the scale dtype
+    assert torch.equal(cs, rs)
+    return True
+
+
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+def test_normal_dispatch_accepts_packed_ue8m0_scales(backend):
+    assert launch(_ue8m0_dispatch, 2, backend, timeout_s=120) == [True, True]

@@ -115,6 +115,8 @@ class _SendState:
     counts: torch.Tensor
     is_token_in_rank: torch.Tensor
     num_tokens_per_rank: torch.Tensor
+    scale_dtype: torch.dtype = torch.float32  # float32 [.., H/128] or packed UE8M0 int32 [.., ceil(H/512)]
+    scale_cols: int = 0
 
 
 @dataclasses.dataclass
@@ -179,7 +181,7 @@ class SymmNormal:
             counts, k = num_tokens_per_rank.to(torch.int32), (0 if topk_idx is None else topk_idx.shape[1])
         parts = [_words(x.view(torch.uint8) if x.element_size() == 1 else x)]
         if x_scales is not None:
-            parts.append(_words(x_scales.float()))
+            parts.append(_words(x_scales if x_scales.dtype == torch.int32 else x_scales.float()))
         if handle is None and k > 0:
             parts += [_words(topk_idx), _words(topk_weights)]
         rows = _rows(parts)
@@ -198,7 +200,9 @@ class SymmNormal:
             FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
         self.symm.check_status("dispatch (send)")
         return _SendState(handle, n, hidden, x.dtype, x_scales is not None, k, num_experts, words, cap, pos, counts,
-                          is_token_in_rank, num_tokens_per_rank)
+                          is_token_in_rank, num_tokens_per_rank,
+                          scale_dtype=x_scales.dtype if x_scales is not None else torch.float32,
+                          scale_cols=x_scales.shape[1] if x_scales is not None else 0)
 
     def dispatch_recv(self, st: _SendState, *, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
@@ -233,8 +237,8 @@ class SymmNormal:
         off = xw
         recv_scales = None
         if st.has_scales:
-            recv_scales = _unwords(out[:, off:off + h // 128], torch.float32, h // 128)
-            off += h // 128
+            recv_scales = _unwords(out[:, off:off + st.scale_cols], st.scale_dtype, st.scale_cols)
+            off += st.scale_cols
         valid = torch.arange(m, device=dev) < counts.sum()
         recv_idx = recv_w = None
         if st.handle is None:

@@ -138,6 +138,7 @@ class TorchBackend(Backend):
         is_fp8 = x_scales is not None
         self.arrival.arrive("dispatch", {
             "hidden": hidden, "x": "fp8" if is_fp8 else str(x.dtype).replace("torch.", ""),
+            "scales": "-" if x_scales is None else str(x_scales.dtype).replace("torch.", ""),
             "cached": handle is not None, "topk": "-" if topk_idx is None else topk_idx.shape[1],
             "num_experts": num_experts or "-"})
         if handle is not None:
@@ -185,8 +186,8 @@ class TorchBackend(Backend):
         off = xb
         recv_scales = None
         if is_fp8:
-            g = hidden // 128
-            recv_scales = _from_bytes(recv[:, off:off + 4 * g], torch.float32, g)
+            g = x_scales.shape[1]  # float32 [.., H/128] or packed UE8M0 int32 [.., ceil(H/512)]
+            recv_scales = _from_bytes(recv[:, off:off + 4 * g], x_scales.dtype, g)
             off += 4 * g
         recv_topk_idx = recv_topk_weights = None
         recv_src_idx = None

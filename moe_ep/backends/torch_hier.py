@@ -161,8 +161,8 @@ class TorchHierBackend(TorchBackend):
         off = xb
         recv_scales = None
         if is_fp8:
-            g = hidden // 128
-            recv_scales = _from_bytes(recv[:, off:off + 4 * g], torch.float32, g)
+            g = x_scales.shape[1]  # float32 [.., H/128] or packed UE8M0 int32 [.., ceil(H/512)]
+            recv_scales = _from_bytes(recv[:, off:off + 4 * g], x_scales.dtype, g)
             off += 4 * g
         recv_topk_idx = recv_topk_weights = None
         if not cached:
