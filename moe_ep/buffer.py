@@ -539,12 +539,18 @@ class Buffer:
         """DeepEP compatibility: buffers of this release need no cleaning between uses."""
         self._check_low_latency()
 
-    def check_status(self) -> None:
-        """Raise :class:`moe_ep.RankTimeoutError` if a device-side wait of this rank timed out (``symm``:
-        synchronises; use it after CUDA-graph replays, where the per-call check cannot run)."""
+    def check_status(self, blocking: bool = True) -> None:
+        """Raise if a device-side wait of this rank timed out (:class:`moe_ep.RankTimeoutError` naming the
+        silent rank) or a device-side error flag is set (``RuntimeError``: more rows than ``num_worst_tokens``,
+        an expert id out of range with the checks off). ``symm`` only (other backends raise in the call).
+
+        ``blocking=True`` synchronises: use it after CUDA-graph replays, where the per-call check cannot run.
+        ``blocking=False`` is the cheap query for a serving loop: on a GPU it queues a copy of the status
+        word to pinned memory and raises at a later call once an earlier copy shows a failure (never waits);
+        on a CPU it reads the word directly."""
         check = getattr(self._impl, "check_status", None)
         if check is not None:
-            check(blocking=True)
+            check(blocking=blocking)
 
     def destroy(self) -> None:
         """Release the communication resources (DeepEP: only with ``explicitly_destroy=True``; otherwise
