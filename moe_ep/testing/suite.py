@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from .checks import assert_bitwise_equal
+from .checks import assert_bitwise_equal, assert_close_ulp
 from .inputs import make_all_inputs
 from .refs import ref_combine, ref_dispatch, ref_low_latency_combine, ref_low_latency_dispatch
 
 __all__ = ["check_buffer_case"]
 
 
+def _check_combined(actual, expected, ulps: int, name: str) -> None:
+    if ulps == 0:
+        assert_bitwise_equal(actual, expected, name)
+    else:
+        assert_close_ulp(actual, expected, ulps, name, dtype=torch.bfloat16)
+
+
 def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch", *,
-                      modes: tuple = ("normal", "low_latency"), **buffer_kwargs) -> bool:
+                      modes: tuple = ("normal", "low_latency"), combine_ulps: int = 0, **buffer_kwargs) -> bool:
     """Normal dispatch (BF16 and FP8), combine, cached dispatch, num_worst_tokens, and low-latency
     dispatch/combine for one case on ``moe_ep.Buffer(backend=backend)``; every output is checked
     against :mod:`moe_ep.testing.refs` (bitwise). Run it on every rank, e.g. through
     :func:`moe_ep.testing.launch`. ``modes`` selects the normal and/or low-latency checks.
+    ``combine_ulps``: BF16 ulps the normal combine may differ by (0: bitwise; backends that regroup the
+    float32 sum, like the node-aware one, state theirs).
 
     ``case`` keys: seed, n (int or per-rank list), hidden, E, k, routing (see
     :func:`moe_ep.testing.inputs.make_rank_inputs`), and optional align, worst (num_worst_tokens), T.
@@ -75,7 +84,7 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
         bias = (torch.randn(me.x.shape, generator=torch.Generator().manual_seed(seed + 77 + rank)).to(torch.bfloat16),)
         comb, comb_w, _ = buf.combine(y_of(rank, recv_x), handle, topk_weights=r_w, bias=(bias[0].to(dev),))
         ex_comb, ex_cw = ref_combine(rank, ys, idxs, num_experts, [a[3] for a in all_recv], bias)
-        assert_bitwise_equal(comb, ex_comb, "combined_x")
+        _check_combined(comb, ex_comb, combine_ulps, "combined_x")
         assert_bitwise_equal(comb_w, ex_cw, "combined_topk_weights")
         # the reduced weights equal the originals, with 0 at the holes
         orig = inputs[rank]
@@ -103,7 +112,7 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
             wy = torch.zeros(worst, hidden, dtype=torch.bfloat16, device=dev)
             wy[:m] = y_of(rank, ex_x).to(dev)
             wc, _, _ = buf.combine(wy, w_handle)
-            assert_bitwise_equal(wc, ref_combine(rank, ys, idxs, num_experts)[0], "worst combine")
+            _check_combined(wc, ref_combine(rank, ys, idxs, num_experts)[0], combine_ulps, "worst combine")
 
     # low-latency dispatch / combine
     T = case.get("T", max(n if isinstance(n, int) else max(n), 1))
