@@ -31,7 +31,7 @@ from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_group_quant_fp8_ref, tma_alig
 from ..sync import ArrivalCheck
 from .base import Backend, DispatchHandle, DispatchResult, LowLatencyDispatchResult, LowLatencyHandle
 
-__all__ = ["TorchBackend", "layout_from_topk"]
+__all__ = ["TorchBackend", "layout_from_topk", "pad_to_worst"]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -53,6 +53,23 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
 
 # torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def pad_to_worst(rank: int, num_recv: int, num_worst_tokens: int, recv_x, recv_scales, recv_src_idx, recv_topk_idx,
+                 recv_topk_weights):
+    """Pad the received rows to ``num_worst_tokens`` (0: unchanged): zeros for data, scales and weights, -1 for
+    indices. More received rows than that is an error (this backend reads the counts on the host anyway)."""
+    if num_worst_tokens <= 0:
+        return recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights
+    if num_recv > num_worst_tokens:
+        raise RuntimeError(f"rank {rank} received {num_recv} tokens, more than num_worst_tokens={num_worst_tokens}")
+    pad = num_worst_tokens - num_recv
+
+    def grow(t, fill):
+        return None if t is None else torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)])
+
+    return (grow(recv_x, 0), grow(recv_scales, 0), grow(recv_src_idx, -1), grow(recv_topk_idx, -1),
+            grow(recv_topk_weights, 0))
 
 
 def layout_from_topk(topk_idx: torch.Tensor, num_experts: int, world_size: int):
@@ -210,21 +227,9 @@ class TorchBackend(Backend):
         else:
             per_expert_list = handle.num_recv_tokens_per_expert_list
         # Step 5: worst-case padding (static output shapes for the caller).
-        num_rows = num_recv
-        if num_worst_tokens > 0:
-            if num_recv > num_worst_tokens:
-                raise RuntimeError(f"rank {self.rank} received {num_recv} tokens, more than num_worst_tokens="
-                                   f"{num_worst_tokens}")
-            num_rows = num_worst_tokens
-            pad = num_worst_tokens - num_recv
-            recv_x = torch.cat([recv_x, recv_x.new_zeros(pad, hidden)])
-            if recv_scales is not None:
-                recv_scales = torch.cat([recv_scales, recv_scales.new_zeros(pad, recv_scales.shape[1])])
-            if recv_src_idx is not None:
-                recv_src_idx = torch.cat([recv_src_idx, recv_src_idx.new_full((pad,), -1)])
-            if recv_topk_idx is not None:
-                recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((pad, k), -1)])
-                recv_topk_weights = torch.cat([recv_topk_weights, recv_topk_weights.new_zeros(pad, k)])
+        num_rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
+        recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = pad_to_worst(
+            self.rank, num_recv, num_worst_tokens, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights)
         if handle is None:
             handle = TorchDispatchHandle(
                 owner=id(self), num_tokens=n, num_recv_tokens=num_rows, hidden=hidden,

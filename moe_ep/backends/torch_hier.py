@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..collectives import node_topology
 from .base import DispatchResult
-from .torch_a2a import TorchBackend, TorchDispatchHandle, _bytes, _from_bytes, layout_from_topk
+from .torch_a2a import TorchBackend, TorchDispatchHandle, _bytes, _from_bytes, layout_from_topk, pad_to_worst
 
 __all__ = ["TorchHierBackend"]
 
@@ -174,25 +174,19 @@ class TorchHierBackend(TorchBackend):
             is_local = (gidx >= lo) & (gidx < lo + num_local)
             recv_topk_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
             recv_topk_weights = torch.where(is_local, w, torch.zeros_like(w))
-            valid = recv_topk_idx[recv_topk_idx >= 0]
-            per_expert = torch.bincount(valid, minlength=num_local).tolist()
-            per_expert_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in per_expert]
+            if num_worst_tokens > 0:
+                per_expert_list = []  # as the flat path, DeepEP and symm: no counts with num_worst_tokens
+            else:
+                valid = recv_topk_idx[recv_topk_idx >= 0]
+                per_expert = torch.bincount(valid, minlength=num_local).tolist()
+                per_expert_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment
+                                   for c in per_expert]
         else:
             per_expert_list = handle.num_recv_tokens_per_expert_list
         # Step 5: worst-case padding (static output shapes for the caller), as the flat path.
-        num_rows = num_recv
-        if num_worst_tokens > 0:
-            if num_recv > num_worst_tokens:
-                raise RuntimeError(f"rank {self.rank} received {num_recv} tokens, more than num_worst_tokens="
-                                   f"{num_worst_tokens}")
-            num_rows = num_worst_tokens
-            pad = num_worst_tokens - num_recv
-            recv_x = torch.cat([recv_x, recv_x.new_zeros(pad, hidden)])
-            if recv_scales is not None:
-                recv_scales = torch.cat([recv_scales, recv_scales.new_zeros(pad, recv_scales.shape[1])])
-            if recv_topk_idx is not None:
-                recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((pad, k), -1)])
-                recv_topk_weights = torch.cat([recv_topk_weights, recv_topk_weights.new_zeros(pad, k)])
+        num_rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
+        recv_x, recv_scales, _, recv_topk_idx, recv_topk_weights = pad_to_worst(
+            self.rank, num_recv, num_worst_tokens, recv_x, recv_scales, None, recv_topk_idx, recv_topk_weights)
         if not cached:
             handle = HierDispatchHandle(
                 owner=id(self), num_tokens=n, num_recv_tokens=num_rows, hidden=hidden,
