@@ -23,11 +23,11 @@ import _common  # noqa: E402
 
 def main(argv=None) -> int:
     p = _common.parser("bench_failover.py", __doc__)
-    p.add_argument("--tokens", type=int, default=4608)
-    p.add_argument("--slots", type=int, nargs="+", default=[288, 432])
-    p.add_argument("--gpus", type=int, default=144)
-    p.add_argument("--dead", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=4608, help="decode tokens routed in the step")
+    p.add_argument("--slots", type=int, nargs="+", default=[288, 432], help="physical slots per layer")
+    p.add_argument("--gpus", type=int, default=144, help="EP size")
+    p.add_argument("--dead", type=int, nargs="+", default=[1, 2, 4, 8], help="dead GPU counts (GPUs 0..d-1)")
+    p.add_argument("--experts", type=int, default=256, help="routed experts")
     p.add_argument("--png", metavar="PATH", default=None, help="plot the lost share (needs matplotlib)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                      bal_mask=bal(out), bal_replan=bal(out2), moved=moved)
             table.append(r)
             for k in ("lost_none", "lost_mask", "lost_replan", "bal_mask", "bal_replan", "moved"):
-                rows.append(dict(bench="failover", case=f"P{P} dead{d}", metric=k, value=r[k],
+                rows.append(dict(bench="bench_failover", case=f"P{P} dead{d}", metric=k, value=r[k],
                                  unit="share" if k.startswith("lost") else ("slots" if k == "moved" else "ratio"),
                                  p10=None, p90=None, iterations=1, baseline=r["lost_none"] if k != "lost_none" else None,
                                  limit=0.0 if k.startswith("lost") else 1.0, ratio=None, valid=True))
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
               f"{100 * r['lost_replan']:>10.2f}% {r['bal_mask']:>8.3f} {r['bal_replan']:>10.3f} {r['moved']:>5}")
     if args.json:
         with open(args.json, "w") as f:
-            f.write(json.dumps(_common.header("failover", args.cpu_smoke, "cpu", argv)) + "\n")
+            f.write(json.dumps(_common.header("bench_failover", args.cpu_smoke, "cpu", argv)) + "\n")
             for row in rows:
                 f.write(json.dumps({k: row.get(k) for k in _common.ROW_KEYS}) + "\n")
     if args.png:
