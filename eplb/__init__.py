@@ -3,7 +3,8 @@
 - `rebalance_experts`: DeepSeek EPLB-compatible placement (plus per-step statistics, stickiness,
   replica caps, policy choice);
 - `map_topk`: logical top-k ids to physical slots at dispatch time (static / random / round_robin /
-  balanced), fixed shapes, no host synchronisation;
+  balanced), fixed shapes, no host synchronisation, dead slots masked (`slot_mask`);
+- `replan_on_survivors`: a new placement on the surviving GPUs, moving as few slots as possible;
 - `LoadRecorder`: per-layer per-expert counts over a sliding window, save/load;
 - `eplb.metrics`: balancedness, same-GPU duplicates, slots moved; `eplb.synthetic`: workloads;
 - `python -m eplb plan | report | simulate`: the offline CLI.
@@ -12,9 +13,10 @@ Importing eplb never touches CUDA.
 """
 
 from .dispatch import map_topk
+from .failover import replan_on_survivors
 from .metrics import balancedness, gpu_loads, same_gpu_duplicates, slots_moved
 from .placement import rebalance_experts
 from .recorder import LoadRecorder
 
-__all__ = ["rebalance_experts", "map_topk", "LoadRecorder", "balancedness", "gpu_loads", "same_gpu_duplicates",
-           "slots_moved"]
+__all__ = ["rebalance_experts", "map_topk", "replan_on_survivors", "LoadRecorder", "balancedness", "gpu_loads",
+           "same_gpu_duplicates", "slots_moved"]
