@@ -14,9 +14,7 @@ with DeepSeek-V3-like routing (top-8 of 256 experts, at most 4 nodes per token; 
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import platform
 import signal
@@ -129,6 +127,7 @@ def dispatch_worker(rank, world, ranks_per_node, hidden, tokens, iters, num_expe
                              cross_bytes=None if before is None else (after[0] - before[0]) / iters))
         diff = (outs["flat"].float() - outs["node-aware"].float()).abs().max().item()
         rows[-1]["max_abs_diff_vs_flat"] = diff
+        rows[-1]["max_rel_diff_vs_flat"] = diff / max(outs["flat"].float().abs().max().item(), 1e-30)
     return rows if rank == 0 else None
 
 
@@ -195,24 +194,25 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cluster", choices=("both", "netns", "loopback"), default="both")
+    import _common as C
+
+    p = C.parser("bench_collectives.py", __doc__, smoke_help="tiny sizes")
+    p.add_argument("--cluster", choices=("both", "netns", "loopback"), default="both",
+                   help="two emulated hosts (network namespaces, needs root), plain loopback, or both")
     p.add_argument("--rate", default="1gbit", help="tc rate of the host link, each direction")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay on the host link (netem)")
-    p.add_argument("--ranks-per-host", type=int, default=2)
+    p.add_argument("--ranks-per-host", type=int, default=2, help="ranks in each emulated host")
     p.add_argument("--hidden", type=int, default=3200, help="all-reduce hidden (3200: LLaMA-3B)")
-    p.add_argument("--tokens", default="1,16,128,512,2048")
-    p.add_argument("--dtypes", default="bf16,float32")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--tokens", default="1,16,128,512,2048", help="all-reduce rows (comma-separated)")
+    p.add_argument("--dtypes", default="bf16,float32", help="all-reduce dtypes (comma-separated)")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions per case")
     p.add_argument("--moe-hidden", type=int, default=1024, help="dispatch hidden (DeepSeek-V3: 7168; CPU: less)")
-    p.add_argument("--moe-tokens", default="64,256")
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--max-nodes", type=int, default=4)
-    p.add_argument("--skip-dispatch", action="store_true")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes")
-    p.add_argument("--json", help="append one JSON line per measurement")
-    p.add_argument("--plot", help="PNG of all-reduce time vs size (needs matplotlib)")
+    p.add_argument("--moe-tokens", default="64,256", help="dispatch tokens per rank (comma-separated)")
+    p.add_argument("--experts", type=int, default=256, help="routed experts")
+    p.add_argument("--topk", type=int, default=8, help="experts per token")
+    p.add_argument("--max-nodes", type=int, default=4, help="nodes a token may reach (DeepSeek-V3: 4)")
+    p.add_argument("--skip-dispatch", action="store_true", help="all-reduce only")
+    p.add_argument("--plot", default=None, help="PNG of all-reduce time vs size (needs matplotlib)")
     a = p.parse_args(argv)
     if a.cpu_smoke:
         a.tokens, a.dtypes, a.iters, a.moe_tokens, a.moe_hidden, a.hidden = "1,16", "float32", 2, "16", 256, 320
@@ -252,14 +252,28 @@ def main(argv=None):
             r.update(stamp, cluster=cluster, link=desc)
         print_tables(rows, f"{cluster}: {desc}; {stamp['date']}, {stamp['cpus']} CPUs, torch {stamp['torch']}")
         all_rows += rows
-    if a.json:
-        with open(a.json, "a") as f:
-            for r in all_rows:
-                f.write(json.dumps(r) + "\n")
+    rec = C.Records("bench_collectives", a.json, a.cpu_smoke, device=f"cpu, {stamp['cpus']} cores (gloo)",
+                    argv=argv)
+    for r in all_rows:
+        extra = {k: v for k, v in r.items() if k not in ("us",)}
+        if r["kind"] == "all_reduce":
+            ps = next(q for q in all_rows if q["kind"] == "all_reduce" and q["cluster"] == r["cluster"]
+                      and q["dtype"] == r["dtype"] and q["tokens"] == r["tokens"] and q["algorithm"] == "ps")
+            case = f"{r['cluster']} all_reduce {r['algorithm']} {r['dtype']} {r['tokens']}x{r['hidden']}"
+            rec.add(case, "time", r["us"], "us", iterations=r["reps"], baseline=ps["us"], ratio=ps["us"] / r["us"],
+                    note="baseline: parameter server (ps) in the same run", **extra)
+        else:
+            flat = next(q for q in all_rows if q["kind"] == "dispatch_combine" and q["cluster"] == r["cluster"]
+                        and q["tokens"] == r["tokens"] and q["path"] == "flat")
+            case = f"{r['cluster']} dispatch+combine {r['path']} {r['tokens']} tokens/rank"
+            ok = r.get("max_rel_diff_vs_flat", 0.0) <= 2 ** -7  # node-aware combine: within a BF16 ulp of flat
+            rec.add(case, "time", r["us"], "us", iterations=r["reps"], baseline=flat["us"], ratio=flat["us"] / r["us"],
+                    valid=ok, note="baseline: flat dispatch/combine in the same run", **extra)
     if a.plot and all_rows:
         plot(all_rows, a.plot)
-    return all_rows
+    code = rec.finish("bench_collectives.py")
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

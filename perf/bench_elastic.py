@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cpu_smoke:
         C.smoke_defaults(args, p, argv, tokens=256, ranks=[8])
-    rec = C.Records("elastic", args.json, args.cpu_smoke, device="cpu (counted)", argv=argv)
+    rec = C.Records("bench_elastic", args.json, args.cpu_smoke, device="cpu (counted)", argv=argv)
     row = HIDDEN + HIDDEN // 128 * 4
     print(C.table_header(["case", "metric", "dispatch+permute", "fused expanded", "ratio"]))
     for ranks in args.ranks:
