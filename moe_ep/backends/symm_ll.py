@@ -34,8 +34,8 @@ from ..fp8 import FP8_DTYPE, tma_aligned_size
 from ..kernels.fp8_cast import native_e4m3_supported
 from ..kernels.logfmt import FMT_BF16, FMT_FP16, check_hidden
 from ..kernels.low_latency import (
-    _ll_combine_recv_kernel,
-    _ll_combine_send_kernel,
+    _ll_combine_recv_fmt_kernel,
+    _ll_combine_send_fmt_kernel,
     _ll_dispatch_recv_kernel,
     _ll_dispatch_send_kernel,
     signal_layout,
@@ -377,7 +377,7 @@ class SymmLowLatency:
         base = self._slot_base(slot)
         s = self.sig
         x16 = x.view(torch.int16)
-        _ll_combine_send_kernel[(R, triton.cdiv(T, block_t))](
+        _ll_combine_send_fmt_kernel[(R, triton.cdiv(T, block_t))](
             x16, x16.stride(0), x16.stride(1), handle.slot_row, handle.recv_tokens,
             symm.buffer_ptrs, symm.signal_ptrs, symm.status,
             symm.rank, T, R, symm.timeout_ns, base + lay.comb_off, slot * s["SLOT_WORDS"],
@@ -407,7 +407,7 @@ class SymmLowLatency:
         grid = (triton.cdiv(max(n, 1), block_t), triton.cdiv(hidden, hc))
         base = self._slot_base(state.slot)
         s = self.sig
-        _ll_combine_recv_kernel[grid](
+        _ll_combine_recv_fmt_kernel[grid](
             symm.buffer, state.topk_idx, state.topk_weights, state.out.view(torch.int16), symm.signal_ptrs, symm.status,
             wait_recv_cost_stats if wait_recv_cost_stats is not None else state.topk_idx,
             symm.rank, n, R, symm.timeout_ns, base + lay.comb_off, state.slot * s["SLOT_WORDS"],

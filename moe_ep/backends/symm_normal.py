@@ -35,7 +35,7 @@ import torch
 import triton
 
 from ..kernels.intranode import (
-    _combine_recv_kernel,
+    _combine_recv_fmt_kernel,
     _gather_recv_kernel,
     _recv_counts_kernel,
     _scatter_send_kernel,
@@ -320,7 +320,7 @@ class SymmNormal:
         out = torch.empty(n, h, dtype=st.out_dtype, device=dev)
         wout = torch.empty(n, k, dtype=torch.float32, device=dev) if st.has_w else acc
         bt, hc = (64, triton.next_power_of_2(h)) if self._interp else (16, 256)
-        _combine_recv_kernel[(max(1, triton.cdiv(n, bt)), triton.cdiv(h, hc))](
+        _combine_recv_fmt_kernel[(max(1, triton.cdiv(n, bt)), triton.cdiv(h, hc))](
             acc, out.view(torch.int16), wout, handle.send_pos, self.symm.buffer_ptrs, self.symm.signal_ptrs,
             self.symm.status, self.symm.rank, n, R, st.words, st.cap, self.symm.nbytes // 8, self.symm.timeout_ns,
             H=h, K=max(k, 1), KP=triton.next_power_of_2(max(k, 1)), HAS_W=st.has_w,

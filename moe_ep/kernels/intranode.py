@@ -37,7 +37,7 @@ from .low_latency import _bf16_bits, _status_ok
 from .signals import arrive_last, signal_release, wait_ne
 
 __all__ = ["signal_layout", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
-           "_combine_recv_kernel"]
+           "_combine_recv_kernel", "_combine_recv_fmt_kernel"]
 
 
 def signal_layout(world_size: int) -> dict:
@@ -154,7 +154,7 @@ def _gather_recv_kernel(
 
 
 @triton.jit
-def _combine_recv_kernel(
+def _combine_recv_impl(
     acc_ptr,  # [N, H] float32: the bias terms' sum (the initial value)
     out_ptr,  # [N, H] bf16 as int16
     wout_ptr,  # [N, K] float32 (HAS_W)
@@ -164,7 +164,7 @@ def _combine_recv_kernel(
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, HC: tl.constexpr,
-    FMT: tl.constexpr = 0, OUT_F16: tl.constexpr = False,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
 ):
     """Row payload by ``FMT`` (:mod:`moe_ep.kernels.logfmt`): 0 BF16 / 1 FP16 ``H`` values, 2 FP8 ``H`` e4m3
     bytes | ``H/128`` float32 scales; the weights follow the payload (word ``H/2``, or ``H/4 + H/128``)."""
@@ -206,8 +206,11 @@ def _combine_recv_kernel(
                         other=0.0).to(tl.float32)
         acc += tl.where(v[:, None], y, 0.0)
         if HAS_W:
-            W_OFF: tl.constexpr = H // 4 + H // 128 if FMT == 2 else H // 2
-            wv = tl.load((row + W_OFF).to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + kk[None, :],
+            if FMT == 2:
+                wrow = row + (H // 4 + H // 128)
+            else:
+                wrow = row + H // 2
+            wv = tl.load(wrow.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + kk[None, :],
                          mask=v[:, None] & (kk < K)[None, :], other=0.0)
             wacc += tl.where(v[:, None], wv, 0.0)
     # A wait of this rank timed out (now or at an earlier call: the status word stays set): the rows of the
@@ -226,3 +229,39 @@ def _combine_recv_kernel(
     tl.debug_barrier()
     if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
         _release_blocks(my_sig, signal_ptrs, rank, R, FULL, BUSY)
+
+
+@triton.jit
+def _combine_recv_kernel(
+    acc_ptr,  # [N, H] float32: the bias terms' sum (the initial value)
+    out_ptr,  # [N, H] bf16 as int16
+    wout_ptr,  # [N, K] float32 (HAS_W)
+    pos_ptr,  # [N, R] int32: slot of token t in rank d's block (-1: not sent there)
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, N, R, W, cap, area_off, timeout_ns,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
+    FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HC: tl.constexpr,
+):
+    """BF16 payloads: see :func:`_combine_recv_impl`."""
+    _combine_recv_impl(acc_ptr, out_ptr, wout_ptr, pos_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, N, R, W,
+                       cap, area_off, timeout_ns, H, K, KP, HAS_W, FULL, BUSY, RECV_CNT, BLOCK_T, HC, 0, False)
+
+
+@triton.jit
+def _combine_recv_fmt_kernel(
+    acc_ptr,  # [N, H] float32: the bias terms' sum (the initial value)
+    out_ptr,  # [N, H] bf16 as int16
+    wout_ptr,  # [N, K] float32 (HAS_W)
+    pos_ptr,  # [N, R] int32: slot of token t in rank d's block (-1: not sent there)
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, N, R, W, cap, area_off, timeout_ns,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
+    FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
+):
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_combine_recv_impl`."""
+    _combine_recv_impl(acc_ptr, out_ptr, wout_ptr, pos_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, N, R, W,
+                       cap, area_off, timeout_ns, H, K, KP, HAS_W, FULL, BUSY, RECV_CNT, BLOCK_T, HC, FMT,
+                       OUT_F16)

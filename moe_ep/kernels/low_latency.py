@@ -49,6 +49,8 @@ __all__ = [
     "_ll_dispatch_recv_kernel",
     "_ll_combine_send_kernel",
     "_ll_combine_recv_kernel",
+    "_ll_combine_send_fmt_kernel",
+    "_ll_combine_recv_fmt_kernel",
 ]
 
 GROUP = tl.constexpr(128)
@@ -360,9 +362,9 @@ def _ll_dispatch_recv_kernel(
 @triton.jit
 def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT,
                           H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
-                          FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Encode the rows of (t, k) selections (16-bit ``x`` as int16) into slot ``(t, k)`` of ``dst8``."""
-    GS: tl.constexpr = 128 if FMT == 2 else 64
+                          FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, GS: tl.constexpr):
+    """Encode the rows of (t, k) selections (16-bit ``x`` as int16) into slot ``(t, k)`` of ``dst8`` (``GS``: channels
+    per group, 128 for FP8, 64 for LogFMT)."""
     NG: tl.constexpr = HC // GS
     dst32 = dst8.to(tl.pointer_type(tl.int32), bitcast=True)
     offs_c = tl.arange(0, GS)
@@ -404,7 +406,7 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, R
 
 
 @triton.jit
-def _ll_combine_send_kernel(
+def _comb_send_body_ll(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
     slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
     buffer_ptrs, signal_ptrs, status_ptr,
@@ -412,7 +414,7 @@ def _ll_combine_send_kernel(
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
-    FMT: tl.constexpr = 0, IN_F16: tl.constexpr = False, NATIVE_FP8: tl.constexpr = False,
+    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     b = tl.program_id(1)
@@ -447,8 +449,13 @@ def _ll_combine_send_kernel(
     else:
         # FP8 / LogFMT: encode per channel group inside the send (formats: moe_ep.kernels.logfmt); slot (t, k)
         # keeps its 2H bytes, the encoded row uses the first row_bytes(FMT, H) of them.
-        _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, _peer(buffer_ptrs, s, comb_off, tl.uint8),
-                              RT, H, K, BLOCK_T, HC, FMT, IN_F16, NATIVE_FP8)
+        dst8 = _peer(buffer_ptrs, s, comb_off, tl.uint8)
+        if FMT == 2:
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+                                  NATIVE_FP8, 128)
+        else:
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+                                  NATIVE_FP8, 64)
 
     # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s.
     tl.debug_barrier()
@@ -459,7 +466,7 @@ def _ll_combine_send_kernel(
 
 
 @triton.jit
-def _ll_combine_recv_kernel(
+def _comb_recv_body_ll(
     buf_ptr,  # this rank's data region (uint8)
     topk_ptr, w_ptr,  # [N, K] int64 / float32
     out_ptr,  # [N, H] bf16 as int16
@@ -469,7 +476,7 @@ def _ll_combine_recv_kernel(
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
-    FMT: tl.constexpr = 0, OUT_F16: tl.constexpr = False,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -540,3 +547,73 @@ def _ll_combine_recv_kernel(
             tl.atomic_xchg(my_sig + COMB_FULL + d, 0, sem="relaxed", scope="sys")
         for d in range(R):
             signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + rank, 0)
+
+
+@triton.jit
+def _ll_combine_send_kernel(
+    x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
+    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, T, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+):
+    """BF16 payloads: see :func:`_comb_send_body_ll`."""
+    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
+                       status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
+                       COMB_FULL, COMB_SEND_CNT, 0, False, False)
+
+
+@triton.jit
+def _ll_combine_send_fmt_kernel(
+    x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
+    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, T, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
+):
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_send_body_ll`."""
+    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
+                       status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
+                       COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8)
+
+
+@triton.jit
+def _ll_combine_recv_kernel(
+    buf_ptr,  # this rank's data region (uint8)
+    topk_ptr, w_ptr,  # [N, K] int64 / float32
+    out_ptr,  # [N, H] bf16 as int16
+    signal_ptrs, status_ptr,
+    wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
+    rank, N, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
+):
+    """BF16 payloads: see :func:`_comb_recv_body_ll`."""
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N, R,
+                       timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+                       COMB_RECV_CNT, 0, False)
+
+
+@triton.jit
+def _ll_combine_recv_fmt_kernel(
+    buf_ptr,  # this rank's data region (uint8)
+    topk_ptr, w_ptr,  # [N, K] int64 / float32
+    out_ptr,  # [N, H] bf16 as int16
+    signal_ptrs, status_ptr,
+    wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
+    rank, N, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
+):
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_recv_body_ll`."""
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N, R,
+                       timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+                       COMB_RECV_CNT, FMT, OUT_F16)
