@@ -17,7 +17,8 @@ earlier launches, DESIGN.md "Phase rule"):
   FP16 as it is, or encoded per channel group (``FMT``: FP8 with 1x128 scales, LogFMT-10 with 64-channel
   groups; formats in :mod:`moe_ep.kernels.logfmt`).
 - :func:`_ll_combine_recv_kernel` (source ``s``): decodes each slot to float32, then ``out[t] = sum_k w[t, k] *
-  y[t, k]`` in float32, k ascending, holes skipped, one rounding to BF16 or FP16 (``OUT_F16``) (compiled without FMA contraction, so equal to the torch reference bitwise).
+  y[t, k]`` in float32, k ascending, holes skipped, one rounding to BF16 or FP16
+  (``OUT_F16``; compiled without FMA contraction, so equal to the torch reference bitwise).
 
 Signals (int32 words of each rank's signal region; ``sig_off`` selects the double-buffer slot):
 
@@ -52,6 +53,8 @@ __all__ = [
     "_ll_combine_send_fmt_kernel",
     "_ll_combine_recv_fmt_kernel",
 ]
+# The BF16 kernels keep their signatures (callers and compile checks pin them); the ``*_fmt_kernel`` variants take
+# the combine format as constexprs (FMT, IN_F16 / OUT_F16, NATIVE_FP8); both are thin wrappers over one body.
 
 GROUP = tl.constexpr(128)
 
