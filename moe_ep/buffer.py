@@ -378,18 +378,22 @@ class Buffer:
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, tuple, None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
+                allocate_on_comm_stream: bool = False, *, combine_dtype: Optional[torch.dtype] = None):
         """Send the received rows back and sum them per source token (normal mode).
 
         Arguments:
-            x: `[num_recv_tokens, hidden]` `torch.bfloat16`, rows in ``recv_x``'s order (weights already applied).
+            x: `[num_recv_tokens, hidden]` `torch.bfloat16` or `torch.float16`, rows in ``recv_x``'s order
+                (weights already applied); its dtype is the output's.
             handle: from :meth:`dispatch`.
             topk_weights: optional `[num_recv_tokens, num_topk]` `torch.float32` (reduced back as well).
-            bias: optional `[num_tokens, hidden]` `torch.bfloat16` tensor or tuple of two, added once.
+            bias: optional `[num_tokens, hidden]` tensor (``x``'s dtype) or tuple of two, added once.
+            combine_dtype: keyword-only wire format: ``None`` (``x`` as it is) or ``torch.float8_e4m3fn`` (e4m3 with
+                a float32 scale per 128 channels, ``amax / 448``; about half the bytes; see
+                :mod:`moe_ep.kernels.logfmt` for accuracy and NaN/inf handling).
 
         Returns:
-            combined_x: `[num_tokens, hidden]` `torch.bfloat16`: float32 sum of the bias terms, then of the
-                rows in ascending source-rank order, cast once.
+            combined_x: `[num_tokens, hidden]` of ``x``'s dtype: float32 sum of the bias terms, then of the
+                (decoded) rows in ascending source-rank order, cast once.
             combined_topk_weights: `[num_tokens, num_topk]` `torch.float32` or ``None``.
             event: :class:`EventOverlap`.
         """
@@ -405,9 +409,13 @@ class Buffer:
                                  f"top-k), got shape {tuple(topk_weights.shape)}")
             if topk_weights.device != x.device:
                 raise ValueError(f"topk_weights is on {topk_weights.device}, x on {x.device}")
-        biases = V.check_bias(bias, handle.num_tokens, handle.hidden, x.device)
+        biases = V.check_bias(bias, handle.num_tokens, handle.hidden, x.device, x.dtype)
+        fmt = V.combine_format(x.dtype, combine_dtype)
+        if fmt == 2 and handle.hidden % 128:
+            raise ValueError(f"FP8 combine needs hidden to be a multiple of 128, got {handle.hidden}")
+        kw = {} if combine_dtype is None else {"fmt": fmt}
         (combined, combined_w), event = self._run(
-            lambda: self._impl.combine(x, handle, topk_weights, biases), x.device, previous_event, async_finish,
+            lambda: self._impl.combine(x, handle, topk_weights, biases, **kw), x.device, previous_event, async_finish,
             allocate_on_comm_stream, inputs=(x, handle, topk_weights, biases))
         return combined, combined_w, event
 
@@ -484,46 +492,57 @@ class Buffer:
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, *,
+                            combine_dtype: Optional[torch.dtype] = None):
         """Weighted combine for decode: ``out[t] = sum_k topk_weights[t, k] * y(expert topk_idx[t, k], t)``.
 
         Arguments:
-            x: `[L, num_ranks * T, hidden]` `torch.bfloat16`, expert outputs in the dispatch's row order.
+            x: `[L, num_ranks * T, hidden]` `torch.bfloat16` or `torch.float16`, expert outputs in the dispatch's
+                row order; its dtype is the output's (whatever the dispatch's format was).
             topk_idx, topk_weights: the dispatching rank's `[num_tokens, num_topk]` routing (int64 / float32).
             handle: from :meth:`low_latency_dispatch`.
-            use_logfmt: LogFMT-compressed combine is not supported in this release (raises ValueError).
+            use_logfmt: send LogFMT-10 (11 bits per channel: 10-bit sign + log code, two int32 per 64 channels;
+                encoded in the send, decoded in the receive; :mod:`moe_ep.kernels.logfmt`); hidden % 64 == 0.
             zero_copy: ``x`` is the tensor from :meth:`get_next_low_latency_combine_buffer`.
-            out: optional `[num_tokens, hidden]` `torch.bfloat16` output.
+            out: optional `[num_tokens, hidden]` output of ``x``'s dtype.
             combine_wait_recv_cost_stats: optional `[num_ranks]` `torch.int64`, as ``dispatch_wait_recv_cost_stats``
                 of :meth:`low_latency_dispatch`, per expert rank.
+            combine_dtype: keyword-only: ``None`` or ``torch.float8_e4m3fn`` (e4m3 + float32 scale per 128 channels,
+                encoded in the send); not together with ``use_logfmt``.
 
         Returns:
-            combined_x: `[num_tokens, hidden]` `torch.bfloat16` (float32 accumulation over k ascending; a token
+            combined_x: `[num_tokens, hidden]` of ``x``'s dtype (decoded payloads, float32 accumulation over k ascending; a token
                 with no expert gives zeros); valid after ``hook()`` when ``return_recv_hook``.
             event: :class:`EventOverlap`.
             hook: ``None`` unless ``return_recv_hook``.
         """
         self._check_low_latency()
         self._check_handle(handle, LowLatencyHandle)
-        if use_logfmt:
-            raise ValueError("use_logfmt (LogFMT-compressed combine) is not supported in this release")
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set")
         num_local = handle.num_experts // self.group_size
         rows = self.group_size * handle.num_max_dispatch_tokens_per_rank
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or tuple(x.shape) != (num_local, rows, handle.hidden):
-            raise ValueError(f"x must be torch.bfloat16 [{num_local}, {rows}, {handle.hidden}], got "
+        if not isinstance(x, torch.Tensor) or x.dtype not in V.HALF_DTYPES or \
+                tuple(x.shape) != (num_local, rows, handle.hidden):
+            raise ValueError(f"x must be torch.bfloat16 or torch.float16 [{num_local}, {rows}, {handle.hidden}], got "
                              f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        fmt = V.combine_format(x.dtype, combine_dtype, use_logfmt, low_latency=True)
+        group = {2: 128, 3: 64}.get(fmt, 1)
+        if handle.hidden % group:
+            raise ValueError(f"{'FP8' if fmt == 2 else 'LogFMT'} combine needs hidden to be a multiple of {group}, "
+                             f"got {handle.hidden}")
+        kw = {"fmt": fmt} if fmt >= 2 else {}
         V.check_topk_idx(topk_idx, handle.num_tokens, handle.num_experts, x.device, self._value_checks(x.device))
         V.check_topk_weights(topk_weights, topk_idx)
-        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != x.dtype
                                 or tuple(out.shape) != (handle.num_tokens, handle.hidden)):
-            raise ValueError(f"out must be torch.bfloat16 [{handle.num_tokens}, {handle.hidden}]")
+            raise ValueError(f"out must be {x.dtype} (the dtype of x) [{handle.num_tokens}, {handle.hidden}], got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
         self._check_wait_stats(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", x.device)
         (combined, hook), event = self._run(
             lambda: self._impl.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy=zero_copy,
                                                    return_recv_hook=return_recv_hook, out=out,
-                                                   wait_recv_cost_stats=combine_wait_recv_cost_stats),
+                                                   wait_recv_cost_stats=combine_wait_recv_cost_stats, **kw),
             x.device, None, async_finish, False,
             inputs=(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats))
         return combined, event, hook

@@ -9,9 +9,10 @@ import torch
 from .fp8 import FP8_DTYPE, ceil_div
 
 __all__ = ["split_x", "check_topk_idx", "check_dispatch_values", "check_topk_weights", "check_num_experts", "check_low_latency_x",
-           "check_combine_x", "check_bias"]
+           "check_combine_x", "check_bias", "combine_format"]
 
 GROUP = 128
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit payloads: accumulate in float32, one rounding at the end
 
 
 def _check_tensor(t, name: str) -> None:
@@ -48,8 +49,9 @@ def split_x(x: Union[torch.Tensor, tuple], name: str = "x") -> tuple[torch.Tenso
             raise ValueError(f"{name} data and scales are on different devices ({data.device}, {scales.device})")
         return data, scales
     _check_tensor(x, name)
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"{name} must be torch.bfloat16 (or a (float8_e4m3fn, float32 scales) tuple), got {x.dtype}")
+    if x.dtype not in HALF_DTYPES:
+        raise TypeError(f"{name} must be torch.bfloat16 or torch.float16 (or a (float8_e4m3fn, float32 scales) tuple), "
+                        f"got {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2D [num_tokens, hidden], got shape {tuple(x.shape)}")
     return x, None
@@ -140,8 +142,9 @@ def check_topk_weights(topk_weights, topk_idx: torch.Tensor, name: str = "topk_w
 
 def check_low_latency_x(x, num_max_dispatch_tokens_per_rank: int, use_fp8: bool) -> None:
     _check_tensor(x, "x")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"low_latency_dispatch takes torch.bfloat16 x (it casts to FP8 itself), got {x.dtype}")
+    if x.dtype not in HALF_DTYPES:
+        raise TypeError(f"low_latency_dispatch takes torch.bfloat16 or torch.float16 x (it casts to FP8 itself), "
+                        f"got {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2D [num_tokens, hidden], got shape {tuple(x.shape)}")
     if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank <= 0:
@@ -156,15 +159,16 @@ def check_low_latency_x(x, num_max_dispatch_tokens_per_rank: int, use_fp8: bool)
 
 def check_combine_x(x, num_rows: int, hidden: int, name: str = "x") -> None:
     _check_tensor(x, name)
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"combine takes torch.bfloat16 {name}, got {x.dtype}")
+    if x.dtype not in HALF_DTYPES:
+        raise TypeError(f"combine takes torch.bfloat16 or torch.float16 {name}, got {x.dtype}")
     if tuple(x.shape) != (num_rows, hidden):
         raise ValueError(f"{name} must have shape [{num_rows}, {hidden}] (the dispatch's received rows), got "
                          f"{tuple(x.shape)}")
 
 
-def check_bias(bias, num_tokens: int, hidden: int, device: torch.device) -> tuple:
-    """``bias`` is None, a tensor or a tuple of up to two tensors, each BF16 `[N, H]`."""
+def check_bias(bias, num_tokens: int, hidden: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """``bias`` is None, a tensor or a tuple of up to two tensors, each `[N, H]` of ``dtype`` (combine's ``x``
+    dtype: BF16 or FP16)."""
     if bias is None:
         return ()
     items = bias if isinstance(bias, (tuple, list)) else (bias,)
@@ -175,8 +179,8 @@ def check_bias(bias, num_tokens: int, hidden: int, device: torch.device) -> tupl
         if b is None:
             continue
         _check_tensor(b, f"bias[{i}]")
-        if b.dtype != torch.bfloat16 or tuple(b.shape) != (num_tokens, hidden) or b.device != device:
-            raise ValueError(f"bias[{i}] must be torch.bfloat16 [{num_tokens}, {hidden}] on {device}, got "
+        if b.dtype != dtype or tuple(b.shape) != (num_tokens, hidden) or b.device != device:
+            raise ValueError(f"bias[{i}] must be {dtype} [{num_tokens}, {hidden}] on {device} (the dtype of x), got "
                              f"{b.dtype} {tuple(b.shape)} on {b.device}")
         out.append(b)
     return tuple(out)
@@ -184,3 +188,23 @@ def check_bias(bias, num_tokens: int, hidden: int, device: torch.device) -> tupl
 
 def num_scale_groups(hidden: int) -> int:
     return ceil_div(hidden, GROUP)
+
+
+def combine_format(x_dtype: torch.dtype, combine_dtype, use_logfmt: bool = False, low_latency: bool = False) -> int:
+    """Wire format code (:mod:`moe_ep.kernels.logfmt`) of a combine: ``combine_dtype`` None or ``x``'s dtype sends
+    ``x`` as it is, ``torch.float8_e4m3fn`` FP8 with 1x128 scales; ``use_logfmt`` (low-latency only) LogFMT-10."""
+    from .kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT
+
+    if not isinstance(use_logfmt, bool):
+        raise TypeError(f"use_logfmt must be a bool, got {type(use_logfmt).__name__}")
+    if combine_dtype is not None and combine_dtype not in (x_dtype, FP8_DTYPE):
+        raise ValueError(f"combine_dtype must be None, x's dtype ({x_dtype}) or {FP8_DTYPE}, got {combine_dtype!r}")
+    if use_logfmt:
+        if not low_latency:
+            raise ValueError("use_logfmt is a low-latency combine format")
+        if combine_dtype == FP8_DTYPE:
+            raise ValueError("use_logfmt and combine_dtype=torch.float8_e4m3fn are two different formats: pass one")
+        return FMT_LOGFMT
+    if combine_dtype == FP8_DTYPE:
+        return FMT_FP8
+    return FMT_FP16 if x_dtype == torch.float16 else FMT_BF16

@@ -375,6 +375,17 @@ def _intranode_cases() -> list[Case]:
                        {"H": H, "K": KT, "KP": KT, "HAS_W": True, "FULL": sig["COMB_FULL"], "BUSY": sig["COMB_BUSY"],
                         "RECV_CNT": sig["COMB_RECV_CNT"], "BLOCK_T": 16, "HC": 256},
                        options={"enable_fp_fusion": False}))
+    w_comb8 = pad16(H // 4 + H // 128 + KT)  # FP8 payload | scales | weights
+    for what, fmt, words, f16 in (("FP8 combine", 2, w_comb8, False), ("FP16", 1, w_comb, True)):
+        cases.append(_case("normal_combine_recv_fmt", f"{what} H={H} top-{KT} N={N} EP{R} +weights",
+                           k._combine_recv_fmt_kernel,
+                           {"acc_ptr": "*fp32", "out_ptr": "*i16", "wout_ptr": "*fp32", "pos_ptr": "*i32", **_SYMM_PTRS},
+                           {"rank": _RANK, "N": N, "R": R, "W": words, "cap": cap, "area_off": nbytes // 8,
+                            "timeout_ns": _TIMEOUT_NS},
+                           {"H": H, "K": KT, "KP": KT, "HAS_W": True, "FULL": sig["COMB_FULL"],
+                            "BUSY": sig["COMB_BUSY"], "RECV_CNT": sig["COMB_RECV_CNT"], "BLOCK_T": 16, "HC": 256,
+                            "FMT": fmt, "OUT_F16": f16},
+                           options={"enable_fp_fusion": False}))
     return cases
 
 
@@ -433,6 +444,26 @@ def _low_latency_cases() -> list[Case]:
         {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "HAS_WAIT_STATS": True, "COMB_BUSY": sig["COMB_BUSY"],
          "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"]},
         options={"enable_fp_fusion": False}))
+    # combine formats (moe_ep.kernels.logfmt): FP8 1x128 and LogFMT-10 encoded in the send, decoded in the receive
+    for what, fmt, f16 in (("FP8 wire, BF16 x", 2, False), ("LogFMT-10 wire, BF16 x", 3, False),
+                           ("FP8 wire, FP16 x", 2, True)):
+        cases.append(_case(
+            "ll_combine_send_fmt", f"{what} H={H} T={T} E={E} EP{R}", k._ll_combine_send_fmt_kernel,
+            {"x_ptr": "*i16", "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", **_SYMM_PTRS},
+            {"stride_xl": RT * H, "stride_xr": H, "rank": _RANK, "T": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
+            {"H": H, "K": KT, "KP": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "COMB_BUSY": sig["COMB_BUSY"],
+             "COMB_FULL": sig["COMB_FULL"], "COMB_SEND_CNT": sig["COMB_SEND_CNT"], "FMT": fmt, "IN_F16": f16,
+             "NATIVE_FP8": fmt == 2}))
+    for what, fmt, f16 in (("FP8 wire", 2, False), ("LogFMT-10 wire", 3, False), ("FP16 wire + out", 1, True)):
+        cases.append(_case(
+            "ll_combine_recv_fmt", f"{what} H={H} T={T} top-{KT} EP{R}", k._ll_combine_recv_fmt_kernel,
+            {"buf_ptr": "*u8", "topk_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*i16", "signal_ptrs": "*i64",
+             "status_ptr": "*i32", "wait_stats_ptr": "*i64"},
+            {"rank": _RANK, "N": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
+            {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "HAS_WAIT_STATS": True,
+             "COMB_BUSY": sig["COMB_BUSY"], "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"],
+             "FMT": fmt, "OUT_F16": f16},
+            options={"enable_fp_fusion": False}))
     shipped = {c.kernel.__name__ for c in cases}
     jitted = {n for n, v in vars(k).items() if n.startswith("_ll_") and isinstance(v, triton.runtime.JITFunction)}
     if jitted != shipped:

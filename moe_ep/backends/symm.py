@@ -144,15 +144,15 @@ class SymmBackend(Backend):
                                    topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
         return self.dispatch_recv(state, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
 
-    def combine_send(self, x, handle, topk_weights):
+    def combine_send(self, x, handle, topk_weights, fmt=None):
         self._check_device(x)
-        return self.normal.combine_send(x, handle, topk_weights)
+        return self.normal.combine_send(x, handle, topk_weights, fmt=fmt)
 
     def combine_recv(self, state, bias: tuple):
         return self.normal.combine_recv(state, bias)
 
-    def combine(self, x, handle, topk_weights, bias):
-        return self.combine_recv(self.combine_send(x, handle, topk_weights), bias)
+    def combine(self, x, handle, topk_weights, bias, fmt=None):
+        return self.combine_recv(self.combine_send(x, handle, topk_weights, fmt=fmt), bias)
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch_send(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *,
@@ -184,17 +184,19 @@ class SymmBackend(Backend):
         self._check_ll()
         return self.ll.get_next_low_latency_combine_buffer(handle)
 
-    def low_latency_combine_send(self, x, topk_idx, topk_weights, handle, *, zero_copy: bool = False, out=None):
+    def low_latency_combine_send(self, x, topk_idx, topk_weights, handle, *, zero_copy: bool = False, out=None,
+                                 fmt=None):
         self._check_ll()
         self._check_device(x)
-        return self.ll.combine_send(x, topk_idx, topk_weights, handle, zero_copy=zero_copy, out=out)
+        return self.ll.combine_send(x, topk_idx, topk_weights, handle, zero_copy=zero_copy, out=out, fmt=fmt)
 
     def low_latency_combine_recv(self, state, wait_recv_cost_stats=None) -> torch.Tensor:
         return self.ll.combine_recv(state, wait_recv_cost_stats=wait_recv_cost_stats)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, zero_copy, return_recv_hook, out,
-                            wait_recv_cost_stats=None):
-        state = self.low_latency_combine_send(x, topk_idx, topk_weights, handle, zero_copy=zero_copy, out=out)
+                            wait_recv_cost_stats=None, fmt=None):
+        state = self.low_latency_combine_send(x, topk_idx, topk_weights, handle, zero_copy=zero_copy, out=out,
+                                              fmt=fmt)
         if not return_recv_hook:
             return self.low_latency_combine_recv(state, wait_recv_cost_stats), None
         return state.out, lambda: self.low_latency_combine_recv(state, wait_recv_cost_stats)

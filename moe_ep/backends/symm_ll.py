@@ -32,9 +32,10 @@ import triton
 
 from ..fp8 import FP8_DTYPE, tma_aligned_size
 from ..kernels.fp8_cast import native_e4m3_supported
+from ..kernels.logfmt import FMT_BF16, FMT_FP16, check_hidden
 from ..kernels.low_latency import (
-    _ll_combine_recv_kernel,
-    _ll_combine_send_kernel,
+    _ll_combine_recv_fmt_kernel,
+    _ll_combine_send_fmt_kernel,
     _ll_dispatch_recv_kernel,
     _ll_dispatch_send_kernel,
     signal_layout,
@@ -148,6 +149,7 @@ class _CombineState:
     slot: int
     layout: _Layout
     recv_done: bool = False
+    fmt: int = FMT_BF16
 
 
 class SymmLowLatency:
@@ -238,7 +240,7 @@ class SymmLowLatency:
             s_store = torch.empty(L, sg, tma_aligned_size(RT), dtype=s_dtype, device=dev)
             recv_scales = s_store[:, :, :RT].transpose(1, 2)
         else:
-            recv_x = torch.empty(L, RT, hidden, dtype=torch.bfloat16, device=dev)
+            recv_x = torch.empty(L, RT, hidden, dtype=x.dtype, device=dev)  # BF16 or FP16, bits copied
             recv_scales = None
         recv_count = torch.empty(L, dtype=torch.int32, device=dev)
         handle = SymmLowLatencyHandle(owner=self.owner, num_tokens=n, hidden=hidden, num_max_dispatch_tokens_per_rank=T,
@@ -339,9 +341,11 @@ class SymmLowLatency:
 
     def combine_send(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                      handle: SymmLowLatencyHandle, *, zero_copy: bool = False,
-                     out: Optional[torch.Tensor] = None) -> _CombineState:
-        """Send phase of low-latency combine: expert outputs ``x`` (`[L, R*T, hidden]` `torch.bfloat16`, rows
-        as the dispatch placed them) go back to their source ranks. ``out``: optional `[N, hidden]` bf16.
+                     out: Optional[torch.Tensor] = None, fmt: Optional[int] = None) -> _CombineState:
+        """Send phase of low-latency combine: expert outputs ``x`` (`[L, R*T, hidden]` `torch.bfloat16` or
+        `torch.float16`, rows as the dispatch placed them) go back to their source ranks. ``out``: optional
+        `[N, hidden]` of ``x``'s dtype. ``fmt``: wire format (:mod:`moe_ep.kernels.logfmt` codes; default: ``x``'s
+        16-bit dtype as it is); the output has ``x``'s dtype whatever the wire format.
 
         Returns a state whose ``out`` :meth:`combine_recv` fills in place."""
         symm = self.symm
@@ -355,10 +359,14 @@ class SymmLowLatency:
         lay = self._check_capacity(T, hidden, E, K, "low_latency_combine")
         n = handle.num_tokens
         dev = x.device
+        in_f16 = x.dtype == torch.float16
+        if fmt is None or fmt in (FMT_BF16, FMT_FP16):
+            fmt = FMT_FP16 if in_f16 else FMT_BF16
+        check_hidden(fmt, hidden)
         if out is None:
-            out = torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
-        elif not out.is_contiguous():
-            raise ValueError("out must be a contiguous torch.bfloat16 [num_tokens, hidden] tensor")
+            out = torch.empty(n, hidden, dtype=x.dtype, device=dev)
+        elif not out.is_contiguous() or out.dtype != x.dtype:
+            raise ValueError(f"out must be a contiguous {x.dtype} [num_tokens, hidden] tensor")
         if x.stride(-1) != 1:
             x = x.contiguous()
         slot = self._combine_slot
@@ -369,15 +377,16 @@ class SymmLowLatency:
         base = self._slot_base(slot)
         s = self.sig
         x16 = x.view(torch.int16)
-        _ll_combine_send_kernel[(R, triton.cdiv(T, block_t))](
+        _ll_combine_send_fmt_kernel[(R, triton.cdiv(T, block_t))](
             x16, x16.stride(0), x16.stride(1), handle.slot_row, handle.recv_tokens,
             symm.buffer_ptrs, symm.signal_ptrs, symm.status,
             symm.rank, T, R, symm.timeout_ns, base + lay.comb_off, slot * s["SLOT_WORDS"],
             H=hidden, K=K, KP=_pow2(K), BLOCK_T=block_t, HC=hc,
-            COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_SEND_CNT=s["COMB_SEND_CNT"], num_warps=warps)
+            COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_SEND_CNT=s["COMB_SEND_CNT"],
+            FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev), num_warps=warps)
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1
-        return _CombineState(out, topk_idx.contiguous(), topk_weights.contiguous(), handle, slot, lay)
+        return _CombineState(out, topk_idx.contiguous(), topk_weights.contiguous(), handle, slot, lay, fmt=fmt)
 
     def combine_recv(self, state: _CombineState, out: Optional[torch.Tensor] = None,
                      wait_recv_cost_stats: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -398,13 +407,13 @@ class SymmLowLatency:
         grid = (triton.cdiv(max(n, 1), block_t), triton.cdiv(hidden, hc))
         base = self._slot_base(state.slot)
         s = self.sig
-        _ll_combine_recv_kernel[grid](
+        _ll_combine_recv_fmt_kernel[grid](
             symm.buffer, state.topk_idx, state.topk_weights, state.out.view(torch.int16), symm.signal_ptrs, symm.status,
             wait_recv_cost_stats if wait_recv_cost_stats is not None else state.topk_idx,
             symm.rank, n, R, symm.timeout_ns, base + lay.comb_off, state.slot * s["SLOT_WORDS"],
             H=hidden, K=K, BLOCK_T=block_t, HC=hc, HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
-            num_warps=warps, enable_fp_fusion=False)
+            FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, num_warps=warps, enable_fp_fusion=False)
         symm.check_status("low_latency_combine (receive)")
         state.recv_done = True
         return state.out
@@ -413,7 +422,7 @@ class SymmLowLatency:
 def virtual_low_latency_step(paths: list, xs: list, topk_idxs: list, topk_weights: list,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int, *, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, expert_fn=None, outs=None,
-                             stats=None) -> tuple[list, list]:
+                             stats=None, fmt: Optional[int] = None) -> tuple[list, list]:
     """One low-latency dispatch + combine over ``N`` virtual ranks in this process, phase by phase.
 
     ``paths[r]`` is rank ``r``'s :class:`SymmLowLatency` (over ``create_virtual_symm_buffers``); the
@@ -433,7 +442,7 @@ def virtual_low_latency_step(paths: list, xs: list, topk_idxs: list, topk_weight
         def expert_fn(rank, res):
             return res.recv_x.to(torch.bfloat16)
     ys = [expert_fn(r, res) for r, res in enumerate(results)]
-    cstates = [p.combine_send(y, i, w, res.handle, out=outs[r] if outs is not None else None)
+    cstates = [p.combine_send(y, i, w, res.handle, out=outs[r] if outs is not None else None, fmt=fmt)
                for r, (p, y, i, w, res) in enumerate(zip(paths, ys, topk_idxs, topk_weights, results))]
     combined = [p.combine_recv(c) for p, c in zip(paths, cstates)]
     return results, combined

@@ -11,7 +11,8 @@ host. The layout
 Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message width ``W``)::
 
     [0, nbytes / 2)          dispatch area: [R sources][cap_d rows][W_d words]   cap_d = nbytes / 2 / (R * 4 * W_d)
-    [nbytes / 2, nbytes)     combine area:  [R ranks][cap_c rows][W_c words]     W_c = H / 2 + K (bf16 row, weights)
+    [nbytes / 2, nbytes)     combine area:  [R ranks][cap_c rows][W_c words]     W_c = H / 2 + K (bf16/fp16 row, weights;
+                                                                                FP8 combine: H / 4 + H / 128 + K)
 
     (W_d, W_c rounded up to 16 words = 64 bytes so the kernels move rows in 16-byte vectors)
 
@@ -34,13 +35,14 @@ import torch
 import triton
 
 from ..kernels.intranode import (
-    _combine_recv_kernel,
+    _combine_recv_fmt_kernel,
     _gather_recv_kernel,
     _recv_counts_kernel,
     _scatter_send_kernel,
     signal_layout,
 )
 from ..kernels.layout import dispatch_layout
+from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, encode_rows
 from ..kernels.pdl import INTERPRET
 from ..symm import SymmBuffer
 from .base import DispatchHandle, DispatchResult
@@ -125,6 +127,8 @@ class _CombineState:
     words: int
     cap: int
     has_w: bool
+    fmt: int = FMT_BF16
+    out_dtype: torch.dtype = torch.bfloat16
 
 
 class SymmNormal:
@@ -274,7 +278,15 @@ class SymmNormal:
                               recv_idx, recv_w, list(per_expert), handle)
 
     # ------------------------------------------------------------------ combine
-    def combine_send(self, x: torch.Tensor, handle: SymmNormalHandle, topk_weights) -> _CombineState:
+    def combine_send(self, x: torch.Tensor, handle: SymmNormalHandle, topk_weights, fmt=None) -> _CombineState:
+        """``x`` BF16 or FP16 rows; ``fmt`` (:mod:`moe_ep.kernels.logfmt`): None / BF16 / FP16 send ``x`` as it is,
+        ``FMT_FP8`` sends e4m3 with 1x128 scales (quantized by torch ops on the sender, like dispatch's packing)."""
+        if fmt == FMT_LOGFMT:
+            raise ValueError("LogFMT combine is a low-latency combine format (use combine_dtype=torch.float8_e4m3fn "
+                             "for a compressed normal combine)")
+        if fmt != FMT_FP8:
+            fmt = FMT_FP16 if x.dtype == torch.float16 else FMT_BF16
+        check_hidden(fmt, handle.hidden)
         self.symm.check_usable()
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
         m, h = handle.num_recv_tokens, handle.hidden
@@ -287,19 +299,19 @@ class SymmNormal:
         slot = rows_idx - (ends[src_c] - counts[src_c])
         pos = torch.full((m, R), -1, dtype=torch.int32, device=dev)
         pos[rows_idx, src_c] = torch.where(valid, slot, -1).to(torch.int32)  # no boolean indexing: no host sync
-        parts = [_words(x)]
+        parts = [_words(encode_rows(x, FMT_FP8) if fmt == FMT_FP8 else x)]
         if topk_weights is not None:
             parts.append(_words(topk_weights))
         rows = _rows(parts)
         words = rows.shape[1]
-        cap = self._cap(_pad16(h // 2 + handle.num_topk))
+        cap = self._cap(_pad16(h // 2 + handle.num_topk))  # the 16-bit row width: FP8 rows are narrower
         bt, bw = self._blocks(words)
         _scatter_send_kernel[(R, max(1, triton.cdiv(m, bt)))](
             rows, pos, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, self.symm.timeout_ns,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
         self.symm.check_status("combine (send)")
-        return _CombineState(handle, words, cap, topk_weights is not None)
+        return _CombineState(handle, words, cap, topk_weights is not None, fmt, x.dtype)
 
     def combine_recv(self, st: _CombineState, bias: tuple):
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
@@ -308,14 +320,14 @@ class SymmNormal:
         acc = torch.zeros(n, h, dtype=torch.float32, device=dev)
         for b in bias:  # the reference order: bias terms first
             acc += b.float()
-        out = torch.empty(n, h, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(n, h, dtype=st.out_dtype, device=dev)
         wout = torch.empty(n, k, dtype=torch.float32, device=dev) if st.has_w else acc
         bt, hc = (64, triton.next_power_of_2(h)) if self._interp else (16, 256)
-        _combine_recv_kernel[(max(1, triton.cdiv(n, bt)), triton.cdiv(h, hc))](
+        _combine_recv_fmt_kernel[(max(1, triton.cdiv(n, bt)), triton.cdiv(h, hc))](
             acc, out.view(torch.int16), wout, handle.send_pos, self.symm.buffer_ptrs, self.symm.signal_ptrs,
             self.symm.status, self.symm.rank, n, R, st.words, st.cap, self.symm.nbytes // 8, self.symm.timeout_ns,
             H=h, K=max(k, 1), KP=triton.next_power_of_2(max(k, 1)), HAS_W=st.has_w,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], RECV_CNT=L["COMB_RECV_CNT"], BLOCK_T=bt, HC=hc,
-            enable_fp_fusion=False)
+            FMT=st.fmt, OUT_F16=st.out_dtype == torch.float16, enable_fp_fusion=False)
         self.symm.check_status("combine (receive)")
         return out, (wout if st.has_w else None)

@@ -12,11 +12,13 @@ Wire formats (everything travels as ``uint8`` rows, so FP8 crosses gloo unharmed
 
 - normal dispatch row: ``x`` bytes (``H`` for FP8, ``2H`` for BF16) | FP8 scales ``4 * H/128`` |
   ``topk_idx`` ``8K`` | ``topk_weights`` ``4K`` (the topk fields only on a non-cached dispatch);
-- normal combine row: BF16 ``2H`` | ``topk_weights`` ``4K`` (only when given);
+- normal combine row: BF16 / FP16 ``2H`` (or FP8 ``H`` + scales ``4 * H/128``) | ``topk_weights`` ``4K`` (only
+  when given);
 - low-latency dispatch: every rank all-gathers ``[T, row]`` with row = ``x`` bytes | FP8 scales |
   ``topk_idx`` ``8K`` (slot ``t`` holds token ``t``; slots past ``num_tokens`` carry ``topk_idx = -1``);
-- low-latency combine: ``[R, T, K, H]`` BF16 all-to-all: slot ``(r, t, k)`` holds this rank's output
-  for rank ``r``'s token ``t``, selection ``k``.
+- low-latency combine: ``[R, T, K, row]`` all-to-all: slot ``(r, t, k)`` holds this rank's output
+  for rank ``r``'s token ``t``, selection ``k``, in the wire format (BF16 / FP16 ``2H``, FP8 or LogFMT-10:
+  :mod:`moe_ep.kernels.logfmt`, encoded and decoded by the same math as the ``symm`` kernels).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_group_quant_fp8_ref, tma_aligned_size
+from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, decode_rows, encode_rows
+from ..kernels.logfmt import row_bytes as wire_row_bytes
 from ..sync import ArrivalCheck
 from .base import Backend, DispatchHandle, DispatchResult, LowLatencyDispatchResult, LowLatencyHandle
 
@@ -243,12 +247,19 @@ class TorchBackend(Backend):
         return DispatchResult(recv_x.contiguous(), None if recv_scales is None else recv_scales.contiguous(),
                               recv_topk_idx, recv_topk_weights, list(per_expert_list), handle)
 
-    def combine(self, x, handle, topk_weights, bias):
+    def combine(self, x, handle, topk_weights, bias, fmt=None):
         hidden, n = handle.hidden, handle.num_tokens
         num_valid = sum(handle.recv_counts)
-        self.arrival.arrive("combine", {"hidden": hidden,
+        if fmt == FMT_LOGFMT:
+            raise ValueError("LogFMT combine is a low-latency combine format (use combine_dtype=torch.float8_e4m3fn "
+                             "for a compressed normal combine)")
+        if fmt != FMT_FP8:
+            fmt = FMT_FP16 if x.dtype == torch.float16 else FMT_BF16
+        check_hidden(fmt, hidden)
+        self.arrival.arrive("combine", {"hidden": hidden, "x": str(x.dtype).replace("torch.", ""), "fmt": fmt,
                                         "topk_weights": "-" if topk_weights is None else topk_weights.shape[1]})
-        parts = [_bytes(x[:num_valid])]
+        pb = wire_row_bytes(fmt, hidden)
+        parts = [encode_rows(x[:num_valid], fmt)]
         if topk_weights is not None:
             k = topk_weights.shape[1]
             parts.append(_bytes(topk_weights[:num_valid]))
@@ -256,23 +267,23 @@ class TorchBackend(Backend):
         row_bytes = send.shape[1]
         # Send back along the reverse of the dispatch's routes.
         recv, _ = self._a2a(send, handle.send_counts, handle.recv_counts, row_bytes)
-        rows = _from_bytes(recv[:, :2 * hidden], torch.bfloat16, hidden)
+        rows = decode_rows(recv[:, :pb], fmt, hidden)
         acc = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
         for b in bias:
             acc += b.float()
         # NOTES: ascending source-rank order, float32, one cast at the end (the pinned reduction order).
         w_acc = None
         if topk_weights is not None:
-            wrows = _from_bytes(recv[:, 2 * hidden:2 * hidden + 4 * k], torch.float32, k)
+            wrows = _from_bytes(recv[:, pb:pb + 4 * k], torch.float32, k)
             w_acc = torch.zeros(n, k, dtype=torch.float32, device=x.device)
         start = 0
         for cnt in handle.send_counts:
             idx = handle.send_token_idx[start:start + cnt]
-            acc.index_add_(0, idx, rows[start:start + cnt].float())
+            acc.index_add_(0, idx, rows[start:start + cnt])
             if w_acc is not None:
                 w_acc.index_add_(0, idx, wrows[start:start + cnt])
             start += cnt
-        return acc.to(torch.bfloat16), w_acc
+        return acc.to(x.dtype), w_acc
 
     # ------------------------------------------------------------------ low-latency mode
     @staticmethod
@@ -324,7 +335,7 @@ class TorchBackend(Backend):
             s_stage = torch.empty(L + 1, gs, tma_aligned_size(rows), dtype=s_dtype, device=dev)
             recv_scales = s_stage[:L, :, :rows].transpose(1, 2)
         else:
-            x_stage = torch.empty(L + 1, rows, hidden, dtype=torch.bfloat16, device=dev)
+            x_stage = torch.empty(L + 1, rows, hidden, dtype=x.dtype, device=dev)  # BF16 or FP16
             recv_scales = None
         recv_x = x_stage[:L]
         recv_count = torch.empty(L, dtype=torch.int32, device=dev)
@@ -359,7 +370,7 @@ class TorchBackend(Backend):
                     sc = pack_ue8m0(sc)
                 s_stage.permute(0, 2, 1).index_put_((e_flat, p_flat), sc)
             else:
-                xb = _from_bytes(gathered[:, :2 * hidden], torch.bfloat16, hidden).index_select(0, src)
+                xb = _from_bytes(gathered[:, :2 * hidden], x.dtype, hidden).index_select(0, src)
                 x_stage.index_put_((e_flat, p_flat), xb)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
@@ -378,7 +389,7 @@ class TorchBackend(Backend):
         return buf
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, zero_copy, return_recv_hook, out,
-                            wait_recv_cost_stats=None):
+                            wait_recv_cost_stats=None, fmt=None):
         R, T = self.world_size, handle.num_max_dispatch_tokens_per_rank
         L = handle.num_experts // R
         k, hidden, n = handle.num_topk, handle.hidden, handle.num_tokens
@@ -388,23 +399,27 @@ class TorchBackend(Backend):
         if handle.sel_expert is None:
             raise ValueError("the dispatch of this handle has not been received yet: call its hook first")
         wait_ns = [0] * R if wait_recv_cost_stats is not None else None
+        if fmt is None or fmt in (FMT_BF16, FMT_FP16):
+            fmt = FMT_FP16 if x.dtype == torch.float16 else FMT_BF16
+        check_hidden(fmt, hidden)
         self.arrival.arrive("low_latency_combine", {"hidden": hidden, "T": T, "num_experts": handle.num_experts,
-                                                    "topk": k}, wait_ns)
+                                                    "topk": k, "x": str(x.dtype).replace("torch.", ""), "fmt": fmt},
+                            wait_ns)
         self._add_wait(wait_recv_cost_stats, wait_ns)
         # Step 1: slot (src_rank, token, k) of the send buffer takes this rank's output for that selection
         # (a gather of R*T*K rows; slots of other ranks' experts carry junk that the receiver masks).
         e_idx = torch.where(handle.sel_expert < L, handle.sel_expert, torch.zeros_like(handle.sel_expert))
         p_idx = torch.where(handle.sel_expert < L, handle.sel_pos, torch.zeros_like(handle.sel_pos))
-        send = x[e_idx, p_idx]  # [R*T*K, H]
-        # Step 2: all-to-all of the [R, T*K*H] slabs.
-        recv = torch.empty(R * T * k, hidden, dtype=torch.bfloat16, device=dev)
+        send = encode_rows(x[e_idx, p_idx], fmt)  # [R*T*K, row bytes] in the wire format
+        # Step 2: all-to-all of the [R, T*K*row] slabs (bytes: gloo takes uint8).
+        recv = torch.empty(R * T * k, send.shape[1], dtype=torch.uint8, device=dev)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        combined = out if out is not None else torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
+        combined = out if out is not None else torch.empty(n, hidden, dtype=x.dtype, device=dev)
 
         def recv_hook():
             # Step 3: weighted sum over k ascending, float32 accumulation, -1 holes skipped.
             work.wait()
-            r3 = recv.reshape(R, T, k, hidden)
+            r3 = decode_rows(recv, fmt, hidden).reshape(R, T, k, hidden)
             is_valid = topk_idx >= 0
             src_rank = torch.where(is_valid, topk_idx // L, torch.zeros_like(topk_idx))
             t_idx = torch.arange(n, device=dev).unsqueeze(1).expand(n, k)
@@ -414,7 +429,7 @@ class TorchBackend(Backend):
             for kk in range(k):
                 term = topk_weights[:, kk:kk + 1] * y[:, kk].float()
                 acc += torch.where(is_valid[:, kk:kk + 1], term, torch.zeros_like(term))
-            combined.copy_(acc.to(torch.bfloat16))
+            combined.copy_(acc.to(x.dtype))
 
         if return_recv_hook:
             return combined, recv_hook

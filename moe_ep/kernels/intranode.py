@@ -13,7 +13,8 @@ so one send kernel and one receive kernel serve dispatch, cached dispatch and co
   rows of sources ``< s`` (source-rank, then source-token order); the last program resets the full
   words and frees every source's block (busy = 0 on the source).
 - :func:`_combine_recv_kernel`: per token, float32 sum of the initial value (bias terms), then the rows
-  returned by each rank in ascending rank order, one round-to-nearest-even cast to BF16; the reduced
+  returned by each rank in ascending rank order (BF16 / FP16 rows, or FP8 rows with 1x128 scales decoded to
+  float32), one round-to-nearest-even cast to BF16 or FP16; the reduced
   top-k weights likewise.
 
 Signals (int32 words of each rank's signal region, see :func:`signal_layout`)::
@@ -31,11 +32,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .logfmt import e4m3_decode, fp16_bits
 from .low_latency import _bf16_bits, _status_ok
 from .signals import report_error, arrive_last, signal_release, wait_ne
 
 __all__ = ["signal_layout", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
-           "_combine_recv_kernel"]
+           "_combine_recv_kernel", "_combine_recv_fmt_kernel"]
 
 
 def signal_layout(world_size: int) -> dict:
@@ -154,7 +156,7 @@ def _gather_recv_kernel(
 
 
 @triton.jit
-def _combine_recv_kernel(
+def _combine_recv_impl(
     acc_ptr,  # [N, H] float32: the bias terms' sum (the initial value)
     out_ptr,  # [N, H] bf16 as int16
     wout_ptr,  # [N, K] float32 (HAS_W)
@@ -164,7 +166,10 @@ def _combine_recv_kernel(
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
 ):
+    """Row payload by ``FMT`` (:mod:`moe_ep.kernels.logfmt`): 0 BF16 / 1 FP16 ``H`` values, 2 FP8 ``H`` e4m3
+    bytes | ``H/128`` float32 scales; the weights follow the payload (word ``H/2``, or ``H/4 + H/128``)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     my_sig = _words(signal_ptrs, rank)
@@ -189,17 +194,35 @@ def _combine_recv_kernel(
         p = tl.load(pos_ptr + t64 * R + d, mask=t_ok, other=-1)
         v = (p >= 0) & ok
         row = base + (tl.where(v, p, 0).to(tl.int64) + d * cap) * W  # int32 pointer per token
-        y = tl.load(row.to(tl.pointer_type(tl.bfloat16), bitcast=True)[:, None] + offs_h[None, :],
-                    mask=v[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        m = v[:, None] & h_ok[None, :]
+        if FMT == 2:
+            q = tl.load(row.to(tl.pointer_type(tl.uint8), bitcast=True)[:, None] + offs_h[None, :], mask=m, other=0)
+            sc = tl.load((row + H // 4).to(tl.pointer_type(tl.float32), bitcast=True)[:, None]
+                         + (offs_h // 128)[None, :], mask=m, other=0.0)
+            y = e4m3_decode(q) * sc
+        elif FMT == 1:
+            y = tl.load(row.to(tl.pointer_type(tl.float16), bitcast=True)[:, None] + offs_h[None, :], mask=m,
+                        other=0.0).to(tl.float32)
+        else:
+            y = tl.load(row.to(tl.pointer_type(tl.bfloat16), bitcast=True)[:, None] + offs_h[None, :], mask=m,
+                        other=0.0).to(tl.float32)
         acc += tl.where(v[:, None], y, 0.0)
         if HAS_W:
-            wv = tl.load((row + H // 2).to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + kk[None, :],
+            if FMT == 2:
+                wrow = row + (H // 4 + H // 128)
+            else:
+                wrow = row + H // 2
+            wv = tl.load(wrow.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + kk[None, :],
                          mask=v[:, None] & (kk < K)[None, :], other=0.0)
             wacc += tl.where(v[:, None], wv, 0.0)
     # A wait of this rank timed out (now or at an earlier call: the status word stays set): the rows of the
     # silent rank are missing, so the output is poisoned with NaN rather than left as plausible partial sums.
     acc = tl.where(_status_ok(status_ptr, offs_t)[:, None], acc, float("nan"))
-    tl.store(out_ptr + t64[:, None] * H + offs_h[None, :], _bf16_bits(acc), mask=t_ok[:, None] & h_ok[None, :])
+    if OUT_F16:
+        bits = fp16_bits(acc)
+    else:
+        bits = _bf16_bits(acc)
+    tl.store(out_ptr + t64[:, None] * H + offs_h[None, :], bits, mask=t_ok[:, None] & h_ok[None, :])
     if HAS_W:
         if pid_h == 0:
             tl.store(wout_ptr + t64[:, None] * K + kk[None, :], wacc, mask=t_ok[:, None] & (kk < K)[None, :])
@@ -208,3 +231,39 @@ def _combine_recv_kernel(
     tl.debug_barrier()
     if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
         _release_blocks(my_sig, signal_ptrs, rank, R, FULL, BUSY)
+
+
+@triton.jit
+def _combine_recv_kernel(
+    acc_ptr,  # [N, H] float32: the bias terms' sum (the initial value)
+    out_ptr,  # [N, H] bf16 as int16
+    wout_ptr,  # [N, K] float32 (HAS_W)
+    pos_ptr,  # [N, R] int32: slot of token t in rank d's block (-1: not sent there)
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, N, R, W, cap, area_off, timeout_ns,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
+    FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HC: tl.constexpr,
+):
+    """BF16 payloads: see :func:`_combine_recv_impl`."""
+    _combine_recv_impl(acc_ptr, out_ptr, wout_ptr, pos_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, N, R, W,
+                       cap, area_off, timeout_ns, H, K, KP, HAS_W, FULL, BUSY, RECV_CNT, BLOCK_T, HC, 0, False)
+
+
+@triton.jit
+def _combine_recv_fmt_kernel(
+    acc_ptr,  # [N, H] float32: the bias terms' sum (the initial value)
+    out_ptr,  # [N, H] bf16 as int16
+    wout_ptr,  # [N, K] float32 (HAS_W)
+    pos_ptr,  # [N, R] int32: slot of token t in rank d's block (-1: not sent there)
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, N, R, W, cap, area_off, timeout_ns,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
+    FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
+):
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_combine_recv_impl`."""
+    _combine_recv_impl(acc_ptr, out_ptr, wout_ptr, pos_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, N, R, W,
+                       cap, area_off, timeout_ns, H, K, KP, HAS_W, FULL, BUSY, RECV_CNT, BLOCK_T, HC, FMT,
+                       OUT_F16)

@@ -13,9 +13,12 @@ earlier launches, DESIGN.md "Phase rule"):
   layout of the torch backend), copies the scales column-major, fills ``recv_count`` and the handle's
   ``slot_row`` table (where each ``(s, t, k)`` landed) for the combine.
 - :func:`_ll_combine_send_kernel` (expert rank ``d``): copies each expert output row back to slot
-  ``(t, k)`` of its source rank's combine area `[T, K, H]` BF16 (each slot has exactly one writer).
-- :func:`_ll_combine_recv_kernel` (source ``s``): ``out[t] = sum_k w[t, k] * y[t, k]`` in float32, k
-  ascending, holes skipped (compiled without FMA contraction, so equal to the torch reference bitwise).
+  ``(t, k)`` of its source rank's combine area `[T, K, 2H bytes]` (each slot has exactly one writer): BF16 or
+  FP16 as it is, or encoded per channel group (``FMT``: FP8 with 1x128 scales, LogFMT-10 with 64-channel
+  groups; formats in :mod:`moe_ep.kernels.logfmt`).
+- :func:`_ll_combine_recv_kernel` (source ``s``): decodes each slot to float32, then ``out[t] = sum_k w[t, k] *
+  y[t, k]`` in float32, k ascending, holes skipped, one rounding to BF16 or FP16
+  (``OUT_F16``; compiled without FMA contraction, so equal to the torch reference bitwise).
 
 Signals (int32 words of each rank's signal region; ``sig_off`` selects the double-buffer slot):
 
@@ -38,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .fp8_cast import e4m3_byte, group_scale
+from .logfmt import e4m3_decode, fp8_encode_groups, fp16_bits, logfmt_decode_values, logfmt_encode_groups
 from .signals import arrive_last, now_ns, signal_release, wait_ne
 
 __all__ = [
@@ -46,7 +50,11 @@ __all__ = [
     "_ll_dispatch_recv_kernel",
     "_ll_combine_send_kernel",
     "_ll_combine_recv_kernel",
+    "_ll_combine_send_fmt_kernel",
+    "_ll_combine_recv_fmt_kernel",
 ]
+# The BF16 kernels keep their signatures (callers and compile checks pin them); the ``*_fmt_kernel`` variants take
+# the combine format as constexprs (FMT, IN_F16 / OUT_F16, NATIVE_FP8); both are thin wrappers over one body.
 
 GROUP = tl.constexpr(128)
 
@@ -355,7 +363,53 @@ def _ll_dispatch_recv_kernel(
 
 
 @triton.jit
-def _ll_combine_send_kernel(
+def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT,
+                          H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+                          FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, GS: tl.constexpr):
+    """Encode the rows of (t, k) selections (16-bit ``x`` as int16) into slot ``(t, k)`` of ``dst8`` (``GS``: channels
+    per group, 128 for FP8, 64 for LogFMT)."""
+    NG: tl.constexpr = HC // GS
+    dst32 = dst8.to(tl.pointer_type(tl.int32), bitcast=True)
+    offs_c = tl.arange(0, GS)
+    for k in tl.static_range(K):
+        src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+        v_ok = src >= 0
+        e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
+        r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
+        sb = (offs_t.to(tl.int64) * K + k) * (2 * H)  # byte offset of slot (t, k)
+        for g0 in range(0, H // GS, NG):
+            offs_g = g0 + tl.arange(0, NG)
+            g_ok = offs_g < H // GS
+            cols = offs_g[:, None] * GS + offs_c[None, :]
+            m3 = v_ok[:, None, None] & g_ok[None, :, None]
+            raw = tl.load(x_ptr + (e_k * stride_xl + r_k * stride_xr)[:, None, None] + cols[None, :, :], mask=m3,
+                          other=0)
+            if IN_F16:
+                y = raw.to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                y = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            m2 = v_ok[:, None] & g_ok[None, :]
+            if FMT == 2:
+                q, scale = fp8_encode_groups(y, NATIVE_FP8)
+                tl.store(dst8 + sb[:, None, None] + cols[None, :, :], q, mask=m3)
+                tl.store(dst32.to(tl.pointer_type(tl.float32), bitcast=True) + ((sb + H) // 4)[:, None] + offs_g[None, :],
+                         scale, mask=m2)
+            else:
+                code, lo, step = logfmt_encode_groups(y)
+                tl.store(dst8 + sb[:, None, None] + cols[None, :, :], (code & 0xFF).to(tl.uint8), mask=m3)
+                c4 = tl.reshape((code >> 8) & 3, [BLOCK_T, NG, GS // 4, 4])
+                sh = (tl.arange(0, 4) * 2)[None, None, None, :]
+                hb = tl.sum(c4 << sh, axis=3).to(tl.uint8)  # disjoint bits: the sum is an OR
+                offs_q = tl.arange(0, GS // 4)
+                tl.store(dst8 + (sb + H)[:, None, None] + (offs_g[:, None] * (GS // 4) + offs_q[None, :])[None, :, :],
+                         hb, mask=m3)
+                w0 = (sb + H + H // 4) // 4
+                tl.store(dst32 + w0[:, None] + offs_g[None, :], lo, mask=m2)
+                tl.store(dst32 + (w0 + H // 64)[:, None] + offs_g[None, :], step, mask=m2)
+
+
+@triton.jit
+def _comb_send_body_ll(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
     slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
     buffer_ptrs, signal_ptrs, status_ptr,
@@ -363,6 +417,7 @@ def _ll_combine_send_kernel(
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     b = tl.program_id(1)
@@ -380,18 +435,30 @@ def _ll_combine_send_kernel(
     t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t)
     slot = tl.load(slot_row_ptr + (s * T + offs_t)[:, None] * K + kk[None, :], mask=t_ok[:, None] & (kk < K)[None, :],
                    other=-1)
-    dst16 = _peer(buffer_ptrs, s, comb_off, tl.int16)
-    for h0 in range(0, H, HC):
-        offs_h = h0 + tl.arange(0, HC)
-        h_ok = offs_h < H
-        for k in tl.static_range(K):
-            src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
-            v_ok = src >= 0
-            e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
-            r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
-            m = v_ok[:, None] & h_ok[None, :]
-            y = tl.load(x_ptr + (e_k * stride_xl + r_k * stride_xr)[:, None] + offs_h[None, :], mask=m)
-            tl.store(dst16 + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :], y, mask=m)
+    if FMT < 2:
+        # BF16 / FP16: the 16-bit rows as they are.
+        dst16 = _peer(buffer_ptrs, s, comb_off, tl.int16)
+        for h0 in range(0, H, HC):
+            offs_h = h0 + tl.arange(0, HC)
+            h_ok = offs_h < H
+            for k in tl.static_range(K):
+                src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+                v_ok = src >= 0
+                e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
+                r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
+                m = v_ok[:, None] & h_ok[None, :]
+                y = tl.load(x_ptr + (e_k * stride_xl + r_k * stride_xr)[:, None] + offs_h[None, :], mask=m)
+                tl.store(dst16 + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :], y, mask=m)
+    else:
+        # FP8 / LogFMT: encode per channel group inside the send (formats: moe_ep.kernels.logfmt); slot (t, k)
+        # keeps its 2H bytes, the encoded row uses the first row_bytes(FMT, H) of them.
+        dst8 = _peer(buffer_ptrs, s, comb_off, tl.uint8)
+        if FMT == 2:
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+                                  NATIVE_FP8, 128)
+        else:
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+                                  NATIVE_FP8, 64)
 
     # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s.
     tl.debug_barrier()
@@ -402,7 +469,7 @@ def _ll_combine_send_kernel(
 
 
 @triton.jit
-def _ll_combine_recv_kernel(
+def _comb_recv_body_ll(
     buf_ptr,  # this rank's data region (uint8)
     topk_ptr, w_ptr,  # [N, K] int64 / float32
     out_ptr,  # [N, H] bf16 as int16
@@ -412,6 +479,7 @@ def _ll_combine_recv_kernel(
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -436,20 +504,44 @@ def _ll_combine_recv_kernel(
     ok = _status_ok(status_ptr, offs_t)
     offs_h = pid_h * HC + tl.arange(0, HC)
     h_ok = offs_h < H
-    comb = buf_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True) + comb_off // 2
+    if FMT == 1:
+        comb = buf_ptr.to(tl.pointer_type(tl.float16), bitcast=True) + comb_off // 2
+    else:
+        comb = buf_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True) + comb_off // 2
+    comb8 = buf_ptr + comb_off
+    comb32 = comb8.to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros([BLOCK_T, HC], dtype=tl.float32)
     for k in tl.static_range(K):
         e_k = tl.load(topk_ptr + offs_t * K + k, mask=t_ok, other=-1)
         w_k = tl.load(w_ptr + offs_t * K + k, mask=t_ok, other=0.0)
         v_k = (e_k >= 0) & t_ok
-        y = tl.load(comb + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :],
-                    mask=(v_k & ok)[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        m = (v_k & ok)[:, None] & h_ok[None, :]
+        if FMT < 2:
+            y = tl.load(comb + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :], mask=m,
+                        other=0.0).to(tl.float32)
+        else:
+            sb = (offs_t.to(tl.int64) * K + k) * (2 * H)  # byte offset of slot (t, k)
+            b = tl.load(comb8 + sb[:, None] + offs_h[None, :], mask=m, other=0)
+            if FMT == 2:
+                sc = tl.load(comb32.to(tl.pointer_type(tl.float32), bitcast=True) + ((sb + H) // 4)[:, None]
+                             + (offs_h // 128)[None, :], mask=m, other=0.0)
+                y = e4m3_decode(b) * sc
+            else:
+                hb = tl.load(comb8 + (sb + H)[:, None] + (offs_h // 4)[None, :], mask=m, other=0).to(tl.int32)
+                code = b.to(tl.int32) | (((hb >> ((offs_h % 4) * 2)[None, :]) & 3) << 8)
+                w0 = (sb + H + H // 4) // 4
+                lo = tl.load(comb32 + w0[:, None] + (offs_h // 64)[None, :], mask=m, other=0)
+                st = tl.load(comb32 + (w0 + H // 64)[:, None] + (offs_h // 64)[None, :], mask=m, other=0)
+                y = logfmt_decode_values(code, lo, st)
         acc += tl.where(v_k[:, None], w_k[:, None] * y, 0.0)
     # A timed-out wait (now or earlier: the status word stays set) poisons the output with NaN, never
     # plausible zeros: inside a replayed CUDA graph no exception can say so.
     acc = tl.where(ok[:, None], acc, float("nan"))
-    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], _bf16_bits(acc),
-             mask=t_ok[:, None] & h_ok[None, :])
+    if OUT_F16:
+        bits = fp16_bits(acc)
+    else:
+        bits = _bf16_bits(acc)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], bits, mask=t_ok[:, None] & h_ok[None, :])
 
     # Step 3: the last program resets the full words and frees our area on every expert rank.
     tl.debug_barrier()
@@ -458,3 +550,73 @@ def _ll_combine_recv_kernel(
             tl.atomic_xchg(my_sig + COMB_FULL + d, 0, sem="relaxed", scope="sys")
         for d in range(R):
             signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + rank, 0)
+
+
+@triton.jit
+def _ll_combine_send_kernel(
+    x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
+    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, T, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+):
+    """BF16 payloads: see :func:`_comb_send_body_ll`."""
+    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
+                       status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
+                       COMB_FULL, COMB_SEND_CNT, 0, False, False)
+
+
+@triton.jit
+def _ll_combine_send_fmt_kernel(
+    x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
+    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, T, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
+):
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_send_body_ll`."""
+    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
+                       status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
+                       COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8)
+
+
+@triton.jit
+def _ll_combine_recv_kernel(
+    buf_ptr,  # this rank's data region (uint8)
+    topk_ptr, w_ptr,  # [N, K] int64 / float32
+    out_ptr,  # [N, H] bf16 as int16
+    signal_ptrs, status_ptr,
+    wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
+    rank, N, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
+):
+    """BF16 payloads: see :func:`_comb_recv_body_ll`."""
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N, R,
+                       timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+                       COMB_RECV_CNT, 0, False)
+
+
+@triton.jit
+def _ll_combine_recv_fmt_kernel(
+    buf_ptr,  # this rank's data region (uint8)
+    topk_ptr, w_ptr,  # [N, K] int64 / float32
+    out_ptr,  # [N, H] bf16 as int16
+    signal_ptrs, status_ptr,
+    wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
+    rank, N, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
+):
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_recv_body_ll`."""
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N, R,
+                       timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+                       COMB_RECV_CNT, FMT, OUT_F16)

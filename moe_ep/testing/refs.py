@@ -61,10 +61,21 @@ def ref_dispatch(rank: int, xs: list, topk_idxs: list, topk_weights: list, num_e
     return recv_x, recv_s, recv_idx, recv_w, per_expert
 
 
+def _wire(y: torch.Tensor, fmt: Optional[int]) -> torch.Tensor:
+    """float32 rows ``y`` `[M, H]` as the receiver sees them after the wire format ``fmt`` (None: as they are)."""
+    from ..kernels.logfmt import decode_rows, encode_rows
+    if fmt is None or y.shape[0] == 0:
+        return y.float()
+    return decode_rows(encode_rows(y, fmt), fmt, y.shape[1])
+
+
 def ref_combine(rank: int, ys: list, topk_idxs: list, num_experts: int, recv_weights: Optional[list] = None,
-                bias: tuple = ()):
+                bias: tuple = (), fmt: Optional[int] = None):
     """What rank ``rank`` gets back from combine, given each rank's rows ``ys[r]`` (in that rank's
-    ``recv_x`` order). Returns ``(combined_x bf16, combined_topk_weights f32 or None)``."""
+    ``recv_x`` order). Returns ``(combined_x in ys' dtype (BF16 / FP16), combined_topk_weights f32 or None)``.
+    ``fmt``: the wire format (:mod:`moe_ep.kernels.logfmt`), rows are encoded and decoded as it says."""
+    out_dtype = ys[0].dtype
+    ys = [_wire(y, fmt) if y.dim() == 2 else y for y in ys]
     world = len(ys)
     routes = ref_routes(topk_idxs, num_experts)
     n = topk_idxs[rank].shape[0]
@@ -79,7 +90,7 @@ def ref_combine(rank: int, ys: list, topk_idxs: list, num_experts: int, recv_wei
                 acc[t] += ys[dst][i].float()
                 if w is not None:
                     w[t] += recv_weights[dst][i]
-    return acc.to(torch.bfloat16), w
+    return acc.to(out_dtype), w
 
 
 def ref_low_latency_dispatch(rank: int, xs: list, topk_idxs: list, num_max_dispatch_tokens_per_rank: int,
@@ -124,9 +135,13 @@ def ref_low_latency_dispatch(rank: int, xs: list, topk_idxs: list, num_max_dispa
 
 
 def ref_low_latency_combine(rank: int, ys: list, topk_idxs: list, topk_weights: list,
-                            num_max_dispatch_tokens_per_rank: int, num_experts: int) -> torch.Tensor:
+                            num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                            fmt: Optional[int] = None) -> torch.Tensor:
     """Rank ``rank``'s combined output given each rank's expert outputs ``ys[r]`` `[L, R*T, H]` laid out
-    as :func:`ref_low_latency_dispatch` orders rows. float32 accumulation over k ascending."""
+    as :func:`ref_low_latency_dispatch` orders rows. Each row goes through the wire format ``fmt`` (None:
+    16-bit as it is), then float32 accumulation over k ascending, one rounding to ``ys``' dtype."""
+    out_dtype = ys[0].dtype
+    ys = [_wire(y.reshape(-1, y.shape[-1]), fmt).reshape(y.shape) for y in ys]
     world = len(ys)
     num_local = num_experts // world
     # Row of (src, t, k) inside its expert's slab on the owning rank.
@@ -150,4 +165,4 @@ def ref_low_latency_combine(rank: int, ys: list, topk_idxs: list, topk_weights: 
                 continue
             dst, le, p = pos[(rank, t, j)]
             out[t] += topk_weights[rank][t, j] * ys[dst][le, p].float()
-    return out.to(torch.bfloat16)
+    return out.to(out_dtype)
