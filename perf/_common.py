@@ -345,24 +345,29 @@ def graph_fn(fn, device):
     return g.replay, out, None
 
 
-def time_ranks(fn, device, group=None, iters: int = 20, warmup: int = 3, flush: bool = True):
-    """Multi-rank timing (one process per rank, torch.distributed initialised): a barrier before each timed
+def time_ranks(fn, device, group=None, iters: int = 20, warmup: int = 3, flush: bool = True, between=None):
+    """Multi-rank timing (one process per rank, torch.distributed initialised; CUDA or, with gloo, CPU tensors;
+    ``between()`` runs before each barrier, outside the timed region): a barrier before each timed
     iteration, CUDA events per rank, then the per-iteration times are gathered and, per iteration, the slowest
     rank's time is taken. Returns ``(slowest: Timing, per_rank_medians: list[float])`` on every rank."""
     import torch
     import torch.distributed as dist
 
+    cuda = getattr(device, "type", device) == "cuda"
+
     def barrier():
         dist.barrier(group=group)
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
     samples = []
-    cuda = getattr(device, "type", device) == "cuda"
     fl = L2Flush(device) if (cuda and flush) else None
     for _ in range(warmup):
         fn()
     for _ in range(max(1, iters)):
         if fl is not None:
             fl()
+        if between is not None:
+            between()
         barrier()
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -5,6 +5,7 @@ torch baseline measured in the same run, DeepEP byte counting: selections x 2H):
 
     python perf/bench_combine.py                 # needs a CUDA GPU
     python perf/bench_combine.py --cpu-smoke     # every code path on CPU (interpreter), tiny shapes
+    torchrun --nproc-per-node 8 perf/bench_combine.py --launcher torchrun   # real ranks: symm, torch, DeepEP
 """
 
 import os

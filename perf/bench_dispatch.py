@@ -24,9 +24,19 @@ The memory tables compare the buffer bytes per rank with DeepEP's for the same s
 (DeepSeek-V3 decode, T=128) and normal (``--normal-tokens`` per rank; DeepEP's NVL size hint with its
 default 20 SMs = 10 channels and 256-token receive queues, BF16 hidden bytes).
 
+``--launcher torchrun`` (one process per GPU, the real path through ``moe_ep.Buffer``): ``--backend both``
+(the default) times ``symm`` and ``torch`` (NCCL ``all_to_all_single``) in the same invocation on the same
+inputs, and, when ``import deep_ep`` works, DeepEP's ``deep_ep.Buffer`` too (low-latency:
+``low_latency_dispatch`` / ``low_latency_combine`` with ``num_max_dispatch_tokens_per_rank`` = tokens per rank
+and its ``get_low_latency_rdma_size_hint``; normal: ``get_dispatch_layout`` before the timer, as ours, then
+``dispatch`` / ``combine`` with its own configs and ``Config.get_nvl_buffer_size_hint``). Every row then has
+``baseline`` = DeepEP's slowest-rank median (``ratio`` = DeepEP / ours, ``ours_over_deepep``) and ``torch_us``;
+without DeepEP one line says it is skipped and why, and the rows carry ``baseline: null``.
+
     python perf/bench_dispatch.py                 # needs a CUDA GPU
     python perf/bench_dispatch.py --op combine    # what perf/bench_combine.py runs
     python perf/bench_dispatch.py --cpu-smoke     # every code path on CPU (interpreter), tiny shapes
+    torchrun --nproc-per-node 8 perf/bench_dispatch.py --launcher torchrun --json d8.jsonl   # symm, torch, DeepEP
 """
 
 from __future__ import annotations
@@ -74,8 +84,13 @@ def _parse(argv=None, op=None):
     p.add_argument("--launcher", choices=["virtual", "torchrun"], default="virtual",
                    help="virtual: every rank in this process on one GPU; torchrun: one process per GPU on the real "
                         "path (needs RANK, WORLD_SIZE, LOCAL_RANK from torchrun; --ranks is then the world size)")
-    p.add_argument("--backend", choices=["symm", "torch"], default="symm",
-                   help="the moe_ep.Buffer backend timed under --launcher torchrun")
+    p.add_argument("--backend", choices=["symm", "torch", "both"], default="both",
+                   help="the moe_ep.Buffer backend timed under --launcher torchrun; both: symm and torch (NCCL "
+                        "all_to_all_single) in the same invocation on the same inputs, so every row has its same-run "
+                        "baseline")
+    p.add_argument("--no-deepep", action="store_true",
+                   help="under --launcher torchrun, do not time DeepEP (deep_ep.Buffer) as the baseline even when "
+                        "it is importable")
     p.add_argument("--hidden", type=int, default=7168, help="hidden size H (a multiple of 128)")
     p.add_argument("--experts", type=int, default=256, help="routed experts E")
     p.add_argument("--topk", type=int, default=8, help="experts per token K")
@@ -304,6 +319,9 @@ def main_torchrun(args, prog, argv) -> int:
     if missing:
         return _common.error(prog, f"--launcher torchrun needs {', '.join(missing)} in the environment: run it as "
                                    f"`torchrun --nproc-per-node <GPUs> perf/{prog} --launcher torchrun`", 2)
+    deep_ep, line = deepep_probe(args.no_deepep)
+    if os.environ.get("RANK") == "0":
+        print(line, flush=True)
     if args.cpu_smoke or not torch.cuda.is_available():
         return _common.error(prog, "--launcher torchrun needs one CUDA GPU per rank (not --cpu-smoke)", 2)
     import torch.distributed as dist
@@ -315,69 +333,177 @@ def main_torchrun(args, prog, argv) -> int:
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
     try:
-        return _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep)
+        return _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep, deep_ep, line)
     finally:
         dist.destroy_process_group()
 
 
-def _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep) -> int:
+def deepep_probe(disabled: bool = False):
+    """``(deep_ep module or None, one line saying which)``: DeepEP is the baseline of the torchrun mode when
+    ``import deep_ep`` works (nothing is installed or downloaded here)."""
+    if disabled:
+        return None, "DeepEP baseline: skipped (--no-deepep); rows carry baseline=null"
+    try:
+        import deep_ep
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken extension: skipped with one line
+        return None, (f"DeepEP baseline: skipped, deep_ep is not importable ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:100] if str(exc) else ''}); rows carry baseline=null")
+    if not hasattr(deep_ep, "Buffer"):
+        return None, "DeepEP baseline: skipped, deep_ep has no Buffer; rows carry baseline=null"
+    return deep_ep, f"DeepEP baseline: deep_ep {getattr(deep_ep, '__version__', '(version unknown)')} " \
+                    f"({os.path.dirname(getattr(deep_ep, '__file__', '') or '')})"
+
+
+class DeepEPCase:
+    """DeepEP on the same shapes and inputs as ours: ``fn`` (the timed call) and ``nbytes`` are set by
+    ``__init__``; raises when DeepEP cannot run the case (the caller records baseline=null and says why).
+
+    Low-latency: ``Buffer(group, 0, get_low_latency_rdma_size_hint(n, H, world, E), low_latency_mode=True,
+    num_qps_per_rank=E // world)`` with ``num_max_dispatch_tokens_per_rank`` = tokens per rank, FP8 dispatch;
+    combine of a BF16 ``[E/world, world*n, H]`` tensor with DeepEP's own handle. Normal: its dispatch/combine
+    configs and ``Config.get_nvl_buffer_size_hint`` (BF16 hidden bytes; RDMA hint above 8 ranks),
+    ``get_dispatch_layout`` once before the timer (as ours), then ``dispatch`` of the same FP8 (data, scales)
+    input / ``combine`` of BF16 rows."""
+
+    def __init__(self, deep_ep, group, op, mode, x, q, idx, w, n, H, E, world):
+        B = deep_ep.Buffer
+        idx = idx.to(getattr(deep_ep, "topk_idx_t", torch.int64))
+        self.buf = None
+        if mode == "LL":
+            hint = B.get_low_latency_rdma_size_hint(n, H, world, E)
+            self.buf = B(group, 0, hint, low_latency_mode=True, num_qps_per_rank=max(1, E // world))
+            out = self.buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)
+            handle = out[2]
+            y = torch.randn(E // world, world * n, H, device=x.device).to(torch.bfloat16)
+            if op == "dispatch":
+                self.fn = lambda: self.buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)
+            else:
+                self.fn = lambda: self.buf.low_latency_combine(y, idx, w, handle)
+            self.hint = hint
+            return
+        dcfg = B.get_dispatch_config(world) if hasattr(B, "get_dispatch_config") else None
+        ccfg = B.get_combine_config(world) if hasattr(B, "get_combine_config") else None
+        hidden_bytes = 2 * H
+        if dcfg is not None and hasattr(dcfg, "get_nvl_buffer_size_hint"):
+            nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in (dcfg, ccfg) if c is not None)
+            rdma = (max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in (dcfg, ccfg) if c is not None)
+                    if world > 8 else 0)
+        else:  # no size hints in this DeepEP: its intranode formula restated (default 20 SMs)
+            nvl, rdma = deepep_normal_nvl_bytes(H, world), 0
+        self.buf = B(group, nvl, rdma)
+        self.hint = nvl + rdma
+        lay = self.buf.get_dispatch_layout(idx, E)
+        kw = dict(num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], num_tokens_per_expert=lay[2],
+                  is_token_in_rank=lay[3], topk_idx=idx, topk_weights=w)
+        if dcfg is not None:
+            kw["config"] = dcfg
+        out = self.buf.dispatch(q, **kw)
+        recv_x, handle = out[0], out[4]
+        yb = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).float().to(torch.bfloat16)
+        ckw = {"config": ccfg} if ccfg is not None else {}
+        self.fn = ((lambda: self.buf.dispatch(q, **kw)) if op == "dispatch"
+                   else (lambda: self.buf.combine(yb, handle, **ckw)))
+
+
+def _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep, deep_ep=None, deepep_line="") -> int:
     from moe_ep.fp8 import per_token_group_quant_fp8_ref
 
     H, E, K = args.hidden, args.experts, args.topk
     if E % world:
         return _common.error(prog, f"--experts {E} is not divisible by the world size {world}", 2)
+    backends = ["symm", "torch"] if args.backend == "both" else [args.backend]
     name = torch.cuda.get_device_name(device)
     rec = _common.Records(prog[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv)
     limits = _common.measure_limits(device, peer=world >= 2, fp8=False) if rank == 0 else {}
-    rec.update_header(limits=limits, launcher="torchrun", world_size=world, backend=args.backend)
+    dist.barrier()  # the other ranks wait while rank 0 measures the limits
+    rec.update_header(limits=limits, launcher="torchrun", world_size=world, backend=args.backend,
+                      deepep=deepep_line, timing="time_ranks: barrier, CUDA events per rank, L2 flushed, slowest "
+                      "rank per iteration")
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"# {args.backend} {args.op}, torchrun, {world} ranks x {name}, commit {rec.header['commit']}; hidden {H}, {E} "
-        f"experts, top-{K}; barrier before each timed call, L2 flushed, slowest rank per iteration; limits "
-        f"{limits}", flush=True)
-    say(_common.table_header(["mode", "routing", "EP", "tokens/rank", "slowest us", "p10-p90 us", "per-rank medians us",
-                              "GB/s (slowest)", "% of peer copy"]), flush=True)
+    peer = limits.get("peer_gbps")
+    say(f"# {'+'.join(backends)} {args.op}, torchrun, {world} ranks x {name}, commit {rec.header['commit']}; hidden "
+        f"{H}, {E} experts, top-{K}; barrier before each timed call, L2 flushed, slowest rank per iteration; limits "
+        f"{limits}\n# {deepep_line}", flush=True)
+    say(_common.table_header(["backend", "mode", "routing", "EP", "tokens/rank", "slowest us", "p10-p90 us",
+                              "per-rank medians us", "GB/s (slowest)", "% of peer copy", "DeepEP us", "ours/DeepEP",
+                              "torch us", "ours/torch"]), flush=True)
+    group = dist.group.WORLD
     for mode, n in (("LL", args.ll_tokens), ("normal", args.normal_tokens)):
         for rt in args.routing:
             g = torch.Generator().manual_seed(1000 + rank)
             x = torch.randn(n, H, generator=g).to(torch.bfloat16).to(device)
             idx = route(n, E, K, rt, g).to(device)
             w = torch.rand(n, K, generator=g).to(device)
-            if mode == "LL":
-                buf = moe_ep.Buffer(None, 0, moe_ep.Buffer.get_low_latency_rdma_size_hint(n, H, world, E),
-                                    low_latency_mode=True, backend=args.backend)
-                recv = buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)
-                y = torch.randn(E // world, world * n, H, device=device).to(torch.bfloat16)
-                fn = ((lambda buf=buf: buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)) if args.op == "dispatch"
-                      else (lambda buf=buf: buf.low_latency_combine(y, idx, w, recv[2])))
-                sel = int((idx >= 0).sum())
-                nbytes = sel * (H + H // 32 + 16 if args.op == "dispatch" else 2 * H)
-            else:
-                buf = moe_ep.Buffer(None, _normal_hint(n, H, K, world), 0, backend=args.backend)
-                q = per_token_group_quant_fp8_ref(x, 128)  # ours receives FP8: quantized before the timer
-                lay = buf.get_dispatch_layout(idx, E)
-                kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-                          topk_idx=idx, topk_weights=w)
-                out = buf.dispatch(q, **kw)
-                handle, recv_x = out[4], out[0]
-                yb = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).float().to(torch.bfloat16)
-                fn = ((lambda buf=buf: buf.dispatch(q, **kw)) if args.op == "dispatch"
-                      else (lambda buf=buf: buf.combine(yb, handle)))
-                nbytes = int(lay[0].sum()) * (H + H // 32 if args.op == "dispatch" else 2 * H)
-            torch.cuda.synchronize(device)
-            t, per_rank = _common.time_ranks(fn, device, iters=args.iters)
-            total = torch.tensor([nbytes], dtype=torch.float64, device=device)
-            dist.all_reduce(total)
-            gbps = float(total) / world / t.median / 1e3  # per rank, against the slowest rank's time
-            peer = limits.get("peer_gbps")
-            say(f"| {mode} | {rt} | {world} | {n} | {t.median:.1f} | {t.p10:.1f}-{t.p90:.1f} | "
-                f"{' '.join(f'{v:.0f}' for v in per_rank)} | {gbps:.0f} | "
-                f"{f'{100 * gbps / peer:.0f}%' if peer else 'n/a'} |", flush=True)
-            rec.add(f"{args.op} {mode} {rt} EP{world} {n} tokens/rank torchrun {args.backend}", "time", t.median, "us",
-                    p10=t.p10, p90=t.p90, iterations=t.n, limit=peer, ratio=(gbps / peer) if peer else None,
-                    valid=True, l2_resident=False, note="real ranks (torchrun); not checked against a reference "
-                    "here (pytest -m gpu checks the real path)", per_rank_us=per_rank, bytes_per_rank=float(total) / world,
-                    gbps_per_rank=gbps, routing=rt, backend=args.backend)
-            del buf
+            q = per_token_group_quant_fp8_ref(x, 128)  # normal mode receives FP8: quantized before the timer
+            results = {}
+            for backend in backends:
+                if mode == "LL":
+                    buf = moe_ep.Buffer(None, 0, moe_ep.Buffer.get_low_latency_rdma_size_hint(n, H, world, E),
+                                        low_latency_mode=True, backend=backend)
+                    recv = buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)
+                    y = torch.randn(E // world, world * n, H, device=device).to(torch.bfloat16)
+                    fn = ((lambda buf=buf: buf.low_latency_dispatch(x, idx, n, E, use_fp8=True))
+                          if args.op == "dispatch" else (lambda buf=buf, recv=recv, y=y:
+                                                         buf.low_latency_combine(y, idx, w, recv[2])))
+                    sel = int((idx >= 0).sum())
+                    nbytes = sel * (H + H // 32 + 16 if args.op == "dispatch" else 2 * H)
+                else:
+                    buf = moe_ep.Buffer(None, _normal_hint(n, H, K, world), 0, backend=backend)
+                    lay = buf.get_dispatch_layout(idx, E)
+                    kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                              topk_idx=idx, topk_weights=w)
+                    out = buf.dispatch(q, **kw)
+                    handle, recv_x = out[4], out[0]
+                    yb = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).float().to(torch.bfloat16)
+                    fn = ((lambda buf=buf, kw=kw: buf.dispatch(q, **kw)) if args.op == "dispatch"
+                          else (lambda buf=buf, yb=yb, handle=handle: buf.combine(yb, handle)))
+                    nbytes = int(lay[0].sum()) * (H + H // 32 if args.op == "dispatch" else 2 * H)
+                torch.cuda.synchronize(device)
+                t, per_rank = _common.time_ranks(fn, device, iters=args.iters)
+                results[backend] = (t, per_rank, nbytes)
+                del buf, fn
+                dist.barrier()
+            dee = None  # DeepEP: (Timing, per-rank medians) or None
+            dee_note = deepep_line if deep_ep is None else None
+            if deep_ep is not None:
+                try:
+                    case = DeepEPCase(deep_ep, group, args.op, mode, x, q, idx, w, n, H, E, world)
+                    torch.cuda.synchronize(device)
+                    dee = _common.time_ranks(case.fn, device, iters=args.iters)
+                    dee_note = f"DeepEP buffer {case.hint / 1e6:.1f} MB per rank (its size hint)"
+                    del case
+                except Exception as exc:  # noqa: BLE001 - the baseline failing must not stop our rows
+                    dee_note = f"DeepEP failed on this case: {type(exc).__name__}: {str(exc)[:120]}"
+                    say(f"# {mode} {rt}: {dee_note}", flush=True)
+                torch.cuda.synchronize(device)
+                dist.barrier()
+            for backend, (t, per_rank, nbytes) in results.items():
+                total = torch.tensor([nbytes], dtype=torch.float64, device=device)
+                dist.all_reduce(total)
+                gbps = float(total) / world / t.median / 1e3  # per rank, against the slowest rank's time
+                d_us = dee[0].median if dee else None
+                tb = results.get("torch") if backend != "torch" else None
+                t_us = tb[0].median if tb else None
+                say(f"| {backend} | {mode} | {rt} | {world} | {n} | {t.median:.1f} | {t.p10:.1f}-{t.p90:.1f} | "
+                    f"{' '.join(f'{v:.0f}' for v in per_rank)} | {gbps:.0f} | "
+                    f"{f'{100 * gbps / peer:.0f}%' if peer else 'n/a'} | {f'{d_us:.1f}' if d_us else 'n/a'} | "
+                    f"{f'{t.median / d_us:.2f}' if d_us else 'n/a'} | {f'{t_us:.1f}' if t_us else '-'} | "
+                    f"{f'{t.median / t_us:.2f}' if t_us else '-'} |", flush=True)
+                case_name = f"{args.op} {mode} {rt} EP{world} {n} tokens/rank torchrun {backend}"
+                note = ("real ranks (torchrun); not checked against a reference here (pytest -m gpu checks the real "
+                        "path); baseline: DeepEP on the same inputs (ratio = DeepEP / ours); " + (dee_note or ""))
+                rec.add(case_name, "time", t.median, "us", p10=t.p10, p90=t.p90, iterations=t.n, baseline=d_us,
+                        ratio=(d_us / t.median) if d_us else None, valid=True, l2_resident=False, note=note,
+                        per_rank_us=per_rank, bytes_per_rank=float(total) / world, routing=rt, backend=backend,
+                        baseline_name="deep_ep.Buffer" if d_us else None,
+                        ours_over_deepep=(t.median / d_us) if d_us else None,
+                        deepep_per_rank_us=dee[1] if dee else None, deepep_p10=dee[0].p10 if dee else None,
+                        deepep_p90=dee[0].p90 if dee else None, torch_us=t_us,
+                        ours_over_torch=(t.median / t_us) if t_us else None)
+                rec.add(case_name, "bandwidth", gbps, "GB/s", iterations=t.n, limit=peer,
+                        ratio=(gbps / peer) if peer else None, valid=True, l2_resident=False,
+                        note="per-rank bytes over the slowest rank's time; limit: peer copy (header limits.peer_gbps)",
+                        routing=rt, backend=backend, limit_name="peer_gbps")
             dist.barrier()
     return rec.finish(prog) if rank == 0 else 0
 

@@ -17,9 +17,12 @@ per rank; 64 ... 4096 rows per expert; both layouts:
 - ``DeepGEMM``: deep_gemm's functions of the same names on the same FP8 inputs, when importable
   (skipped with one line otherwise; nothing is downloaded).
 
-TFLOPS count valid rows only: 2 * G * rows * N * K / t (the contiguous padding is not credited).
-Times: triton.testing.do_bench, median with p10/p90, warm, L2 flushed before every call (do_bench
-zeroes a 256 MB buffer between calls, so no operand is served from L2 and inputs need no rotation).
+TFLOPS count valid rows only: 2 * G * rows * N * K / t (the contiguous padding is not credited); every
+``tflops`` row's ``ratio`` is its TFLOPS over the dense FP8 peak measured at the start of the same run
+(recorded in the JSON header as ``limits.fp8_tflops``, with the device copy bandwidth ``limits.copy_gbps``).
+Times (perf/_common.py ``time_us``): CUDA events around each call, warm-up outside, the L2 flushed before
+every timed call (outside the events; rows say ``l2_resident: false``), median with p10/p90 over ``--iters``
+calls. The dense FP8 peak is timed the same way without the flush (it is compute-bound).
 After timing, every output (ours, PDL, BF16, DeepGEMM) is checked per expert against a float32 matmul
 of the dequantized operands: max |d - ref| < 2e-2 * max |ref| per expert, and the contiguous padding
 rows must be zeros. Rows that fail say FAILED and the script exits 1.
@@ -35,9 +38,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import sys
-import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -75,14 +76,15 @@ def _parse(argv=None):
     p.add_argument("--rows", type=int, nargs="+", default=None, help="rows per expert (overrides the default)")
     p.add_argument("--gemm", choices=sorted(SHAPES), nargs="+", default=None, help="which shapes (default both)")
     p.add_argument("--no-deepgemm", action="store_true", help="do not import deep_gemm")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement (ms)")
+    p.add_argument("--iters", type=int, default=50,
+                   help="timed calls per measurement (CUDA events, L2 flushed before each; median, p10, p90)")
     args = p.parse_args(argv)
     for name in ("groups", "rows"):
         v = getattr(args, name)
         if v is not None and min(v) < 1:
             p.error(f"argument --{name}: must be >= 1, got {min(v)}")
-    if args.rep < 1:
-        p.error(f"argument --rep: must be >= 1, got {args.rep}")
+    if args.iters < 1:
+        p.error(f"argument --iters: must be >= 1, got {args.iters}")
     return args
 
 
@@ -90,18 +92,16 @@ def _parse(argv=None):
 # Timing, checks, formatting
 # ---------------------------------------------------------------------------------------------
 
-def _time(fn, rep: int) -> tuple[float, float, float]:
-    """(median, p10, p90) in microseconds; ``fn`` runs warm with L2 flushed before each call."""
-    if SMOKE:
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        t = (time.perf_counter() - t0) * 1e6
-        return t, t, t
-    import triton.testing
+DEV = None
 
-    med, p10, p90 = triton.testing.do_bench(fn, warmup=max(rep // 4, 10), rep=rep, quantiles=[0.5, 0.1, 0.9])
-    return med * 1e3, p10 * 1e3, p90 * 1e3
+
+def _time(fn, iters: int, flush: bool = True) -> tuple[float, float, float, int]:
+    """(median, p10, p90 in microseconds, iterations) by perf/_common.py's ``time_us``: CUDA events, warm-up
+    outside, the L2 flushed before each timed call unless ``flush`` is False (CPU: perf_counter)."""
+    cuda = DEV is not None and DEV.type == "cuda"
+    t = _common.time_us(fn, DEV if cuda else None, iters=1 if SMOKE else iters, warmup=1 if SMOKE else 3,
+                        flush=flush)
+    return t.median, t.p10, t.p90, t.n
 
 
 def _rel_err(out3: torch.Tensor, ref3: torch.Tensor) -> float:
@@ -119,17 +119,6 @@ def _fmt(v, spec=".1f") -> str:
 
 def _fmt_tflops(v) -> str:
     return _fmt(v, ".0f" if v is None or v >= 10 else ".3g")
-
-
-def _git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _bytes_needed(g: int, rows: int, n: int, k: int) -> int:
@@ -202,7 +191,7 @@ def _deep_gemm(disabled: bool):
                              f"({contig.__name__}, {masked.__name__})"
 
 
-def _dense_fp8_peak(dev: torch.device, size: int, rep: int) -> dict:
+def _dense_fp8_peak(dev: torch.device, size: int, iters: int) -> dict:
     """torch._scaled_mm on a dense size^3 e4m3 GEMM: TFLOPS and its check."""
     from moe_ep.fp8 import FP8_DTYPE
 
@@ -213,10 +202,10 @@ def _dense_fp8_peak(dev: torch.device, size: int, rep: int) -> dict:
     def fn():
         return torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
 
-    med, p10, p90 = _time(fn, rep)
+    med, p10, p90, n = _time(fn, iters, flush=False)  # compute-bound: operands stay in L2 as they would anyway
     out = fn()
     err = _rel_err(out[None], (a.float() @ b.float().t())[None])
-    return {"size": size, "us": med, "p10_us": p10, "p90_us": p90, "tflops": 2 * size ** 3 / med / 1e6,
+    return {"size": size, "us": med, "p10_us": p10, "p90_us": p90, "iterations": n, "tflops": 2 * size ** 3 / med / 1e6,
             "rel_err": err, "ok": err < TOL}
 
 
@@ -296,14 +285,18 @@ def _combo(name, n, k, g, rows, wq, ws, wb, dev, args, peak_tflops, bf16: Bf16Gr
         return err if rp == rows or bool((d3[:, rows:] == 0).all()) else float("inf")
 
     def timed(fn, out_check):
-        """(median, p10, p90, rel err) or Nones with a message when the call raises."""
+        """(median, p10, p90, rel err) or Nones with a message when the call raises; the iteration count goes to
+        ``iters_box``."""
         try:
-            t = _time(fn, args.rep)
+            *t, n_it = _time(fn, args.iters)
         except Exception as exc:  # noqa: BLE001 - a failing baseline must not stop the table
             print(f"  {name} G={g} rows={rows}: call failed: {type(exc).__name__}: {str(exc)[:160]}",
                   file=sys.stderr)
             return None, None, None, None
+        iters_box.append(n_it)
         return (*t, out_check())
+
+    iters_box = []
 
     res = {}
     res["contiguous"] = timed(lambda: m_grouped_fp8_gemm_nt_contiguous((xc, sfc), (wq, ws), dc, m_indices),
@@ -345,7 +338,7 @@ def _combo(name, n, k, g, rows, wq, ws, wb, dev, args, peak_tflops, bf16: Bf16Gr
             "kind": "grouped_fp8_gemm", "gemm": name, "n": n, "k": k, "groups": g, "rows_per_expert": rows,
             "layout": blayout, "use_pdl": layout.endswith("PDL"), "m_valid": m_valid,
             "m_total": g * rp if blayout == "contiguous" else m_valid,
-            "us": us, "p10_us": p10, "p90_us": p90, "tflops": tflops,
+            "us": us, "p10_us": p10, "p90_us": p90, "tflops": tflops, "iterations": iters_box[0] if iters_box else None,
             "x_fp8_peak": tflops / peak_tflops if (tflops and peak_tflops) else None,
             "bf16_us": b_us, "bf16_impl": b_impl, "x_bf16": x_bf16,
             "deepgemm_us": d_us, "x_deepgemm": x_dg,
@@ -375,7 +368,7 @@ HEADER = ["GEMM", "N", "K", "G", "rows/expert", "layout", "ours us", "p10-p90 us
 # ---------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    global SMOKE
+    global SMOKE, DEV
     args = _parse(argv)
     if args.cpu_smoke:
         SMOKE = True
@@ -399,15 +392,22 @@ def main(argv=None) -> int:
     if args.gemm:
         shapes = {s: shapes[s] for s in args.gemm}
 
+    DEV = dev
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference stays float32
     torch.manual_seed(0)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    meta = {"device": name, "date": date, "torch": torch.__version__, "triton": triton.__version__,
-            "commit": _git_commit(), "cuda": torch.version.cuda}
+    rec = _common.Records("bench_gemm", args.json, args.cpu_smoke, device=name, argv=argv)
+    meta = {"commit": (rec.header["commit"] or "unknown") + ("+dirty" if rec.header["dirty"] else "")}
     dg, dg_line = _deep_gemm(args.no_deepgemm)
     bf16 = Bf16Grouped()
-    peak = _dense_fp8_peak(dev, peak_size, args.rep)
+    limits = _common.measure_limits(dev, peer=False, fp8=False)  # copy bandwidth, L2 size
+    peak = _dense_fp8_peak(dev, peak_size, args.iters)  # the FP8 limit, checked against a float32 matmul
     peak_tflops = peak["tflops"] if peak["ok"] else None
+    limits.update(fp8_tflops=peak_tflops, fp8_size=peak_size,
+                  fp8_note=None if peak["ok"] else f"check failed (rel err {peak['rel_err']:.1e})")
+    rec.update_header(limits=limits, timing="CUDA events, L2 flushed before each timed call (dense FP8 peak: no "
+                      "flush)" if dev.type == "cuda" else "CPU perf_counter")
+    resident = False if dev.type == "cuda" else None
 
     cmd = " ".join(sys.argv[1:] if argv is None else argv)
     print(f"## bench_gemm.py: {name}, {date}, torch {torch.__version__}, triton {triton.__version__}, "
@@ -423,9 +423,11 @@ def main(argv=None) -> int:
     print(f"- Check: per expert max |d - ref| < {TOL} * max |ref| (float32 matmul of the dequantized operands)\n",
           flush=True)
 
-    rec = _common.Records("bench_gemm", args.json, args.cpu_smoke, device=name, argv=argv)
-    rec.add("dense FP8 peak", "tflops", peak["tflops"], "TFLOPS", p10=None, p90=None, valid=peak["ok"],
-            time_us=peak["us"], rel_err=peak.get("rel_err"))
+    rec.add("dense FP8 peak", "tflops", peak["tflops"], "TFLOPS", p10=2 * peak_size ** 3 / peak["p90_us"] / 1e6,
+            p90=2 * peak_size ** 3 / peak["p10_us"] / 1e6, iterations=peak["iterations"], valid=peak["ok"],
+            l2_resident=None if dev.type != "cuda" else True, time_us=peak["us"], rel_err=peak.get("rel_err"),
+            note=f"torch._scaled_mm {peak_size}^3 e4m3 -> BF16, fast accumulation, no L2 flush (compute-bound): "
+                 "the limit of every tflops row")
     print("| " + " | ".join(HEADER) + " |\n" + "|" + "---|" * len(HEADER), flush=True)
     records = []
     for sname, (n, k) in shapes.items():
@@ -445,11 +447,19 @@ def main(argv=None) -> int:
                 recs = _combo(sname, n, k, g, rows, wq, ws, wb, dev, args, peak_tflops, bf16, dg)
                 for r in recs:
                     print("| " + " | ".join(_row(r)) + " |", flush=True)
-                    rec.add(f"{sname} G={g} rows={rows} {r['_layout_label']}", "time", r["us"], "us", p10=r["p10_us"],
-                            p90=r["p90_us"], baseline=r["bf16_us"], limit=None,
-                            ratio=r["x_bf16"], valid=r["ok"], tflops=r["tflops"], x_fp8_peak=r["x_fp8_peak"],
-                            deepgemm_us=r["deepgemm_us"], x_deepgemm=r["x_deepgemm"], rel_err=r["rel_err"],
-                            iterations=None)
+                    case = f"{sname} G={g} rows={rows} {r['_layout_label']}"
+                    note = "baseline: " + r["bf16_impl"] + " (BF16); ratio = baseline / ours"
+                    rec.add(case, "time", r["us"], "us", p10=r["p10_us"], p90=r["p90_us"], baseline=r["bf16_us"],
+                            limit=None, ratio=r["x_bf16"], valid=r["ok"], l2_resident=resident, note=note,
+                            tflops=r["tflops"], x_fp8_peak=r["x_fp8_peak"], deepgemm_us=r["deepgemm_us"],
+                            x_deepgemm=r["x_deepgemm"], rel_err=r["rel_err"], iterations=r["iterations"])
+                    flops = 2 * g * rows * n * k
+                    rec.add(case, "tflops", r["tflops"], "TFLOPS",
+                            p10=flops / r["p90_us"] / 1e6 if r["p90_us"] else None,
+                            p90=flops / r["p10_us"] / 1e6 if r["p10_us"] else None, iterations=r["iterations"],
+                            limit=peak_tflops, ratio=r["x_fp8_peak"], valid=r["ok"], l2_resident=resident,
+                            note="valid rows only; limit: dense FP8 peak (torch._scaled_mm) measured in this run",
+                            limit_name="fp8_tflops")
                     if not r["ok"]:
                         print(f"FAILED: {sname} G={g} rows={rows} {r['_layout_label']}: {', '.join(r['failed'])} "
                               f"outside {TOL} of max |ref|", file=sys.stderr, flush=True)

@@ -6,13 +6,16 @@ Per (M, K), BF16 input, DeepGEMM's scale layout (float32, column-major, M padded
 - ``eager`` / ``compile``: moe_ep.fp8.per_token_group_quant_fp8_ref in eager torch / torch.compile
   (row-major scales: the wrong layout for the GEMM), and ``eager+T`` / ``compile+T``: the same
   followed by the separate scale transpose the GEMM needs (moe_ep.fp8.to_column_major).
-- ``copy``: a device-to-device copy of the same byte count, measured in the same run (the bound).
+- ``copy``: the device copy bandwidth (1 GiB device-to-device copy, perf/_common.py's
+  ``measure_limits``), measured at the start of the same run and recorded in the JSON header
+  (``limits.copy_gbps``): the bound every bandwidth row is divided by (``ratio``).
 
-GB/s counts bytes read plus written (x, FP8 out, scales). Times: triton.testing.do_bench median,
-warm, inputs rotated over > 256 MB of buffers and L2 flushed between calls, so nothing is served
-from L2. Small M is bound by Python launch overhead in that mode (what an eager caller sees);
-``--graph`` times CUDA-graph replays instead (GPU time only; baselines that cannot be captured
-show n/a). A second table does the same for silu_and_mul_quant_fp8 (input `[M, 2K]`); a third runs a
+GB/s counts bytes read plus written (x, FP8 out, scales). Times (perf/_common.py ``time_us``): CUDA
+events around each call, warm-up outside, the L2 flushed before every timed call (outside the events),
+so no input is served from L2 (rows say ``l2_resident: false``); median with p10/p90 over ``--iters``
+calls. Small M is bound by Python launch overhead in that mode (what an eager caller sees);
+``--graph`` times CUDA-graph replays instead (GPU time only; baselines that cannot be captured are
+timed eagerly and say so in the row's ``note``). A second table does the same for silu_and_mul_quant_fp8 (input `[M, 2K]`); a third runs a
 chain of two dependent kernels (a BF16 producer writing x, then the quant kernel reading it) with
 and without programmatic dependent launch (PDL).
 
@@ -38,10 +41,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 PROG = "bench_quant.py"
-SMOKE = dict(tokens=[1, 8], hidden=[256], rep=2, no_compile=True)
+SMOKE = dict(tokens=[1, 8], hidden=[256], iters=2, no_compile=True)
 TOL = 1e-2  # max |dequant(ours) - dequant(ref)| / max |dequant(ref)|
-
-ROTATE_BYTES = 256 << 20  # > L2 of H100/H200 (50-60 MB) several times over
 
 
 @triton.jit
@@ -66,10 +67,10 @@ def _parse(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--no-silu", action="store_true", help="skip the fused SiLU-and-mul table")
     p.add_argument("--no-pdl", action="store_true", help="skip the PDL chain table")
-    p.add_argument("--rep", type=int, default=50,
-                   help="do_bench repetition time per measurement (ms); timed calls per measurement on CPU")
+    p.add_argument("--iters", type=int, default=50,
+                   help="timed calls per measurement (CUDA events, L2 flushed before each; median, p10, p90)")
     p.add_argument("--graph", action="store_true",
-                   help="time CUDA-graph replays (do_bench_cudagraph): GPU time without Python launch overhead")
+                   help="time CUDA-graph replays: GPU time without Python launch overhead")
     p.add_argument("--out", default=None, help="append the tables as markdown to this file")
     args = p.parse_args(argv)
     if args.cpu_smoke:
@@ -78,39 +79,26 @@ def _parse(argv=None):
         p.error(f"argument -m/--tokens: must be >= 1, got {min(args.tokens)}")
     if any(k < 128 or k % 128 for k in args.hidden):
         p.error(f"argument -k/--hidden: must be positive multiples of 128, got {args.hidden}")
-    if args.rep < 1:
-        p.error(f"argument --rep: must be >= 1, got {args.rep}")
+    if args.iters < 1:
+        p.error(f"argument --iters: must be >= 1, got {args.iters}")
     return args
 
 
-class Rotating:
-    """Call ``fn(*bufs[i])`` with i cycling over enough buffer sets to defeat L2 residency."""
-
-    def __init__(self, make, bytes_per_set):
-        n = max(2, min(64, ROTATE_BYTES // max(bytes_per_set, 1)))
-        self.sets = [make(i) for i in range(n)]
-        self.i = 0
-
-    def __call__(self, fn):
-        def run():
-            self.i = (self.i + 1) % len(self.sets)
-            return fn(*self.sets[self.i])
-        return run
+def _bench(fn, iters):
+    """Timing (median, p10, p90 us, iterations) by perf/_common.py's ``time_us`` (CUDA events, L2 flushed before
+    each timed call; CPU: perf_counter). ``--graph``: ``fn`` captured once in a CUDA graph and its replays timed;
+    when capture fails the eager calls are timed and ``_bench.how`` says why."""
+    dev = DEV if (DEV is not None and DEV.type == "cuda") else None
+    _bench.how = "eager launches" if dev is not None else "CPU"
+    if dev is not None and GRAPH:
+        replay, _, note = _common.graph_fn(fn, dev)
+        _bench.how = note or "CUDA graph replay"
+        fn = replay
+    return _common.time_us(fn, dev, iters=iters, warmup=0 if SMOKE_RUN else 3)
 
 
-def _bench(fn, rep):
-    """Timing (median, p10, p90 us, iterations)."""
-    if SMOKE_RUN:
-        return _common.time_us(fn, None, iters=rep)
-    import triton.testing
-
-    if GRAPH:
-        ts = triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="all")
-    else:
-        ts = triton.testing.do_bench(fn, warmup=max(rep // 4, 10), rep=rep, return_mode="all")
-    return _common.quantiles([t * 1e3 for t in ts])
-
-
+_bench.how = None
+DEV = None
 SMOKE_RUN = False
 GRAPH = False
 
@@ -129,10 +117,10 @@ def _fmt(v, spec=".1f"):
     return "n/a" if v is None else format(v, spec)
 
 
-def _try_bench(fn, rep):
+def _try_bench(fn, iters):
     try:
         fn()
-        return _bench(fn, rep).median
+        return _bench(fn, iters).median
     except Exception as exc:  # noqa: BLE001 - a failing baseline (e.g. torch.compile) must not stop the table
         print(f"  baseline failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
         return None
@@ -186,50 +174,54 @@ def _quant_rows(args, op_name, dev, rec):
     # eager op after it
     ref_c_t = _compile(ref_t) if not args.no_compile else None
 
-    header = ["M", "K", "ours us", "p10-p90 us", "GB/s", "% copy", "copy GB/s", "eager us", "compile us",
-              "eager+T us", "compile+T us", "x compile+T", "x eager+T", "x best torch", "check"]
+    copy_gbs = LIMITS.get("copy_gbps")
+    resident = None if dev.type != "cuda" else False  # flushed before every timed call
+    header = ["M", "K", "ours us", "p10-p90 us", "GB/s", "% copy", "eager us", "compile us",
+              "eager+T us", "compile+T us", "x compile+T", "x eager+T", "x best torch", "timed as", "check"]
     what = "silu_and_mul_quant_fp8 (input [M, 2K])" if silu else "per_token_group_quant_fp8"
-    table = Table(f"{what}, BF16 in, TMA-aligned column-major scales", header)
+    table = Table(f"{what}, BF16 in, TMA-aligned column-major scales; % copy: of the device copy bandwidth "
+                  f"measured in this run ({_fmt(copy_gbs, '.0f')} GB/s)", header)
     for k in args.hidden:
         for m in args.tokens:
             width = 2 * k if silu else k
             in_bytes = m * width * 2
             out_bytes = m * k + 4 * m * (k // 128)
             total = in_bytes + out_bytes
-            inputs = Rotating(lambda i, m=m, w=width: (torch.randn(m, w, device=dev, dtype=torch.bfloat16),),
-                              in_bytes)
-            half = max(total // 2, 1)
-            copies = Rotating(lambda i, n=half: (torch.empty(n, dtype=torch.uint8, device=dev),
-                                                 torch.empty(n, dtype=torch.uint8, device=dev)), 2 * half)
+            x = torch.randn(m, width, device=dev, dtype=torch.bfloat16)
 
-            def run_ours(x):
+            def run_ours(x=x):
                 return ours(x, tma_aligned_scales=True)
 
-            timing = _bench(inputs(run_ours), args.rep)
+            timing = _bench(run_ours, args.iters)
+            how = _bench.how
             t_ours = timing.median
-            t_copy = _bench(copies(lambda a, b: b.copy_(a)), args.rep).median
-            t_eager = _try_bench(inputs(ref), args.rep)
-            t_eager_t = _try_bench(inputs(ref_t), args.rep)
-            t_comp = _try_bench(inputs(ref_c), args.rep) if ref_c else None
-            t_comp_t = _try_bench(inputs(ref_c_t), args.rep) if ref_c else None
-            err = _check(run_ours, ref, lambda m=m, w=width: torch.randn(m, w, device=dev, dtype=torch.bfloat16))
+            t_eager = _try_bench(lambda x=x: ref(x), args.iters)
+            t_eager_t = _try_bench(lambda x=x: ref_t(x), args.iters)
+            t_comp = _try_bench(lambda x=x: ref_c(x), args.iters) if ref_c else None
+            t_comp_t = _try_bench(lambda x=x: ref_c_t(x), args.iters) if ref_c else None
+            err = _check(lambda x: ours(x, tma_aligned_scales=True), ref,
+                         lambda m=m, w=width: torch.randn(m, w, device=dev, dtype=torch.bfloat16))
             valid = err <= TOL
             torch_times = [t for t in (t_eager, t_eager_t, t_comp, t_comp_t) if t is not None]
             gbs = total / t_ours / 1e3
-            copy_gbs = 2 * half / t_copy / 1e3
             best = min(torch_times) if torch_times else None
+            fits = _common.fits_l2(total, dev)
+            note = f"timed as {how}" + ("; bytes fit in L2 but L2 was flushed before each call" if fits else "")
             table.row([str(m), str(k), f"{t_ours:.1f}", f"{timing.p10:.1f}-{timing.p90:.1f}", f"{gbs:.0f}",
-                       f"{100 * gbs / copy_gbs:.0f}%", f"{copy_gbs:.0f}", _fmt(t_eager), _fmt(t_comp), _fmt(t_eager_t),
-                       _fmt(t_comp_t), _fmt(t_comp_t / t_ours if t_comp_t else None, ".2f"),
+                       f"{100 * gbs / copy_gbs:.0f}%" if copy_gbs else "n/a", _fmt(t_eager), _fmt(t_comp),
+                       _fmt(t_eager_t), _fmt(t_comp_t), _fmt(t_comp_t / t_ours if t_comp_t else None, ".2f"),
                        _fmt(t_eager_t / t_ours if t_eager_t else None, ".2f"),
-                       _fmt(best / t_ours if best else None, ".2f"),
+                       _fmt(best / t_ours if best else None, ".2f"), how,
                        f"ok ({err:.1e})" if valid else f"INVALID ({err:.1e} > {TOL})"])
             case = f"{op_name} M={m} K={k}"
             rec.add(case, "time", t_ours, "us", p10=timing.p10, p90=timing.p90, iterations=timing.n, baseline=best,
-                    ratio=best / t_ours if best else None, valid=valid, rel_err=err, eager_us=t_eager,
-                    eager_t_us=t_eager_t, compile_us=t_comp, compile_t_us=t_comp_t)
-            rec.add(case, "bandwidth", gbs, "GB/s", iterations=timing.n, limit=copy_gbs, ratio=gbs / copy_gbs,
-                    valid=valid)
+                    ratio=best / t_ours if best else None, valid=valid, l2_resident=resident, note=note, rel_err=err,
+                    eager_us=t_eager, eager_t_us=t_eager_t, compile_us=t_comp, compile_t_us=t_comp_t, bytes=total,
+                    timed_as=how)
+            rec.add(case, "bandwidth", gbs, "GB/s", p10=total / timing.p90 / 1e3, p90=total / timing.p10 / 1e3,
+                    iterations=timing.n, limit=copy_gbs, ratio=gbs / copy_gbs if copy_gbs else None, valid=valid,
+                    l2_resident=resident, note=note, limit_name="device copy bandwidth (header limits.copy_gbps)",
+                    bytes=total, fits_l2=fits)
     return table.text
 
 
@@ -248,8 +240,8 @@ def _pdl_rows(args, dev, rec):
     for k in args.hidden:
         for m in args.tokens:
             n = m * k
-            bufs = Rotating(lambda i, n=n: (torch.randn(n, device=dev, dtype=torch.bfloat16),
-                                            torch.empty(n, device=dev, dtype=torch.bfloat16)), 4 * n)
+            src0 = torch.randn(n, device=dev, dtype=torch.bfloat16)
+            dst0 = torch.empty(n, device=dev, dtype=torch.bfloat16)
 
             def chain(src, dst, pdl, m=m, k=k, n=n):
                 block = 4096
@@ -257,8 +249,9 @@ def _pdl_rows(args, dev, rec):
                 _producer[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, USE_PDL=pdl, **kw)
                 return per_token_group_quant_fp8(dst.view(m, k), tma_aligned_scales=True, use_pdl=pdl)
 
-            t_off = _bench(bufs(lambda s, d: chain(s, d, False)), args.rep)
-            t_on = _bench(bufs(lambda s, d: chain(s, d, True)), args.rep).median if supported else None
+            t_off = _bench(lambda: chain(src0, dst0, False), args.iters)
+            t_on_t = _bench(lambda: chain(src0, dst0, True), args.iters) if supported else None
+            t_on = t_on_t.median if t_on_t else None
             errs = []
             for pdl in ([False, True] if supported else [False]):
                 src = torch.randn(n, device=dev, dtype=torch.bfloat16)
@@ -270,14 +263,19 @@ def _pdl_rows(args, dev, rec):
             table.row([str(m), str(k), f"{t_off.median:.1f}", f"{t_off.p10:.1f}-{t_off.p90:.1f}", _fmt(t_on),
                        _fmt(t_off.median / t_on if t_on else None, ".2f"),
                        f"ok ({err:.1e})" if valid else f"INVALID ({err:.1e} > {TOL})"])
-            rec.add(f"pdl chain M={m} K={k}", "time", t_on if t_on else t_off.median, "us", p10=None if t_on else t_off.p10,
-                    p90=None if t_on else t_off.p90, iterations=t_off.n, baseline=t_off.median,
-                    ratio=t_off.median / t_on if t_on else None, valid=valid, rel_err=err, pdl=bool(t_on))
+            t_row = t_on_t or t_off
+            rec.add(f"pdl chain M={m} K={k}", "time", t_row.median, "us", p10=t_row.p10, p90=t_row.p90,
+                    iterations=t_row.n, baseline=t_off.median, ratio=t_off.median / t_on if t_on else None,
+                    valid=valid, l2_resident=None if dev.type != "cuda" else False,
+                    note=f"timed as {_bench.how}; baseline: the same chain without PDL", rel_err=err, pdl=bool(t_on))
     return table.text
 
 
+LIMITS: dict = {}
+
+
 def main(argv=None) -> int:
-    global SMOKE_RUN, GRAPH
+    global SMOKE_RUN, GRAPH, DEV, LIMITS
     args = _parse(argv)
     GRAPH = args.graph
     if args.cpu_smoke:
@@ -288,10 +286,15 @@ def main(argv=None) -> int:
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
         name = torch.cuda.get_device_name(dev)
+    DEV = dev
     rec = _common.Records("bench_quant", args.json, args.cpu_smoke, device=name, argv=argv)
+    LIMITS = _common.measure_limits(dev, peer=False, fp8=False)
+    rec.update_header(limits=LIMITS, timing="CUDA events, L2 flushed before each timed call" +
+                      (", CUDA-graph replays" if GRAPH else "") if dev.type == "cuda" else "CPU perf_counter")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = (f"## bench_quant.py: {name}, {stamp}, commit {rec.header['commit']}, torch {torch.__version__}, "
-            f"triton {triton.__version__}\n\n"
+            f"triton {triton.__version__}; device copy bandwidth "
+            f"{LIMITS['copy_gbps']:.0f} GB/s (measured now)\n\n"
             f"`python perf/bench_quant.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n")
     print(head, flush=True)
     parts = [head, _quant_rows(args, "quant", dev, rec)]

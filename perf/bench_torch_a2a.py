@@ -5,9 +5,14 @@ process group is set up here with a TCPStore rendezvous (tcp://127.0.0.1:<free p
 counted as DeepEP does (per rank: normal mode per received token-rank row, recv rows x (H + H/32) for
 the FP8 dispatch and recv rows x 2H for combine; low-latency mode per selection, selections x
 (H + H/32 + 16) and selections x 2H). Every timed call's output is checked after timing (dispatch:
-the received rows' sum; combine of identity experts: each token's rows summed / weighted back). The
-table shows the table shows the same byte count moved by a local device copy
-(``copy GB/s``) measured in the same run, the bound for anything that stays on one device.
+the received rows' sum; combine of identity experts: each token's rows summed / weighted back).
+
+Times (perf/_common.py ``time_ranks``): a barrier before each timed iteration, CUDA events per rank (CPU:
+perf_counter), the L2 flushed before each timed iteration, then per iteration the slowest rank's time:
+median, p10, p90 over ``--iters`` (per-rank medians in ``per_rank_us``). The limit, measured by rank 0 at
+the start of the same run and recorded in the JSON header (``limits``): with 2+ GPUs the peer copy
+bandwidth (``peer_gbps``, ``.to('cuda:1')`` of 1 GiB), else the device copy bandwidth (``copy_gbps``);
+every ``bandwidth`` row's ratio is per-rank GB/s (bytes of one rank over the slowest rank's time) over it.
 
     python perf/bench_torch_a2a.py                       # CPU defaults (small)
     python perf/bench_torch_a2a.py --device cuda --ranks 8 --tokens 128 512 4096
@@ -16,7 +21,6 @@ table shows the table shows the same byte count moved by a local device copy
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
@@ -76,24 +80,6 @@ def _parse(argv=None):
     return args
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _timeit(fn, dev, iters, group_barrier):
-    fn()  # warm
-    times = []
-    for _ in range(iters):
-        group_barrier()
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _rank(rank, world, args):
     import torch.distributed as dist
 
@@ -103,6 +89,11 @@ def _rank(rank, world, args):
     dev = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=True, backend="torch", timeout_s=args.timeout)
     h, e, k = args.hidden, args.experts, args.topk
+    limits = _common.measure_limits(dev, peer=world >= 2, fp8=False) if rank == 0 else None
+    dist.barrier()  # the other ranks wait while rank 0 measures the limits
+
+    def timeit(fn):
+        return _common.time_ranks(fn, dev, iters=args.iters, warmup=1)
     rows = []
     for n in args.tokens:
         g = torch.Generator().manual_seed(rank * 7919 + n)
@@ -121,13 +112,12 @@ def _rank(rank, world, args):
         (rx, rs), _, _, _, handle, _ = disp()
         recv_rows = int(rx.shape[0])
         y = dequant_fp8_ref(rx, rs).to(torch.bfloat16)  # identity experts
-        barrier = dist.barrier
-        t_d = _timeit(disp, dev, args.iters, barrier)
+        t_d = timeit(disp)
         box = {}
 
         def comb():
             box["out"] = buf.combine(y, handle)[0]
-        t_c = _timeit(comb, dev, args.iters, barrier)
+        t_c = timeit(comb)
         ok_normal = _common.rel_err(box["out"], in_rank.sum(1, keepdim=True).float() * xq)
         ll = buf.low_latency_dispatch(x, idx, n, e)
         (lq, ls), count = ll[0], ll[1]
@@ -136,22 +126,27 @@ def _rank(rank, world, args):
             c = int(count[le])
             if c:
                 yl[le, :c] = dequant_fp8_ref(lq[le, :c], ls[le, :c]).to(torch.bfloat16)
-        t_ld = _timeit(lambda: buf.low_latency_dispatch(x, idx, n, e), dev, args.iters, barrier)
+        t_ld = timeit(lambda: buf.low_latency_dispatch(x, idx, n, e))
 
         def lcomb():
             box["ll"] = buf.low_latency_combine(yl, idx, w, ll[2])[0]
-        t_lc = _timeit(lcomb, dev, args.iters, barrier)
+        t_lc = timeit(lcomb)
         err_ll = _common.rel_err(box["ll"], w.sum(1, keepdim=True) * xq)
         # normal mode: per received token-rank row (recv rows x row bytes); low-latency: per selection
         d_bytes, c_bytes = recv_rows * (h + h // 32), recv_rows * 2 * h
         ld_bytes, lc_bytes = sel * (h + h // 32 + 16), sel * 2 * h
-        src = torch.empty(d_bytes + c_bytes, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        t_copy = _timeit(lambda: dst.copy_(src), dev, args.iters, lambda: None)
-        rows.append(dict(n=n, d=d_bytes, c=c_bytes, ld=ld_bytes, lc=lc_bytes, t_d=t_d, t_c=t_c, t_ld=t_ld, t_lc=t_lc,
-                         copy=(d_bytes + c_bytes) / t_copy, err=max(ok_normal, err_ll), recv_rows=recv_rows))
+        errs = torch.tensor([max(ok_normal, err_ll)], dtype=torch.float64)
+        if dev.type == "cuda":
+            errs = errs.to(dev)
+        dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+        nb = torch.tensor([d_bytes, c_bytes, ld_bytes, lc_bytes], dtype=torch.float64, device=errs.device)
+        dist.all_reduce(nb)  # summed over ranks: per-rank GB/s = sum / world / slowest time
+        # t_*: (slowest-rank Timing, per-rank medians), the same on every rank
+        rows.append(dict(n=n, d=float(nb[0]) / world, c=float(nb[1]) / world, ld=float(nb[2]) / world,
+                         lc=float(nb[3]) / world, t_d=t_d, t_c=t_c, t_ld=t_ld, t_lc=t_lc, err=float(errs[0]),
+                         recv_rows=recv_rows))
     buf.destroy()
-    return rows
+    return rows, limits
 
 
 def _child(conn, port, rank, world, backend, args):
@@ -231,30 +226,47 @@ def main(argv=None):
         dev_name = f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo"
     rec = _common.Records("bench_torch_a2a", args.json, args.cpu_smoke, device=dev_name, argv=argv)
     print(f"torch backend ({backend}, {args.device}), hidden {args.hidden}, {args.experts} experts, top-{args.topk}; "
-          f"per-rank bytes: normal per received token-rank row, LL per selection; median of {args.iters}; "
-          f"TCPStore rendezvous", flush=True)
+          f"per-rank bytes: normal per received token-rank row, LL per selection; slowest rank per iteration, median "
+          f"of {args.iters} (barrier before each, L2 flushed on GPUs); TCPStore rendezvous", flush=True)
     print(f"{'ranks':>5} {'tokens':>6} | {'dispatch us':>11} {'GB/s':>7} | {'combine us':>10} {'GB/s':>7} | "
-          f"{'LL disp us':>10} {'GB/s':>7} | {'LL comb us':>10} {'GB/s':>7} | {'copy GB/s':>9} | check", flush=True)
+          f"{'LL disp us':>10} {'GB/s':>7} | {'LL comb us':>10} {'GB/s':>7} | {'limit GB/s':>10} | check", flush=True)
+    all_limits = {}
     for world in args.ranks:
         try:
             res = _launch(world, args, backend)
         except RuntimeError as exc:
             return _common.error(PROG, f"{world} ranks: {exc}")
-        for i, n in enumerate(args.tokens):
-            worst = {key: max(r[i][key] for r in res) for key in ("t_d", "t_c", "t_ld", "t_lc", "err")}  # slowest rank
-            r0 = res[0][i]
-            copy_bw = min(r[i]["copy"] for r in res)
-            valid = worst["err"] <= TOL
-            print(f"{world:>5} {n:>6} | {worst['t_d'] * 1e6:>11.0f} {r0['d'] / worst['t_d'] / 1e9:>7.2f} | "
-                  f"{worst['t_c'] * 1e6:>10.0f} {r0['c'] / worst['t_c'] / 1e9:>7.2f} | {worst['t_ld'] * 1e6:>10.0f} "
-                  f"{r0['ld'] / worst['t_ld'] / 1e9:>7.2f} | {worst['t_lc'] * 1e6:>10.0f} "
-                  f"{r0['lc'] / worst['t_lc'] / 1e9:>7.2f} | "
-                  f"{copy_bw / 1e9:>9.1f} | {'ok' if valid else 'INVALID'} ({worst['err']:.1e})", flush=True)
+        rows0, limits = res[0]  # every rank holds the same slowest-rank timings; rank 0 measured the limits
+        all_limits[str(world)] = limits
+        rec.update_header(limits=limits if len(args.ranks) == 1 else all_limits,
+                          timing="time_ranks: barrier, CUDA events per rank, L2 flushed, slowest rank per iteration"
+                          if args.device == "cuda" else "time_ranks: barrier, perf_counter per rank, slowest rank")
+        peer = limits.get("peer_gbps")
+        lim, lim_name = (peer, "peer copy bandwidth (limits.peer_gbps)") if peer else \
+            (limits["copy_gbps"], "device copy bandwidth (limits.copy_gbps; no peer copy: " +
+             ("one GPU)" if args.device == "cuda" else "CPU ranks)"))
+        note = None if args.device == "cuda" else "CPU ranks (gloo): numbers meaningless for GPUs"
+        resident = False if args.device == "cuda" else None
+        for r0 in rows0:
+            n = r0["n"]
+            valid = r0["err"] <= TOL
+            cells = []
+            for key, bkey in (("t_d", "d"), ("t_c", "c"), ("t_ld", "ld"), ("t_lc", "lc")):
+                t = r0[key][0]
+                cells.append(f"{t.median:>10.0f} {r0[bkey] / t.median / 1e3:>7.2f}")
+            print(f"{world:>5} {n:>6} | " + " | ".join(cells) + f" | {lim:>10.1f} | "
+                  f"{'ok' if valid else 'INVALID'} ({r0['err']:.1e})", flush=True)
             for key, bkey, label in (("t_d", "d", "dispatch FP8"), ("t_c", "c", "combine BF16"),
                                      ("t_ld", "ld", "LL dispatch FP8"), ("t_lc", "lc", "LL combine BF16")):
-                rec.add(f"{label} {world} ranks {n} tokens/rank", "time", worst[key] * 1e6, "us", iterations=args.iters,
-                        limit=r0[bkey] / copy_bw * 1e6, ratio=None, valid=valid, bytes_rank0=r0[bkey],
-                        bandwidth_gbps=r0[bkey] / worst[key] / 1e9, rel_err=worst["err"])
+                t, per_rank = r0[key]
+                case = f"{label} {world} ranks {n} tokens/rank"
+                gbps = r0[bkey] / t.median / 1e3
+                rec.add(case, "time", t.median, "us", p10=t.p10, p90=t.p90, iterations=t.n, valid=valid,
+                        l2_resident=resident, note=note, per_rank_us=per_rank, bytes_per_rank=r0[bkey],
+                        rel_err=r0["err"])
+                rec.add(case, "bandwidth", gbps, "GB/s", p10=r0[bkey] / t.p90 / 1e3, p90=r0[bkey] / t.p10 / 1e3,
+                        iterations=t.n, limit=lim, ratio=gbps / lim if lim else None, valid=valid,
+                        l2_resident=resident, note=note, limit_name=lim_name, bytes_per_rank=r0[bkey])
     return rec.finish(PROG)
 
 

@@ -113,6 +113,28 @@ def test_torchrun_launcher_refuses_without_env():
     assert p.returncode == 2 and "invalid choice" in p.stderr
 
 
+def test_torchrun_backend_both_and_deepep_skip_line():
+    from bench_dispatch import _parse, deepep_probe
+    args, _ = _parse(["--launcher", "torchrun"])
+    assert args.backend == "both" and args.no_deepep is False
+    args, prog = _parse(["--launcher", "torchrun", "--backend", "symm", "--no-deepep"], op="combine")
+    assert (args.backend, args.no_deepep, args.op, prog) == ("symm", True, "combine", "bench_combine.py")
+    p = _run([sys.executable, os.path.join(PERF, "bench_dispatch.py"), "--backend", "nccl"], timeout=60)
+    assert p.returncode == 2 and "invalid choice" in p.stderr
+    assert deepep_probe(True)[0] is None and "--no-deepep" in deepep_probe(True)[1]
+    mod, line = deepep_probe()
+    if mod is not None:
+        pytest.skip("deep_ep is importable here")
+    assert line.startswith("DeepEP baseline: skipped, deep_ep is not importable (") and "baseline=null" in line
+    for bench in ("bench_dispatch.py", "bench_combine.py"):
+        p = subprocess.run([sys.executable, os.path.join(PERF, bench), "--launcher", "torchrun"], cwd=ROOT,
+                           env=dict(ENV, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"), capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 2 and "Traceback" not in p.stderr
+        assert p.stdout.strip().splitlines() == [line]  # one line: skipped and why
+        assert len(p.stderr.strip().splitlines()) == 1 and "one CUDA GPU per rank" in p.stderr
+
+
 def test_gpu_state_parse_and_routing():
     assert _common.parse_gpu_state("1980 MHz, 2619 MHz, [N/A], 34") == {
         "clocks.sm": 1980.0, "clocks.mem": 2619.0, "power.limit": None, "temperature.gpu": 34.0}
