@@ -247,7 +247,7 @@ def main(argv=None):
             desc = f"loopback, {world} ranks on one host (no shaping; model: one tier)"
             rows = netns.run_local(f"{me}:allreduce_worker", world, dict(ar_kw, rate_bytes_s=0), timeout_s=1800)[0]
             if not a.skip_dispatch:
-                rows += netns.run_local(f"{me}:dispatch_worker", world, dc_kw, timeout_s=1800, port=29614)[0]
+                rows += netns.run_local(f"{me}:dispatch_worker", world, dc_kw, timeout_s=1800)[0]
         for r in rows:
             r.update(stamp, cluster=cluster, link=desc)
         print_tables(rows, f"{cluster}: {desc}; {stamp['date']}, {stamp['cpus']} CPUs, torch {stamp['torch']}")

@@ -127,8 +127,13 @@ class TwoHostCluster:
 
 
 def run_local(fn: str, world_size: int, kwargs: Optional[dict] = None, timeout_s: float = 300.0,
-              port: int = 29612) -> list:
+              port: Optional[int] = None) -> list:
     """The same as :meth:`TwoHostCluster.run`, all ranks on this machine's loopback (no shaping)."""
+    if port is None:  # a free loopback port, so concurrent runs never collide
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
     return _spawn(fn, [(None, "lo")] * world_size, "127.0.0.1", port, kwargs or {}, timeout_s)
 
 
