@@ -16,8 +16,8 @@ so no input is served from L2 (rows say ``l2_resident: false``); median with p10
 calls. Small M is bound by Python launch overhead in that mode (what an eager caller sees);
 ``--graph`` times CUDA-graph replays instead (GPU time only; baselines that cannot be captured are
 timed eagerly and say so in the row's ``note``). A second table does the same for silu_and_mul_quant_fp8
-(input `[M, 2K]`); a third runs a chain of two dependent kernels (a BF16 producer writing x, then the quant kernel reading it) with
-and without programmatic dependent launch (PDL).
+(input `[M, 2K]`); a third runs a chain of two dependent kernels (a BF16 producer writing x, then the quant
+kernel reading it) with and without programmatic dependent launch (PDL).
 
     python perf/bench_quant.py                                  # full table (needs a CUDA GPU)
     python perf/bench_quant.py --graph                          # the same, CUDA-graph replays
