@@ -25,6 +25,17 @@ Out of scope in this release: Engram (``engram_*``), pipeline-parallel send/recv
 parallelism and all-gather reduce-scatter (``agrs_*``, ``all_gather``): those methods exist with V2's
 names and raise ``NotImplementedError``. Hybrid (RDMA + NVLink) mode, QPs and SM counts have no
 counterpart in these backends: their arguments are accepted and ignored.
+
+Receive as a view of the symmetric buffer (V2 can hand out ``recv_x`` as a view of its buffer, no copy):
+not available in this release. The ``symm`` backend's normal receive does not expose one: it gathers the
+message rows out of the symmetric buffer into a fresh tensor and unpacks ``recv_x`` / scales contiguous, and
+the expanded layout is then gathered from those. ``perf/bench_elastic.py`` counts the bytes a view would save
+(``symm receive copy``: about 640 MB per rank at DeepSeek-V3 prefill, 4096 tokens, EP8).
+
+Construction allocates the communication buffers and meets every peer on the host: it is refused with a
+``RuntimeError`` naming the capture while a CUDA graph is being captured (checked first, before any
+allocation or rendezvous). Construct before capturing, or wrap a Buffer made before the capture with
+:meth:`ElasticBuffer.from_buffer` (allocates nothing).
 """
 
 from __future__ import annotations
@@ -468,6 +479,9 @@ class ElasticBuffer:
                 (``num_max_tokens_per_rank * num_ranks`` rows; padding rows have ``recv_topk_idx == -1``).
             do_expand: one row per (token, local expert); ``do_zero_padding``: padding rows are zero.
             use_tma_aligned_col_major_sf: FP8 scales returned M-major with the TMA-aligned column stride.
+
+        ``recv_x`` is always a fresh tensor: a receive-as-view of the symmetric buffer is not available in this
+        release (the ``symm`` backend does not expose one).
 
         Returns:
             recv_x (a ``(fp8, scales)`` tuple for FP8), recv_topk_idx `[M, K]` (per received token, also when
