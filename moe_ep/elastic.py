@@ -25,6 +25,17 @@ Out of scope in this release: Engram (``engram_*``), pipeline-parallel send/recv
 parallelism and all-gather reduce-scatter (``agrs_*``, ``all_gather``): those methods exist with V2's
 names and raise ``NotImplementedError``. Hybrid (RDMA + NVLink) mode, QPs and SM counts have no
 counterpart in these backends: their arguments are accepted and ignored.
+
+Receive as a view of the symmetric buffer (V2 can hand out ``recv_x`` as a view of its buffer, no copy):
+not available in this release. The ``symm`` backend's normal receive does not expose one: it gathers the
+message rows out of the symmetric buffer into a fresh tensor and unpacks ``recv_x`` / scales contiguous, and
+the expanded layout is then gathered from those. ``perf/bench_elastic.py`` counts the bytes a view would save
+(``symm receive copy``: about 640 MB per rank at DeepSeek-V3 prefill, 4096 tokens, EP8).
+
+Construction allocates the communication buffers and meets every peer on the host: it is refused with a
+``RuntimeError`` naming the capture while a CUDA graph is being captured (checked first, before any
+allocation or rendezvous). Construct before capturing, or wrap a Buffer made before the capture with
+:meth:`ElasticBuffer.from_buffer` (allocates nothing).
 """
 
 from __future__ import annotations
@@ -111,6 +122,24 @@ class EPHandle:
         self._hidden = 0
 
 
+def _capture_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _refuse_in_capture(what: str) -> None:
+    """Raise a clear error when a CUDA graph is being captured on the current stream (or a capture is
+    simulated by :func:`moe_ep.testing.streams.checked_streams`): construction allocates the communication
+    buffers and meets the peers on the host, neither of which can be recorded into a graph."""
+    from .events import is_capturing, uses_streams
+
+    dev = _capture_device()
+    if uses_streams(dev) and is_capturing(dev):
+        raise RuntimeError(f"{what} called while a CUDA graph is being captured: constructing an ElasticBuffer "
+                           "allocates its communication buffers and rendezvouses with every peer rank on the host, "
+                           "which cannot be captured. Construct it (or ElasticBuffer.from_buffer over a Buffer made "
+                           "before the capture) before capturing, and capture only dispatch/combine.")
+
+
 def _not_supported(name: str):
     def method(self, *args, **kwargs):
         raise NotImplementedError(f"ElasticBuffer.{name} (Engram / pipeline-parallel / AGRS) is out of scope in this "
@@ -150,6 +179,7 @@ class ElasticBuffer:
                  num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
                  explicitly_destroy: bool = False, *, backend: str = "auto", timeout_s: Optional[float] = None,
                  **backend_kwargs):
+        _refuse_in_capture("ElasticBuffer(...)")
         if num_cpu_bytes:
             raise NotImplementedError("num_cpu_bytes (Engram host storage) is out of scope in this release")
         for name, v in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden),
@@ -189,6 +219,41 @@ class ElasticBuffer:
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
+
+    @classmethod
+    def from_buffer(cls, buffer: Buffer, num_max_tokens_per_rank: int, *, allow_multiple_reduction: bool = True,
+                    deterministic: bool = False) -> "ElasticBuffer":
+        """This face over an existing :class:`moe_ep.Buffer` (normal mode): no allocation, no rendezvous.
+
+        ``num_max_tokens_per_rank`` (the same on every rank) defines the global token index of the receive
+        order; ``num_bytes`` is the Buffer's. The Buffer stays the caller's: ``destroy`` here destroys it.
+        Allowed during a CUDA graph capture (it only reads the Buffer's fields); the Buffer itself and the
+        dispatch that follows are what must be capturable."""
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"buffer must be a moe_ep.Buffer, got {type(buffer).__name__}")
+        if not isinstance(num_max_tokens_per_rank, int) or isinstance(num_max_tokens_per_rank, bool) or \
+                num_max_tokens_per_rank <= 0:
+            raise ValueError(f"num_max_tokens_per_rank must be a positive int, got {num_max_tokens_per_rank!r}")
+        self = cls.__new__(cls)
+        self.group = buffer.group
+        self.rank_idx = buffer.rank
+        self.num_ranks = buffer.group_size
+        self.allow_hybrid_mode = True
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = True
+        self.deterministic = deterministic
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_allocated_qps = 0
+        self.explicitly_destroy = buffer.explicitly_destroy
+        self.num_bytes = getattr(buffer, "num_nvl_bytes", 0) or 0
+        self._buf = buffer
+        rpn = getattr(buffer._impl, "ranks_per_node", None) or getattr(buffer._impl, "G", None) or self.num_ranks
+        self._physical = (max(1, self.num_ranks // rpn), min(rpn, self.num_ranks))
+        self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
+        self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
+        self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
+        self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
+        return self
 
     # ------------------------------------------------------------------------------------------ helpers
     @property
@@ -414,6 +479,9 @@ class ElasticBuffer:
                 (``num_max_tokens_per_rank * num_ranks`` rows; padding rows have ``recv_topk_idx == -1``).
             do_expand: one row per (token, local expert); ``do_zero_padding``: padding rows are zero.
             use_tma_aligned_col_major_sf: FP8 scales returned M-major with the TMA-aligned column stride.
+
+        ``recv_x`` is always a fresh tensor: a receive-as-view of the symmetric buffer is not available in this
+        release (the ``symm`` backend does not expose one).
 
         Returns:
             recv_x (a ``(fp8, scales)`` tuple for FP8), recv_topk_idx `[M, K]` (per received token, also when

@@ -8,6 +8,10 @@ Two layouts, one per communication mode:
 - :func:`contiguous_experts` (prefill): the normal dispatch's rows `[M, H]` + local top-k ->
   permute into 128-row-aligned expert blocks with ``m_indices`` -> GEMM1 -> SiLU-and-mul + quant ->
   GEMM2 -> weighted un-permute -> BF16 `[M, H]` for ``combine`` (which only sums over ranks).
+- :func:`expanded_experts` (prefill over :class:`moe_ep.ElasticBuffer`): the expanded dispatch's rows
+  (``do_expand=True, expert_alignment=128``: already the 128-row expert blocks) + ``handle.m_indices`` ->
+  GEMM1 -> SiLU-and-mul + quant -> GEMM2 -> BF16 `[M_exp, H]`, one weighted row per (token, local expert),
+  for the expanded ``combine``. No permute and no un-permute.
 
 Every quant kernel writes the TMA-aligned M-major scales the GEMM reads, and with ``use_pdl`` each
 kernel of the chain is launched with programmatic dependent launch (the GEMMs prefetch their weights
@@ -29,7 +33,7 @@ from .gemm import (
 )
 from .quant import per_block_quant_fp8, per_token_group_quant_fp8, silu_and_mul_quant_fp8
 
-__all__ = ["ExpertWeights", "contiguous_experts", "masked_experts", "permute_to_contiguous"]
+__all__ = ["ExpertWeights", "contiguous_experts", "expanded_experts", "masked_experts", "permute_to_contiguous"]
 
 
 @dataclass
@@ -212,3 +216,62 @@ def contiguous_experts(recv_x, recv_topk_idx: torch.Tensor, recv_topk_weights: t
         rows = y_exp.index_select(0, dst[:, kk].clamp(min=0)).float()
         out += torch.where(valid[:, kk:kk + 1], w[:, kk:kk + 1] * rows, 0.0)
     return out.to(torch.bfloat16)
+
+
+def expanded_experts(recv_x, m_indices: torch.Tensor, weights: ExpertWeights,
+                     recv_topk_weights: torch.Tensor | None = None, *, use_pdl: bool = False) -> torch.Tensor:
+    """Experts over the expanded dispatch's rows (already in 128-row expert blocks): no permute.
+
+    Arguments:
+        recv_x: ``(fp8 [M_exp, H], scales [M_exp, H/128])`` as ``ElasticBuffer.dispatch(..., do_expand=True,
+            expert_alignment=128)`` returns it (scales in any layout: M-major TMA-aligned ones, from
+            ``use_tma_aligned_col_major_sf=True``, are used as they are), or BF16 `[M_exp, H]` (quantized here).
+        m_indices: `[M_exp]` `torch.int32` local expert of each row, -1 on padding (``handle.m_indices``);
+            constant within each 128-row block.
+        weights: :class:`ExpertWeights` of the ``L`` local experts.
+        recv_topk_weights: optional `[M_exp]` float32, the top-k weight of each expanded row (the expanded
+            dispatch's 1-D ``recv_topk_weights``; 0 on padding). ``None``: rows are not weighted.
+        use_pdl: programmatic dependent launch between the quant and GEMM kernels.
+
+    Returns:
+        `[M_exp, H]` `torch.bfloat16`: row ``i`` is ``w[i] * expert_{m_indices[i]}(x[i])``; padding rows are 0.
+
+    The weight is folded into the FP8 activation's per-row scales before GEMM2 (the FP8 values are
+    unchanged, ``M_exp * I/128`` floats are rescaled instead of an ``[M_exp, H]`` pass over the output);
+    with UE8M0-packed scales (int32) it is applied to GEMM2's output instead. Each weighted row is rounded
+    to BF16 once here; the expanded combine then sums a token's rows in float32 (the permute path sums the
+    weighted rows before its single rounding: the two differ by BF16 rounding only).
+    """
+    xq, xs = _as_fp8(recv_x)
+    num_rows, hidden = xq.shape
+    if hidden != weights.hidden:
+        raise ValueError(f"recv_x hidden {hidden} != the experts' {weights.hidden}")
+    if not isinstance(m_indices, torch.Tensor) or m_indices.dtype != torch.int32 or \
+            tuple(m_indices.shape) != (num_rows,):
+        raise ValueError(f"m_indices must be torch.int32 [M_exp={num_rows}] (the expanded handle's), got "
+                         f"{getattr(m_indices, 'dtype', type(m_indices).__name__)} "
+                         f"{list(getattr(m_indices, 'shape', []))}")
+    if num_rows % M_ALIGNMENT:
+        raise ValueError(f"expanded rows ({num_rows}) must come in blocks of {M_ALIGNMENT}: dispatch with "
+                         f"expert_alignment=get_m_alignment_for_contiguous_layout()")
+    if recv_topk_weights is not None and (recv_topk_weights.dtype != torch.float32 or
+                                          tuple(recv_topk_weights.shape) != (num_rows,)):
+        raise ValueError(f"recv_topk_weights must be torch.float32 [M_exp={num_rows}] (1-D, per expanded row), got "
+                         f"{recv_topk_weights.dtype} {list(recv_topk_weights.shape)}")
+    y = torch.empty(num_rows, hidden, dtype=torch.bfloat16, device=xq.device)
+    if num_rows == 0:
+        return y
+    h1 = torch.empty(num_rows, 2 * weights.intermediate, dtype=torch.bfloat16, device=xq.device)
+    m_grouped_fp8_gemm_nt_contiguous((xq, xs), weights.w13, h1, m_indices, use_pdl=use_pdl)
+    aq, as_ = silu_and_mul_quant_fp8(h1, tma_aligned_scales=True, use_pdl=use_pdl)
+    post = None
+    if recv_topk_weights is not None:
+        w = torch.where(m_indices >= 0, recv_topk_weights, 0.0)
+        if as_.dtype == torch.float32:
+            as_.mul_(w.unsqueeze(1))  # in place: the TMA-aligned M-major storage the GEMM reads stays as it is
+        else:
+            post = w
+    m_grouped_fp8_gemm_nt_contiguous((aq, as_), weights.w2, y, m_indices, use_pdl=use_pdl)
+    if post is not None:
+        y = (y.float() * post.unsqueeze(1)).to(torch.bfloat16)
+    return y

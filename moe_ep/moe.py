@@ -10,6 +10,14 @@ mode           dispatch                           experts                       
                                                   un-permute
 =============  =================================  =========================================  ==============
 
+``mode="prefill", dispatch="expanded"`` replaces the permute with DeepEP V2's expanded receive: quant ->
+``ElasticBuffer.dispatch(do_expand=True, expert_alignment=128)`` (one row per (token, local expert), already in
+128-row expert blocks, with ``handle.m_indices``) -> :func:`moe_ep.experts.expanded_experts` (GEMM1 ->
+SiLU-and-mul-quant -> GEMM2 on those rows, each row weighted by its top-k weight) -> the expanded
+``ElasticBuffer.combine`` (sums a token's rows, then over ranks). The default ``dispatch="permute"`` is the
+table's prefill row. Output: the same sum, with one more BF16 rounding (each weighted row) than the permute
+path; both are within the same bound of the dense reference (``tests/test_moe_layer.py``).
+
 The same object plugs into the two-microbatch schedules: pass ``layer.experts`` as the ``experts=``
 callable of :func:`microbatch.moe_layer_schedule` (it reads the state keys the communicators write).
 """
@@ -20,7 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .experts import ExpertWeights, contiguous_experts, masked_experts
+from .experts import ExpertWeights, contiguous_experts, expanded_experts, masked_experts
+from .gemm import get_m_alignment_for_contiguous_layout
 from .quant import per_token_group_quant_fp8
 
 __all__ = ["MoELayer"]
@@ -30,7 +39,8 @@ class MoELayer:
     """Dispatch -> experts -> combine for one MoE layer's routed experts (plus an optional shared expert).
 
     Arguments:
-        buffer: a :class:`moe_ep.Buffer` (``low_latency_mode=True`` for ``mode="decode"``).
+        buffer: a :class:`moe_ep.Buffer` (``low_latency_mode=True`` for ``mode="decode"``), or, for
+            ``mode="prefill"``, a :class:`moe_ep.ElasticBuffer` (its Buffer runs the permute path).
         weights: :class:`moe_ep.experts.ExpertWeights` of this rank's ``L = num_experts / R`` experts.
         num_experts: ``E``, routed experts over all ranks.
         mode: ``"decode"`` (low-latency, masked layout) or ``"prefill"`` (normal, contiguous layout).
@@ -39,15 +49,39 @@ class MoELayer:
         expected_m: rows per expert the decode GEMM tiles are picked for (default ``R*T*K/E``, the
             balanced load).
         use_pdl: programmatic dependent launch between the expert kernels (Hopper+).
+        dispatch: prefill only. ``"permute"`` (default): ``Buffer.dispatch`` then a permute into expert blocks.
+            ``"expanded"``: ``ElasticBuffer.dispatch(do_expand=True, expert_alignment=128)`` feeds the GEMMs
+            directly (no permute, no un-permute), combined by the expanded ``combine``. Given an
+            :class:`moe_ep.ElasticBuffer` it is used as is; given a :class:`moe_ep.Buffer`, the layer builds
+            ``ElasticBuffer.from_buffer(buffer, num_max_dispatch_tokens_per_rank)`` over it (no new allocation
+            or rendezvous: the Buffer's resources serve both; ``num_max_dispatch_tokens_per_rank`` is then
+            required, the same on every rank, and bounds the tokens per call).
     """
 
     def __init__(self, buffer, weights: ExpertWeights, num_experts: int, *, mode: str = "decode",
                  num_max_dispatch_tokens_per_rank: Optional[int] = None, shared_expert: Optional[Callable] = None,
-                 expected_m: Optional[int] = None, use_pdl: bool = False):
+                 expected_m: Optional[int] = None, use_pdl: bool = False, dispatch: str = "permute"):
+        from .elastic import ElasticBuffer
+
         if mode not in ("decode", "prefill"):
             raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
+        if dispatch not in ("permute", "expanded"):
+            raise ValueError(f"dispatch must be 'permute' or 'expanded', got {dispatch!r}")
+        if dispatch == "expanded" and mode != "prefill":
+            raise ValueError("dispatch='expanded' is a prefill path (mode='prefill'); decode uses the masked layout")
         if not isinstance(weights, ExpertWeights):
             raise TypeError(f"weights must be moe_ep.experts.ExpertWeights, got {type(weights).__name__}")
+        self.elastic = None
+        if isinstance(buffer, ElasticBuffer):
+            if mode == "decode":
+                raise ValueError("mode='decode' needs a Buffer created with low_latency_mode=True, not an "
+                                 "ElasticBuffer (its low-latency calls stay on moe_ep.Buffer)")
+            self.elastic, buffer = buffer, buffer.buffer
+        elif dispatch == "expanded":
+            if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank <= 0:
+                raise ValueError("dispatch='expanded' over a Buffer needs num_max_dispatch_tokens_per_rank (a positive "
+                                 "int, the same on every rank: it defines the expanded receive order)")
+            self.elastic = ElasticBuffer.from_buffer(buffer, num_max_dispatch_tokens_per_rank)
         world = buffer.group_size
         if num_experts % world or weights.num_local_experts != num_experts // world:
             raise ValueError(f"num_experts={num_experts} over {world} ranks means {num_experts / world:g} local "
@@ -65,6 +99,7 @@ class MoELayer:
         self.shared_expert = shared_expert
         self.expected_m = expected_m
         self.use_pdl = use_pdl
+        self.dispatch = dispatch
 
     def _expected_m(self, slots: int, topk: int) -> int:
         if self.expected_m is not None:
@@ -102,6 +137,13 @@ class MoELayer:
             y = masked_experts(recv_x, recv_count, self.weights, use_pdl=self.use_pdl,
                                expected_m=self._expected_m(recv_x[0].shape[1], topk_idx.shape[1]))
             out, _, _ = self.buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+        elif self.dispatch == "expanded":
+            recv_x, _, recv_w, handle, _ = self.elastic.dispatch(
+                per_token_group_quant_fp8(x), topk_idx, topk_weights, num_experts=self.num_experts,
+                num_max_tokens_per_rank=self.T, expert_alignment=get_m_alignment_for_contiguous_layout(),
+                do_expand=True, use_tma_aligned_col_major_sf=True)
+            y = expanded_experts(recv_x, handle.m_indices, self.weights, recv_w, use_pdl=self.use_pdl)
+            out, _, _ = self.elastic.combine(y, handle)
         else:
             per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, self.num_experts)
             recv_x, recv_idx, recv_w, counts, handle, _ = self.buffer.dispatch(

@@ -14,7 +14,20 @@ of ``H + 4 * H / 128`` bytes, ``--tokens`` per rank, EP ``--ranks``), from a sam
   ``ElasticBuffer.dispatch(do_expand=True)`` vs ``Buffer.dispatch`` + ``moe_ep.experts.permute_to_contiguous``
   + the two row gathers the contiguous layer does.
 
-    python perf/bench_elastic.py [--tokens 4096] [--ranks 8 32] [--json out.jsonl]
+Layer (``MoELayer(mode="prefill")``, ``dispatch="permute"`` vs ``dispatch="expanded"``), counted on the receiving
+rank of EP ``R`` (rank 0's sampled receive, run on a one-rank gloo group with ``E / R`` experts, so the
+communication is a self-copy and every op past it sees that rank's real shapes), GEMM/quant kernels stubbed
+(counted, not run; the same three kernels plus the input quant in both paths, reading the same aligned rows):
+
+- ``layer launches``: Triton kernels + aten ops past the communication (each aten op a kernel launch on a GPU);
+- ``layer glue bytes``: bytes the aten ops read and write past the communication (outputs written; inputs
+  read, gathers counted by the rows they take; in-place scatters by the source); the kernels' own traffic is
+  equal in both paths and left out;
+- ``symm receive copy``: bytes the ``symm`` normal receive copies out of the symmetric buffer (the gather into
+  message rows, then the unpack of ``recv_x`` / scales into contiguous tensors); a receive-as-view option
+  (V2 returns views of its buffer) would save them. The ``symm`` backend does not expose one in this release.
+
+    python perf/bench_elastic.py [--tokens 4096] [--ranks 8 32] [--layer-tokens 1024] [--json out.jsonl]
     python perf/bench_elastic.py --cpu-smoke
 """
 
@@ -96,13 +109,173 @@ def count_launches(world_tokens: int = 8, hidden: int = 256) -> tuple[int, int]:
     return ours.n - base.n, perm.n
 
 
+INTER = 2048  # DeepSeek-V3 moe_intermediate_size
+
+
+def receive_of_rank0(tokens: int, ranks: int, seed: int = 0):
+    """Rank 0's receive under EP ``ranks``: local top-k ``[m, K]`` (local expert or -1) and weights ``[m, K]``."""
+    g = torch.Generator().manual_seed(seed)
+    local = EXPERTS // ranks
+    topk = torch.rand(tokens * ranks, EXPERTS, generator=g).argsort(1)[:, :TOPK]
+    mine = (topk // local) == 0
+    rows = mine.any(1)
+    idx = torch.where(mine, topk, -1)[rows]
+    w = torch.rand(idx.shape, generator=g)
+    return idx.to(torch.int64), torch.where(idx >= 0, w, 0.0), local
+
+
+class _Counter:
+    """A TorchDispatchMode counting aten ops and their bytes, with pauses (communication, stubbed kernels)."""
+
+    GATHERS = {"index_select", "index", "gather", "embedding"}
+    SCATTERS = {"index_copy_", "index_copy", "scatter_", "scatter", "index_put_", "index_put", "scatter_add_",
+                "index_add_"}
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not counter.paused:
+                    counter.record(func, args, kwargs or {}, out)
+                return out
+
+        self.mode = Mode()
+        self.paused = 0
+        self.ops = self.kernels = self.comm = 0
+        self.read = self.written = 0
+
+    @staticmethod
+    def _tensors(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                yield from _Counter._tensors(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from _Counter._tensors(v)
+
+    def record(self, func, args, kwargs, out):
+        name = func.__name__.split(".")[0]
+        if name in ("view", "_unsafe_view", "as_strided", "t", "transpose", "unsqueeze", "squeeze", "reshape",
+                    "expand", "select", "slice", "detach", "alias", "permute", "split", "chunk", "unbind",
+                    "view_as_real", "lift_fresh", "_to_copy_noop", "sym_size", "sym_stride", "sym_numel"):
+            return  # metadata only: no launch on a GPU
+        self.ops += 1
+        outs = list(self._tensors(out))
+        ins = list(self._tensors(list(args) + list(kwargs.values())))
+        w = sum(t.numel() * t.element_size() for t in outs)
+        if name in self.GATHERS:
+            r = w + sum(t.numel() * t.element_size() for t in ins if t.dtype in (torch.int64, torch.int32))
+        elif name in self.SCATTERS:
+            src = [t for t in ins[1:] if t.dtype not in (torch.int64,) or name.startswith("scatter")]
+            r = sum(t.numel() * t.element_size() for t in ins[1:])
+            w = max((t.numel() * t.element_size() for t in src[-1:]), default=0)
+        elif name in ("zeros", "empty", "full", "new_zeros", "new_empty", "new_full", "empty_like", "zeros_like",
+                      "full_like", "arange", "fill_", "zero_", "ones", "ones_like"):
+            r = 0
+            w = 0 if name.startswith("empty") or name.startswith("new_empty") else w
+        else:
+            r = sum(t.numel() * t.element_size() for t in ins)
+        self.read += r
+        self.written += w
+
+    def paused_call(self, fn, kind):
+        def wrapped(*a, **k):
+            setattr(self, kind, getattr(self, kind) + 1)
+            self.paused += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                self.paused -= 1
+        return wrapped
+
+
+def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTER, seed: int = 0) -> dict:
+    """Per layer call on EP ``ranks``'s rank 0 (see the module docstring): {path: (kernels, comm calls, aten ops,
+    glue bytes read, glue bytes written)}."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import moe_ep
+    import moe_ep.elastic as el
+    import moe_ep.experts as ex
+    import moe_ep.moe as mo
+    from moe_ep.fp8 import FP8_DTYPE
+    from moe_ep.gemm import get_mn_major_tma_aligned_tensor
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    idx, w, local = receive_of_rank0(tokens, ranks, seed)
+    m = idx.shape[0]
+    x = torch.randn(m, hidden).to(torch.bfloat16)
+
+    def fake_weights():
+        q = lambda *shape: torch.zeros(*shape, dtype=FP8_DTYPE)  # noqa: E731
+        return ex.ExpertWeights((q(local, 2 * inter, hidden), torch.ones(local, 2 * inter // 128, hidden // 128)),
+                                (q(local, hidden, inter), torch.ones(local, hidden // 128, inter // 128)))
+
+    def quant(v, *a, **k):  # the input quant (a Triton kernel): stubbed
+        return torch.empty(v.shape, dtype=FP8_DTYPE), torch.ones(v.shape[0], v.shape[1] // 128)
+
+    def gemm(a, b, d, m_indices, *args, **kw):  # GEMMs: stubbed (the output is written by the kernel)
+        return None
+
+    def silu(h, *a, **k):
+        return (torch.empty(h.shape[0], h.shape[1] // 2, dtype=FP8_DTYPE),
+                get_mn_major_tma_aligned_tensor(torch.ones(h.shape[0], h.shape[1] // 256)))
+
+    weights = fake_weights()
+    buf = moe_ep.Buffer(None, backend="torch")
+    results = {}
+    saved = {}
+    for path in ("permute", "expanded"):
+        c = _Counter()
+        patches = [(mo, "per_token_group_quant_fp8", c.paused_call(quant, "kernels")),
+                   (ex, "per_token_group_quant_fp8", c.paused_call(quant, "kernels")),
+                   (ex, "m_grouped_fp8_gemm_nt_contiguous", c.paused_call(gemm, "kernels")),
+                   (ex, "silu_and_mul_quant_fp8", c.paused_call(silu, "kernels")),
+                   (moe_ep.Buffer, "dispatch", c.paused_call(moe_ep.Buffer.dispatch, "comm")),
+                   (moe_ep.Buffer, "combine", c.paused_call(moe_ep.Buffer.combine, "comm")),
+                   (moe_ep.Buffer, "get_dispatch_layout", c.paused_call(moe_ep.Buffer.get_dispatch_layout, "comm")),
+                   (el.dist, "all_gather", c.paused_call(el.dist.all_gather, "comm"))]
+        for mod, name, fn in patches:
+            saved[(mod, name)] = getattr(mod, name)
+            setattr(mod, name, fn)
+        try:
+            layer = mo.MoELayer(buf, weights, local, mode="prefill", dispatch=path, num_max_dispatch_tokens_per_rank=m)
+            with c.mode:
+                layer(x, idx, w)
+        finally:
+            for (mod, name), fn in saved.items():
+                setattr(mod, name, fn)
+        results[path] = (c.kernels, c.comm, c.ops, c.read, c.written)
+    return results
+
+
+def symm_receive_copy_bytes(recv_rows: int, hidden: int = HIDDEN, topk: int = TOPK) -> int:
+    """Bytes the symm normal receive copies after the link (what a receive-as-view would save): the gather
+    kernel reads and writes each message row (``W_d`` int32 words: FP8 payload | scales | int64 top-k ids |
+    float32 weights, padded to 16 words), then ``recv_x`` and the scales are unpacked contiguous (read + write)."""
+    words = hidden // 4 + hidden // 128 + 2 * topk + topk
+    words = (words + 15) // 16 * 16
+    row = hidden + hidden // 128 * 4
+    return recv_rows * (2 * 4 * words + 2 * row)
+
+
 def main(argv=None) -> int:
     p = C.parser("bench_elastic.py", __doc__)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 32], help="EP sizes")
+    p.add_argument("--layer-tokens", type=int, default=1024, help="tokens per rank for the layer counts")
     args = p.parse_args(argv)
     if args.cpu_smoke:
-        C.smoke_defaults(args, p, argv, tokens=256, ranks=[8])
+        C.smoke_defaults(args, p, argv, tokens=256, ranks=[8], layer_tokens=64)
     rec = C.Records("bench_elastic", args.json, args.cpu_smoke, device="cpu (counted)", argv=argv)
     row = HIDDEN + HIDDEN // 128 * 4
     print(C.table_header(["case", "metric", "dispatch+permute", "fused expanded", "ratio"]))
@@ -123,6 +296,26 @@ def main(argv=None) -> int:
             baseline=perm, limit=1, ratio=ours / max(perm, 1))
     print(f"| launches | aten ops past the communication: Buffer.dispatch + permute vs ElasticBuffer expand (a fused "
           f"kernel: 1) | {perm} | {ours} | {ours / max(perm, 1):.2f} |")
+    for ranks in args.ranks:
+        case = f"dsv3 prefill layer T={args.layer_tokens} EP{ranks} (rank 0)"
+        r = count_layer(args.layer_tokens, ranks)
+        (pk, pc, po, pr, pw), (ek, ec, eo, er, ew) = r["permute"], r["expanded"]
+        rec.add(case, "layer launches (kernels + aten ops past the communication)", ek + eo, "launches",
+                baseline=pk + po, ratio=(ek + eo) / max(pk + po, 1), kernels=ek, aten_ops=eo, comm_calls=ec,
+                baseline_kernels=pk, baseline_aten_ops=po, baseline_comm_calls=pc)
+        rec.add(case, "layer glue bytes (aten ops past the communication, read + written)", er + ew, "B",
+                baseline=pr + pw, ratio=(er + ew) / max(pr + pw, 1), read=er, written=ew, baseline_read=pr,
+                baseline_written=pw)
+        print(f"| {case} | launches: kernels + aten ops (comm calls) | {pk} + {po} ({pc}) | {ek} + {eo} ({ec}) "
+              f"| {(ek + eo) / max(pk + po, 1):.2f} |")
+        print(f"| {case} | glue MB read + written | {pr / 1e6:.1f} + {pw / 1e6:.1f} | {er / 1e6:.1f} + {ew / 1e6:.1f} "
+              f"| {(er + ew) / max(pr + pw, 1):.2f} |")
+        m, _, _ = routing_counts(args.tokens, ranks)
+        view = symm_receive_copy_bytes(m)
+        rec.add(f"dsv3 prefill T={args.tokens} EP{ranks}", "symm receive copy bytes a receive-as-view would save",
+                view, "B", baseline=view, limit=0, note="no receive-as-view option in the symm backend (this release)")
+        print(f"| dsv3 prefill T={args.tokens} EP{ranks} | symm receive copy MB (a view: 0; not exposed) | "
+              f"{view / 1e6:.1f} | {view / 1e6:.1f} | 1.00 |")
     return rec.finish("bench_elastic.py")
 
 

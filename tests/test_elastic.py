@@ -409,3 +409,37 @@ def test_signature_matches_deepep_v2():
     i = inspect.signature(moe_ep.ElasticBuffer.__init__).parameters
     assert list(i)[:6] == ["self", "group", "num_bytes", "num_cpu_bytes", "num_max_tokens_per_rank", "hidden"]
     assert i["sl_idx"].default == 3 and i["num_cpu_timeout_secs"].default == 300
+
+
+# ----------------------------------------------------------------------------- construction during graph capture
+def _construct_in_capture(rank, world):
+    """A simulated capture (``checked_streams().capture()``, what ``moe_ep.events.is_capturing()`` reports):
+    constructing an ElasticBuffer raises the capture error on every rank before any allocation or rendezvous
+    (no generic backend failure, no hang); ``from_buffer`` over a Buffer made before the capture is allowed."""
+    import moe_ep
+    from moe_ep import events
+    from moe_ep.testing.streams import checked_streams
+
+    buf = moe_ep.Buffer(None, explicitly_destroy=True, backend="torch", timeout_s=30)
+    out = {}
+    with checked_streams(strict=False) as chk:
+        with chk.capture():
+            out["capturing"] = events.is_capturing()
+            out["torch"] = _outcome(lambda: _make("torch", world))
+            out["symm"] = _outcome(lambda: _make("symm", world))
+            eb = moe_ep.ElasticBuffer.from_buffer(buf, NUM_MAX)
+            out["wrapped"] = (type(eb).__name__, eb.num_ranks, eb.buffer is buf)
+        out["violations"] = chk.messages()
+    out["after"] = type(_make("torch", world)).__name__  # after the capture: constructs as usual
+    buf.destroy()
+    return out
+
+
+def test_construction_during_graph_capture_raises_a_clear_error():
+    for out in launch(_construct_in_capture, 2, timeout_s=120):
+        assert out["capturing"] is True
+        for name in ("torch", "symm"):
+            assert out[name].startswith("RuntimeError") and "CUDA graph is being captured" in out[name] \
+                and "before capturing" in out[name], out[name]
+        assert out["wrapped"] == ("ElasticBuffer", 2, True)
+        assert out["violations"] == [] and out["after"] == "ElasticBuffer"
