@@ -44,7 +44,7 @@ class RankTimeoutError(TimeoutError):
 
 class CallMismatchError(ValueError):
     """Ranks of the group made different calls (kind or shapes); raised on every rank before any
-    payload moves. ``ranks`` lists every rank; ``fields`` the fields that differ."""
+    payload moves. The message lists each rank's value; ``fields`` names the fields that differ."""
 
     def __init__(self, message: str, fields: list[str]):
         super().__init__(message)
