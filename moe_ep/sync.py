@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["ArrivalCheck", "CallMismatchError", "RankTimeoutError", "RemoteRankError"]
+__all__ = ["ArrivalCheck", "CallMismatchError", "RankMaskedWarning", "RankTimeoutError", "RemoteRankError"]
 
 _ABANDONED = "!abandoned"  # value a waiting rank puts in a late rank's slot when it gives up
 _REFUSED = "!refused"  # prefix of the value a rank writes when its own checks refused the call
@@ -40,6 +40,15 @@ class RankTimeoutError(TimeoutError):
     def __init__(self, message: str, missing_ranks: list[int]):
         super().__init__(message)
         self.missing_ranks = missing_ranks
+
+
+class RankMaskedWarning(RuntimeWarning):
+    """``enable_shrink``: a low-latency call masked rank(s) whose wait timed out instead of raising;
+    ``masked_ranks`` names them."""
+
+    def __init__(self, message: str, masked_ranks: list[int]):
+        super().__init__(message)
+        self.masked_ranks = masked_ranks
 
 
 class CallMismatchError(ValueError):

@@ -201,6 +201,27 @@ class SymmBackend(Backend):
             return self.low_latency_combine_recv(state, wait_recv_cost_stats), None
         return state.out, lambda: self.low_latency_combine_recv(state, wait_recv_cost_stats)
 
+    # ------------------------------------------------------------------ rank mask (enable_shrink)
+    def enable_shrink(self) -> None:
+        self._check_ll()
+        self.ll.shrink = True
+
+    def ll_update_mask(self, rank: int, masked: bool) -> None:
+        self._check_ll()
+        self.ll.update_mask(rank, masked)
+
+    def ll_query_mask(self, out: torch.Tensor) -> None:
+        self._check_ll()
+        out.copy_(self.ll.mask)
+
+    def ll_clean_mask(self) -> None:
+        self._check_ll()
+        self.ll.clean_mask()
+
+    def ll_mask_host(self) -> list:
+        self._check_ll()
+        return [int(v) for v in self.ll.mask.tolist()]
+
     # ------------------------------------------------------------------ status
     def check_status(self, blocking: bool = True) -> None:
         """Raise :class:`moe_ep.RankTimeoutError` if any wait of this rank timed out (after CUDA-graph

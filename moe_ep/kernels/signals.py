@@ -31,9 +31,11 @@ import triton.language as tl
 
 from .pdl import INTERPRET
 
-__all__ = ["now_ns", "wait_ne", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
+__all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
            "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_MESSAGES"]
 
+MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
+MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
 STATUS_OVERFLOW = -1
 STATUS_BAD_EXPERT = -2
 STATUS_MESSAGES = {
@@ -101,6 +103,42 @@ def wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns):
                 if failed | (now_ns() - start > timeout_ns):
                     report_timeout(status_ptr, peer)
                     done = True
+    return v
+
+
+@triton.jit
+def peer_masked(mask_ptr, rank, peer):
+    """Whether ``peer`` is masked for this rank (``mask_ptr``: this rank's local `[R]` int32 mask, nonzero =
+    masked): its own word is set, or this rank masked itself (then it exchanges with no other rank)."""
+    theirs = tl.load(mask_ptr + peer, volatile=True)
+    mine = tl.load(mask_ptr + rank, volatile=True)
+    return (theirs != 0) | ((mine != 0) & (peer != rank))
+
+
+@triton.jit
+def wait_ne_masked(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns):
+    """:func:`wait_ne` for a maskable peer (``enable_shrink``): returns ``value`` at once when ``peer`` is
+    masked (or becomes masked by another program meanwhile); on timeout it MASKS the peer (mask word =
+    ``MASK_TIMEOUT``) instead of setting ``status``, so the call goes on without it. Callers decide what
+    arrived by re-reading the mask after their waits."""
+    v = value
+    if peer_masked(mask_ptr, rank, peer) == 0:
+        v = load_acquire(sig_ptr)
+        if v == value:
+            start = now_ns()
+            done = False
+            while not done:
+                v = load_acquire(sig_ptr)
+                if v != value:
+                    done = True
+                else:
+                    gone = tl.load(mask_ptr + peer, volatile=True) != 0
+                    failed = tl.load(status_ptr, volatile=True) != 0
+                    if gone | failed:
+                        done = True
+                    elif now_ns() - start > timeout_ns:
+                        tl.atomic_cas(mask_ptr + peer, 0, 2, sem="relaxed", scope="sys")
+                        done = True
     return v
 
 
