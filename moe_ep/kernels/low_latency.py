@@ -63,8 +63,9 @@ def signal_layout(world_size: int) -> dict:
     """Word offsets (inside one double-buffer slot) of the signal arrays, and the slot's size."""
     R = world_size
     lay = {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "COMB_SEND_CNT": 4 * R,
-           "DISP_SEND_CNT": 5 * R, "DISP_RECV_CNT": 5 * R + 1, "COMB_RECV_CNT": 5 * R + 2}
-    lay["SLOT_WORDS"] = (5 * R + 3 + 7) // 8 * 8
+           "DISP_SEND_CNT": 5 * R, "DISP_RECV_CNT": 5 * R + 1, "COMB_RECV_CNT": 5 * R + 2,
+           "HEARTBEAT": 5 * R + 3}  # HEARTBEAT: kernels compute it as 5 * R + 3 (see _wait)
+    lay["SLOT_WORDS"] = (5 * R + 4 + 7) // 8 * 8
     return lay
 
 
@@ -114,10 +115,13 @@ def _live_vec(mask_ptr, rank, peers, R, MASK: tl.constexpr):
 
 
 @triton.jit
-def _wait(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns, MASK: tl.constexpr):
-    """``wait_ne``, or with ``MASK`` (enable_shrink) ``wait_ne_masked``: skip masked peers, mask on timeout."""
+def _wait(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns, signal_ptrs, sig_off, R, MASK: tl.constexpr):
+    """``wait_ne``, or with ``MASK`` (enable_shrink) ``wait_ne_masked``: skip masked peers, mask on timeout (the
+    heartbeat words are word ``HEARTBEAT = 5 * R + 3`` of this slot, :func:`signal_layout`)."""
     if MASK:
-        v = wait_ne_masked(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns)
+        hb = sig_off + 5 * R + 3
+        v = wait_ne_masked(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns,
+                           _peer(signal_ptrs, rank, 0, tl.int32) + hb, _peer(signal_ptrs, peer, 0, tl.int32) + hb)
     else:
         v = wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns)
     return v
@@ -171,7 +175,7 @@ def _ll_dispatch_send_kernel(
 
     # Step 1: every destination has drained this slot (its receive reset our busy word).
     for d in range(R):
-        _wait(my_sig + DISP_BUSY + d, 1, status_ptr, mask_ptr, rank, d, timeout_ns, MASK)
+        _wait(my_sig + DISP_BUSY + d, 1, status_ptr, mask_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R, MASK)
     tl.debug_barrier()
 
     kk = tl.arange(0, KP)
@@ -318,7 +322,7 @@ def _ll_dispatch_recv_kernel(
         t_start = now_ns()
     n_s = tl.full([], 0, tl.int32)
     for sp in range(s + 1):
-        v = _wait(my_sig + DISP_FULL + sp, 0, status_ptr, mask_ptr, rank, sp, timeout_ns, MASK)
+        v = _wait(my_sig + DISP_FULL + sp, 0, status_ptr, mask_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R, MASK)
         n_s = tl.where(sp == s, v - 1, n_s)
     if HAS_WAIT_STATS:
         # program (s, 0) reports how long this receive waited (from its start) until source s had sent
@@ -470,7 +474,7 @@ def _comb_send_body_ll(
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
     # Step 1: source s has drained its combine area (it reset our busy word).
-    _wait(my_sig + COMB_BUSY + s, 1, status_ptr, mask_ptr, rank, s, timeout_ns, MASK)
+    _wait(my_sig + COMB_BUSY + s, 1, status_ptr, mask_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R, MASK)
     tl.debug_barrier()
 
     # Step 2: rows of (s, t, k) selections that this rank's experts computed -> slot (t, k) on s.
@@ -538,7 +542,7 @@ def _comb_recv_body_ll(
     if HAS_WAIT_STATS:
         t_start = now_ns()
     for d in range(R):
-        _wait(my_sig + COMB_FULL + d, 0, status_ptr, mask_ptr, rank, d, timeout_ns, MASK)
+        _wait(my_sig + COMB_FULL + d, 0, status_ptr, mask_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R, MASK)
         if HAS_WAIT_STATS:
             if (pid_t == 0) & (pid_h == 0):
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
