@@ -108,7 +108,7 @@ def _live_vec(mask_ptr, rank, peers, R, MASK: tl.constexpr):
     if MASK:
         m = tl.load(mask_ptr + peers, mask=(peers >= 0) & (peers < R), other=0, volatile=True)
         mine = tl.load(mask_ptr + rank, volatile=True)
-        live = (m == 0) & ((peers * 0 + mine == 0) | (peers == rank))
+        live = ((m == 0) & (peers * 0 + mine == 0)) | (peers == rank)
     else:
         live = peers == peers
     return live

@@ -110,10 +110,11 @@ def wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns):
 @triton.jit
 def peer_masked(mask_ptr, rank, peer):
     """Whether ``peer`` is masked for this rank (``mask_ptr``: this rank's local `[R]` int32 mask, nonzero =
-    masked): its own word is set, or this rank masked itself (then it exchanges with no other rank)."""
+    masked): its own word is set, or this rank masked itself (then it exchanges with no other rank). A rank
+    never masks its own exchange with itself."""
     theirs = tl.load(mask_ptr + peer, volatile=True)
     mine = tl.load(mask_ptr + rank, volatile=True)
-    return (theirs != 0) | ((mine != 0) & (peer != rank))
+    return ((theirs != 0) | (mine != 0)) & (peer != rank)
 
 
 @triton.jit
