@@ -355,7 +355,7 @@ H, K = 7168, 8
 PTRS = {"x_ptr": "*bf16", "topk_ptr": "*i64", "buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32",
         "buf_ptr": "*u8", "recv_x_ptr": "*u8", "recv_s_ptr": "*i32", "recv_count_ptr": "*i32", "stats_ptr": "*i32",
         "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*i16",
-        "wait_stats_ptr": "*i64", "mask_ptr": "*i32"}
+        "wait_stats_ptr": "*i64"}
 I64 = ("timeout_ns", "cnt_off", "msg_off", "comb_off", "stride_xl", "stride_xr", "stride_sl", "stride_sg")
 # What a launch specialises: ints and pointers divisible by 16 carry tt.divisibility (these are).
 DIV16 = ("cnt_off", "msg_off", "comb_off", "stride_xl", "stride_xr", "stride_sl", "stride_sg", "T")
@@ -391,11 +391,11 @@ def variant(name, fp_fusion=True, ptrs=None, **const):
 
 
 SEND = dict(H=H, K=K, KP=8, MSG=14400, HDR=14336, BLOCK_T=1, CHUNK_T=32, BLOCK_E=64, GC=8, HC=2048,
-            DISP_BUSY=0, DISP_FULL=0, DISP_SEND_CNT=0, MASK=False)
+            DISP_BUSY=0, DISP_FULL=0, DISP_SEND_CNT=0)
 RECV = dict(H=H, K=K, KP=8, MSG=14400, HDR=14336, BLOCK_T=4, HC=2048, RP=8, LP=32, DISP_BUSY=0, DISP_FULL=0,
-            DISP_RECV_CNT=0, HAS_WAIT_STATS=False, MASK=False)
-CSEND = dict(H=H, K=K, KP=8, BLOCK_T=2, HC=1024, COMB_BUSY=0, COMB_FULL=0, COMB_SEND_CNT=0, MASK=False)
-CRECV = dict(H=H, K=K, BLOCK_T=2, HC=1024, COMB_BUSY=0, COMB_FULL=0, COMB_RECV_CNT=0, HAS_WAIT_STATS=False, MASK=False)
+            DISP_RECV_CNT=0, HAS_WAIT_STATS=False)
+CSEND = dict(H=H, K=K, KP=8, BLOCK_T=2, HC=1024, COMB_BUSY=0, COMB_FULL=0, COMB_SEND_CNT=0)
+CRECV = dict(H=H, K=K, BLOCK_T=2, HC=1024, COMB_BUSY=0, COMB_FULL=0, COMB_RECV_CNT=0, HAS_WAIT_STATS=False)
 CASES = {
     "send_fp8_native": lambda: variant("_ll_dispatch_send_kernel", IS_FP8=True, ROUND_SCALE=False, USE_UE8M0=False,
                                        NATIVE_FP8=True, **SEND),

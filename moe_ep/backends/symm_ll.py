@@ -167,12 +167,21 @@ class SymmLowLatency:
         self.owner = owner
         #: rank mask (``enable_shrink``): `[R]` int32 on the device, local to this rank (peers never read it);
         #: 0 = live, ``MASK_API`` = masked by the API, ``MASK_TIMEOUT`` = masked by a kernel whose wait timed out.
+        self.mask = symm.status[4:4 + symm.world_size]  # words STATUS_MASK.. of the local status tensor
         self.shrink = shrink
-        self.mask = torch.zeros(symm.world_size, dtype=torch.int32, device=symm.device)
         self.sig = signal_layout(symm.world_size)
         self._dispatch_slot = 0
         self._combine_slot = 0
         self._combine_buffers: dict = {}
+
+    @property
+    def shrink(self) -> bool:
+        return self._shrink
+
+    @shrink.setter
+    def shrink(self, on: bool) -> None:
+        self._shrink = bool(on)
+        self.symm.status[1] = int(self._shrink)  # STATUS_SHRINK, read by the kernels at run time
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -291,13 +300,13 @@ class SymmLowLatency:
         base = self._slot_base(slot)
         s = self.sig
         _ll_dispatch_send_kernel[grid](
-            x_arg, topk, symm.buffer_ptrs, symm.signal_ptrs, symm.status, self.mask,
+            x_arg, topk, symm.buffer_ptrs, symm.signal_ptrs, symm.status,
             symm.rank, n, T, L, E, R, num_token_progs, symm.timeout_ns,
             base + lay.cnt_off, base + lay.msg_off, slot * s["SLOT_WORDS"],
             H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=lay.hdr, BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_E=block_e,
             GC=gc, HC=hc, IS_FP8=use_fp8, ROUND_SCALE=round_scale, USE_UE8M0=use_ue8m0,
             NATIVE_FP8=use_fp8 and native_e4m3_supported(dev),
-            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"], MASK=self.shrink,
+            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"],
             num_warps=warps)
         symm.check_status("low_latency_dispatch (send)")
         self._dispatch_slot ^= 1
@@ -336,7 +345,7 @@ class SymmLowLatency:
         base = self._slot_base(state.slot)
         s = self.sig
         _ll_dispatch_recv_kernel[grid](
-            symm.buffer, symm.signal_ptrs, symm.status, self.mask,
+            symm.buffer, symm.signal_ptrs, symm.status,
             x_view, s_arg, stride_sl, stride_sg,
             res.recv_count, stats if stats is not None else res.recv_count,
             wait_recv_cost_stats if wait_recv_cost_stats is not None else h.recv_tokens,
@@ -346,7 +355,7 @@ class SymmLowLatency:
             H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=lay.hdr, SW=sw, SWP=_pow2(sw), BLOCK_T=block_t, HC=hc,
             RP=_pow2(R), LP=_pow2(L), IS_FP8=state.use_fp8, HAS_STATS=stats is not None,
             HAS_WAIT_STATS=wait_recv_cost_stats is not None,
-            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"], MASK=self.shrink,
+            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"],
             num_warps=warps)
         symm.check_status("low_latency_dispatch (receive)")
         state.recv_done = True
@@ -404,11 +413,11 @@ class SymmLowLatency:
         x16 = x.view(torch.int16)
         _ll_combine_send_fmt_kernel[(R, triton.cdiv(T, block_t))](
             x16, x16.stride(0), x16.stride(1), handle.slot_row, handle.recv_tokens,
-            symm.buffer_ptrs, symm.signal_ptrs, symm.status, self.mask,
+            symm.buffer_ptrs, symm.signal_ptrs, symm.status,
             symm.rank, T, R, symm.timeout_ns, base + lay.comb_off, slot * s["SLOT_WORDS"],
             H=hidden, K=K, KP=_pow2(K), BLOCK_T=block_t, HC=hc,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_SEND_CNT=s["COMB_SEND_CNT"],
-            FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev), MASK=self.shrink,
+            FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev),
             num_warps=warps)
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1
@@ -435,11 +444,11 @@ class SymmLowLatency:
         s = self.sig
         _ll_combine_recv_fmt_kernel[grid](
             symm.buffer, state.topk_idx, state.topk_weights, state.out.view(torch.int16), symm.signal_ptrs, symm.status,
-            self.mask, wait_recv_cost_stats if wait_recv_cost_stats is not None else state.topk_idx,
+            wait_recv_cost_stats if wait_recv_cost_stats is not None else state.topk_idx,
             symm.rank, n, R, h.num_experts // R, symm.timeout_ns, base + lay.comb_off, state.slot * s["SLOT_WORDS"],
             H=hidden, K=K, BLOCK_T=block_t, HC=hc, HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
-            FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, MASK=self.shrink, num_warps=warps,
+            FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, num_warps=warps,
             enable_fp_fusion=False)
         symm.check_status("low_latency_combine (receive)")
         state.recv_done = True

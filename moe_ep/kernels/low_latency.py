@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .fp8_cast import e4m3_byte, group_scale
 from .logfmt import e4m3_decode, fp8_encode_groups, fp16_bits, logfmt_decode_values, logfmt_encode_groups
-from .signals import arrive_last, now_ns, peer_masked, signal_release, wait_ne, wait_ne_masked
+from .signals import STATUS_MASK, STATUS_SHRINK, arrive_last, now_ns, peer_masked, signal_release, wait_ne, wait_ne_masked
 
 __all__ = [
     "signal_layout",
@@ -86,41 +86,39 @@ def _status_ok(status_ptr, like):
     return (like * 0 + tl.load(status_ptr, volatile=True)) == 0
 
 
+# Rank mask (enable_shrink): it lives in this rank's local ``status`` tensor (:class:`moe_ep.symm.SymmBuffer`):
+# word ``STATUS_SHRINK`` = 1 turns masking on, words ``STATUS_MASK + r`` = rank r's mask (0 live, nonzero masked).
+# Read at run time (no extra kernel argument): without enable_shrink every helper below is a no-op.
 @triton.jit
-def _live(mask_ptr, rank, peer, MASK: tl.constexpr):
-    """Scalar bool: ``peer`` is not masked for this rank (always true without ``MASK``)."""
-    if MASK:
-        live = peer_masked(mask_ptr, rank, peer) == 0
-    else:
-        live = rank >= 0
-    return live
+def _live(status_ptr, rank, peer):
+    """Scalar bool: ``peer`` is not masked for this rank (always true without enable_shrink)."""
+    shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True)
+    return (shrink == 0) | (peer_masked(status_ptr + STATUS_MASK, rank, peer) == 0)
 
 
 @triton.jit
-def _live_like(mask_ptr, rank, peer, like, MASK: tl.constexpr):
+def _live_like(status_ptr, rank, peer, like):
     """``_live`` broadcast to a bool tensor shaped like the int tensor ``like`` (see ``_status_ok``)."""
-    return (like * 0 + _live(mask_ptr, rank, peer, MASK).to(tl.int32)) != 0
+    return (like * 0 + _live(status_ptr, rank, peer).to(tl.int32)) != 0
 
 
 @triton.jit
-def _live_vec(mask_ptr, rank, peers, R, MASK: tl.constexpr):
+def _live_vec(status_ptr, rank, peers, R):
     """Bool tensor: each rank of the int tensor ``peers`` (in ``[0, R)``) is not masked for this rank."""
-    if MASK:
-        m = tl.load(mask_ptr + peers, mask=(peers >= 0) & (peers < R), other=0, volatile=True)
-        mine = tl.load(mask_ptr + rank, volatile=True)
-        live = ((m == 0) & (peers * 0 + mine == 0)) | (peers == rank)
-    else:
-        live = peers == peers
-    return live
+    shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True)
+    m = tl.load(status_ptr + STATUS_MASK + peers, mask=(peers >= 0) & (peers < R), other=0, volatile=True)
+    mine = tl.load(status_ptr + STATUS_MASK + rank, volatile=True)
+    zero = peers * 0
+    return (zero + shrink == 0) | ((m == 0) & (zero + mine == 0)) | (peers == rank)
 
 
 @triton.jit
-def _wait(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns, signal_ptrs, sig_off, R, MASK: tl.constexpr):
-    """``wait_ne``, or with ``MASK`` (enable_shrink) ``wait_ne_masked``: skip masked peers, mask on timeout (the
-    heartbeat words are word ``HEARTBEAT = 5 * R + 3`` of this slot, :func:`signal_layout`)."""
-    if MASK:
+def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_off, R):
+    """``wait_ne``, or with enable_shrink ``wait_ne_masked``: skip masked peers, mask on timeout (the heartbeat
+    words are word ``HEARTBEAT = 5 * R + 3`` of this slot, :func:`signal_layout`)."""
+    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
         hb = sig_off + 5 * R + 3
-        v = wait_ne_masked(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns,
+        v = wait_ne_masked(sig_ptr, value, status_ptr, status_ptr + STATUS_MASK, rank, peer, timeout_ns,
                            _peer(signal_ptrs, rank, 0, tl.int32) + hb, _peer(signal_ptrs, peer, 0, tl.int32) + hb)
     else:
         v = wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns)
@@ -161,13 +159,12 @@ def _ll_dispatch_send_kernel(
     x_ptr,  # [N, H] bf16 (int16 view when not IS_FP8)
     topk_ptr,  # [N, K] int64
     buffer_ptrs, signal_ptrs, status_ptr,
-    mask_ptr,  # [R] int32 rank mask of this rank (read only with MASK; a timed-out wait sets a word)
     rank, N, T, L, E, R, num_token_progs, timeout_ns,
     cnt_off, msg_off, sig_off,  # bytes / bytes / words of this slot
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MSG: tl.constexpr, HDR: tl.constexpr,
     BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_E: tl.constexpr, GC: tl.constexpr, HC: tl.constexpr,
     IS_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
-    DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_SEND_CNT: tl.constexpr, MASK: tl.constexpr,
+    DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_SEND_CNT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -175,7 +172,7 @@ def _ll_dispatch_send_kernel(
 
     # Step 1: every destination has drained this slot (its receive reset our busy word).
     for d in range(R):
-        _wait(my_sig + DISP_BUSY + d, 1, status_ptr, mask_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R, MASK)
+        _wait(my_sig + DISP_BUSY + d, 1, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
     tl.debug_barrier()
 
     kk = tl.arange(0, KP)
@@ -213,7 +210,7 @@ def _ll_dispatch_send_kernel(
         for d in range(R):
             base = _peer(buffer_ptrs, d, 0, tl.int32)
             p = base + hdr[:, None] + kk[None, :]
-            w_mask_d = w_mask & _live_like(mask_ptr, rank, d, offs_t, MASK)[:, None]
+            w_mask_d = w_mask & _live_like(status_ptr, rank, d, offs_t)[:, None]
             tl.store(p, idx, mask=w_mask_d)
             tl.store(p + K, pos, mask=w_mask_d)
 
@@ -242,7 +239,7 @@ def _ll_dispatch_send_kernel(
                     w_ok = offs_w < (G + 3) // 4
                 for d in range(R):
                     to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                    m = t_ok & to_d & ok & _live_like(mask_ptr, rank, d, offs_t, MASK)
+                    m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
                     base8 = _peer(buffer_ptrs, d, 0, tl.uint8)
                     tl.store(base8 + row_b[:, None, None] + cols[None, :, :], q,
                              mask=m[:, None, None] & g_ok[None, :, None])
@@ -261,7 +258,7 @@ def _ll_dispatch_send_kernel(
                             mask=t_ok[:, None] & h_ok[None, :], other=0)
                 for d in range(R):
                     to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                    m = t_ok & to_d & ok & _live_like(mask_ptr, rank, d, offs_t, MASK)
+                    m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
                     base16 = _peer(buffer_ptrs, d, 0, tl.int16)
                     tl.store(base16 + (row_b // 2)[:, None] + offs_h[None, :], v, mask=m[:, None] & h_ok[None, :])
     else:
@@ -278,7 +275,7 @@ def _ll_dispatch_send_kernel(
         # ptxas spilled (4 B) in the BF16 build. Reading it later only sees a timeout sooner.
         e_ok = (offs_e < E) & _status_ok(status_ptr, offs_e)
         for d in range(R):
-            m = e_ok & (offs_e // L == d) & _live_like(mask_ptr, rank, d, offs_e, MASK)
+            m = e_ok & (offs_e // L == d) & _live_like(status_ptr, rank, d, offs_e)
             base = _peer(buffer_ptrs, d, 0, tl.int32)
             tl.store(base + cnt_off // 4 + rank * L + (offs_e - d * L), hist, mask=m)
 
@@ -287,7 +284,7 @@ def _ll_dispatch_send_kernel(
     if arrive_last(my_sig + DISP_SEND_CNT, num_progs):
         if tl.load(status_ptr, volatile=True) == 0:
             for d in range(R):
-                if _live(mask_ptr, rank, d, MASK):
+                if _live(status_ptr, rank, d):
                     tl.atomic_xchg(my_sig + DISP_BUSY + d, 1, sem="relaxed", scope="sys")
                     signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + DISP_FULL + rank, N + 1)
 
@@ -296,7 +293,6 @@ def _ll_dispatch_send_kernel(
 def _ll_dispatch_recv_kernel(
     buf_ptr,  # this rank's data region (uint8)
     signal_ptrs, status_ptr,
-    mask_ptr,  # [R] int32 rank mask (MASK): masked sources count as sending nothing
     recv_x_ptr,  # [L, R*T, H] contiguous: uint8 view (FP8) or int16 view (BF16)
     recv_s_ptr, stride_sl, stride_sg,  # int32 view of the column-major scales (row stride 1)
     recv_count_ptr, stats_ptr,  # [L] int32
@@ -308,7 +304,7 @@ def _ll_dispatch_recv_kernel(
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MSG: tl.constexpr, HDR: tl.constexpr,
     SW: tl.constexpr, SWP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, RP: tl.constexpr,
     LP: tl.constexpr, IS_FP8: tl.constexpr, HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
-    DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_RECV_CNT: tl.constexpr, MASK: tl.constexpr,
+    DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_RECV_CNT: tl.constexpr,
 ):
     s = tl.program_id(0)
     b = tl.program_id(1)
@@ -322,13 +318,13 @@ def _ll_dispatch_recv_kernel(
         t_start = now_ns()
     n_s = tl.full([], 0, tl.int32)
     for sp in range(s + 1):
-        v = _wait(my_sig + DISP_FULL + sp, 0, status_ptr, mask_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R, MASK)
+        v = _wait(my_sig + DISP_FULL + sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
         n_s = tl.where(sp == s, v - 1, n_s)
     if HAS_WAIT_STATS:
         # program (s, 0) reports how long this receive waited (from its start) until source s had sent
         if b == 0:
             tl.atomic_add(wait_stats_ptr + s, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
-    ok = (tl.load(status_ptr, volatile=True) == 0) & _live(mask_ptr, rank, s, MASK)
+    ok = (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s)
     n_s = tl.where(ok, tl.minimum(tl.maximum(n_s, 0), T), 0)
     tl.debug_barrier()
     RT = R * T
@@ -338,7 +334,7 @@ def _ll_dispatch_recv_kernel(
         rr = tl.arange(0, RP)
         ll = tl.arange(0, LP)
         cnt = tl.load(buf32 + cnt_off // 4 + rr[:, None] * L + ll[None, :],
-                      mask=((rr < R) & _status_ok(status_ptr, rr) & _live_vec(mask_ptr, rank, rr, R, MASK))[:, None]
+                      mask=((rr < R) & _status_ok(status_ptr, rr) & _live_vec(status_ptr, rank, rr, R))[:, None]
                       & (ll < L)[None, :],
                       other=0)
         total = tl.sum(cnt, axis=0)
@@ -364,7 +360,7 @@ def _ll_dispatch_recv_kernel(
     le = tl.where(is_local, idx - lo, 0)
     off = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
     for sp in range(s):
-        off += tl.load(buf32 + cnt_off // 4 + sp * L + le, mask=is_local & _live_like(mask_ptr, rank, sp, le, MASK),
+        off += tl.load(buf32 + cnt_off // 4 + sp * L + le, mask=is_local & _live_like(status_ptr, rank, sp, le),
                        other=0)
     row = off + pos
     # NOTES: bounds-checked so that stale or missing data (after a timeout) never writes out of range.
@@ -407,7 +403,7 @@ def _ll_dispatch_recv_kernel(
         for sp in range(R):
             tl.atomic_xchg(my_sig + DISP_FULL + sp, 0, sem="relaxed", scope="sys")
         for sp in range(R):
-            if _live(mask_ptr, rank, sp, MASK):
+            if _live(status_ptr, rank, sp):
                 signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + rank, 0)
 
 
@@ -462,19 +458,18 @@ def _comb_send_body_ll(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
     slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
     buffer_ptrs, signal_ptrs, status_ptr,
-    mask_ptr,  # [R] int32 rank mask (MASK): nothing goes to a masked source
     rank, T, R, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
-    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, MASK: tl.constexpr,
+    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     b = tl.program_id(1)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
     # Step 1: source s has drained its combine area (it reset our busy word).
-    _wait(my_sig + COMB_BUSY + s, 1, status_ptr, mask_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R, MASK)
+    _wait(my_sig + COMB_BUSY + s, 1, status_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R)
     tl.debug_barrier()
 
     # Step 2: rows of (s, t, k) selections that this rank's experts computed -> slot (t, k) on s.
@@ -482,7 +477,7 @@ def _comb_send_body_ll(
     n_s = tl.load(recv_tokens_ptr + s)
     kk = tl.arange(0, KP)
     offs_t = b * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t) & _live_like(mask_ptr, rank, s, offs_t, MASK)
+    t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t) & _live_like(status_ptr, rank, s, offs_t)
     slot = tl.load(slot_row_ptr + (s * T + offs_t)[:, None] * K + kk[None, :], mask=t_ok[:, None] & (kk < K)[None, :],
                    other=-1)
     if FMT < 2:
@@ -513,7 +508,7 @@ def _comb_send_body_ll(
     # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s.
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
-        if (tl.load(status_ptr, volatile=True) == 0) & _live(mask_ptr, rank, s, MASK):
+        if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
             tl.atomic_xchg(my_sig + COMB_BUSY + s, 1, sem="relaxed", scope="sys")
             signal_release(_peer(signal_ptrs, s, 0, tl.int32) + sig_off + COMB_FULL + rank, 1)
 
@@ -524,13 +519,12 @@ def _comb_recv_body_ll(
     topk_ptr, w_ptr,  # [N, K] int64 / float32
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
-    mask_ptr,  # [R] int32 rank mask (MASK): selections of experts on masked ranks add 0
     wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
     rank, N, R, L, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
-    FMT: tl.constexpr, OUT_F16: tl.constexpr, MASK: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -542,7 +536,7 @@ def _comb_recv_body_ll(
     if HAS_WAIT_STATS:
         t_start = now_ns()
     for d in range(R):
-        _wait(my_sig + COMB_FULL + d, 0, status_ptr, mask_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R, MASK)
+        _wait(my_sig + COMB_FULL + d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
         if HAS_WAIT_STATS:
             if (pid_t == 0) & (pid_h == 0):
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
@@ -565,7 +559,7 @@ def _comb_recv_body_ll(
     for k in tl.static_range(K):
         e_k = tl.load(topk_ptr + offs_t * K + k, mask=t_ok, other=-1)
         w_k = tl.load(w_ptr + offs_t * K + k, mask=t_ok, other=0.0)
-        v_k = (e_k >= 0) & t_ok & _live_vec(mask_ptr, rank, tl.where(e_k >= 0, e_k // L, 0).to(tl.int32), R, MASK)
+        v_k = (e_k >= 0) & t_ok & _live_vec(status_ptr, rank, tl.where(e_k >= 0, e_k // L, 0).to(tl.int32), R)
         m = (v_k & ok)[:, None] & h_ok[None, :]
         if FMT < 2:
             y = tl.load(comb + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :], mask=m,
@@ -600,7 +594,7 @@ def _comb_recv_body_ll(
         for d in range(R):
             tl.atomic_xchg(my_sig + COMB_FULL + d, 0, sem="relaxed", scope="sys")
         for d in range(R):
-            if _live(mask_ptr, rank, d, MASK):
+            if _live(status_ptr, rank, d):
                 signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + rank, 0)
 
 
@@ -609,16 +603,15 @@ def _ll_combine_send_kernel(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
     slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
     buffer_ptrs, signal_ptrs, status_ptr,
-    mask_ptr,  # [R] int32 rank mask (MASK): nothing goes to a masked source
     rank, T, R, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
-    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr, MASK: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
 ):
     """BF16 payloads: see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
-                       status_ptr, mask_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
-                       COMB_FULL, COMB_SEND_CNT, 0, False, False, MASK)
+                       status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
+                       COMB_FULL, COMB_SEND_CNT, 0, False, False)
 
 
 @triton.jit
@@ -626,17 +619,16 @@ def _ll_combine_send_fmt_kernel(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
     slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
     buffer_ptrs, signal_ptrs, status_ptr,
-    mask_ptr,  # [R] int32 rank mask (MASK): nothing goes to a masked source
     rank, T, R, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
-    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, MASK: tl.constexpr,
+    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
-                       status_ptr, mask_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
-                       COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8, MASK)
+                       status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
+                       COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8)
 
 
 @triton.jit
@@ -645,17 +637,16 @@ def _ll_combine_recv_kernel(
     topk_ptr, w_ptr,  # [N, K] int64 / float32
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
-    mask_ptr,  # [R] int32 rank mask (MASK): selections of experts on masked ranks add 0
     wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
     rank, N, R, L, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
-    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr, MASK: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
 ):
     """BF16 payloads: see :func:`_comb_recv_body_ll`."""
-    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, mask_ptr, wait_stats_ptr, rank, N,
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
                        R, L, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
-                       COMB_RECV_CNT, 0, False, MASK)
+                       COMB_RECV_CNT, 0, False)
 
 
 @triton.jit
@@ -664,15 +655,14 @@ def _ll_combine_recv_fmt_kernel(
     topk_ptr, w_ptr,  # [N, K] int64 / float32
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
-    mask_ptr,  # [R] int32 rank mask (MASK): selections of experts on masked ranks add 0
     wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
     rank, N, R, L, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
-    FMT: tl.constexpr, OUT_F16: tl.constexpr, MASK: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr,
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_recv_body_ll`."""
-    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, mask_ptr, wait_stats_ptr, rank, N,
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
                        R, L, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
-                       COMB_RECV_CNT, FMT, OUT_F16, MASK)
+                       COMB_RECV_CNT, FMT, OUT_F16)

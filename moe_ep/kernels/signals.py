@@ -31,11 +31,14 @@ import triton.language as tl
 
 from .pdl import INTERPRET
 
-__all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
+__all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
+           "STATUS_MASK", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
            "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_MESSAGES"]
 
 MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
 MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
+STATUS_SHRINK = tl.constexpr(1)  # status word: 1 = enable_shrink (rank masking on)
+STATUS_MASK = tl.constexpr(4)  # status words STATUS_MASK + r: rank r's mask word (MASK_API / MASK_TIMEOUT)
 HB_CAP = tl.constexpr(4)  # a beating (alive but waiting) peer is masked after HB_CAP timeouts all the same
 STATUS_OVERFLOW = -1
 STATUS_BAD_EXPERT = -2
@@ -127,7 +130,7 @@ def wait_ne_masked(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns,
     Heartbeat: while it spins, this rank stores its clock (ms) into its heartbeat word ``my_hb_ptr``; a change of
     the peer's word ``peer_hb_ptr`` restarts the timeout (a live peer that is itself waiting, e.g. on a dead
     rank, is not masked), up to ``HB_CAP`` timeouts in all. A dead rank's word never changes."""
-    v = value
+    v = load_acquire(sig_ptr) * 0 + value  # (a tensor in both branches, for the compiler)
     if peer_masked(mask_ptr, rank, peer) == 0:
         v = load_acquire(sig_ptr)
         if v == value:
