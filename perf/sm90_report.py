@@ -440,7 +440,7 @@ def _low_latency_cases() -> list[Case]:
         "ll_combine_recv", f"BF16 H={H} T={T} top-{KT} EP{R}", k._ll_combine_recv_kernel,
         {"buf_ptr": "*u8", "topk_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*i16", "signal_ptrs": "*i64",
          "status_ptr": "*i32", "wait_stats_ptr": "*i64"},
-        {"rank": _RANK, "N": T, "R": R, "L": L, "timeout_ns": _TIMEOUT_NS, **comb},
+        {"rank": _RANK, "N": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
         {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "HAS_WAIT_STATS": True, "COMB_BUSY": sig["COMB_BUSY"],
          "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"]},
         options={"enable_fp_fusion": False}))
@@ -459,7 +459,7 @@ def _low_latency_cases() -> list[Case]:
             "ll_combine_recv_fmt", f"{what} H={H} T={T} top-{KT} EP{R}", k._ll_combine_recv_fmt_kernel,
             {"buf_ptr": "*u8", "topk_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*i16", "signal_ptrs": "*i64",
              "status_ptr": "*i32", "wait_stats_ptr": "*i64"},
-            {"rank": _RANK, "N": T, "R": R, "L": L, "timeout_ns": _TIMEOUT_NS, **comb},
+            {"rank": _RANK, "N": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
             {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "HAS_WAIT_STATS": True,
              "COMB_BUSY": sig["COMB_BUSY"], "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"],
              "FMT": fmt, "OUT_F16": f16},

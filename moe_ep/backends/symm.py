@@ -212,7 +212,8 @@ class SymmBackend(Backend):
 
     def ll_query_mask(self, out: torch.Tensor) -> None:
         self._check_ll()
-        out.copy_(self.ll.mask)
+        api = self.ll.reported_mask()
+        out.copy_(self.ll.mask if api is None else torch.tensor(api, dtype=torch.int32))
 
     def ll_clean_mask(self) -> None:
         self._check_ll()
@@ -220,7 +221,8 @@ class SymmBackend(Backend):
 
     def ll_mask_host(self) -> list:
         self._check_ll()
-        return [int(v) for v in self.ll.mask.tolist()]
+        api = self.ll.reported_mask()
+        return api if api is not None else [int(v) for v in self.ll.mask.tolist()]
 
     # ------------------------------------------------------------------ status
     def check_status(self, blocking: bool = True) -> None:

@@ -87,13 +87,13 @@ def _status_ok(status_ptr, like):
 
 
 # Rank mask (enable_shrink): it lives in this rank's local ``status`` tensor (:class:`moe_ep.symm.SymmBuffer`):
-# word ``STATUS_SHRINK`` = 1 turns masking on, words ``STATUS_MASK + r`` = rank r's mask (0 live, nonzero masked).
-# Read at run time (no extra kernel argument): without enable_shrink every helper below is a no-op.
+# word ``STATUS_SHRINK`` = 1 turns masked waits on, words ``STATUS_MASK + r`` = rank r's EFFECTIVE mask for this rank
+# (0 live, nonzero masked; a self-masked rank has every other word set, its own word is never set; the host folds
+# that in). Read at run time (no extra kernel argument); without enable_shrink the words stay 0.
 @triton.jit
 def _live(status_ptr, rank, peer):
     """Scalar bool: ``peer`` is not masked for this rank (always true without enable_shrink)."""
-    shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True)
-    return (shrink == 0) | (peer_masked(status_ptr + STATUS_MASK, rank, peer) == 0)
+    return peer_masked(status_ptr + STATUS_MASK, rank, peer) == 0
 
 
 @triton.jit
@@ -105,11 +105,8 @@ def _live_like(status_ptr, rank, peer, like):
 @triton.jit
 def _live_vec(status_ptr, rank, peers, R):
     """Bool tensor: each rank of the int tensor ``peers`` (in ``[0, R)``) is not masked for this rank."""
-    shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True)
     m = tl.load(status_ptr + STATUS_MASK + peers, mask=(peers >= 0) & (peers < R), other=0, volatile=True)
-    mine = tl.load(status_ptr + STATUS_MASK + rank, volatile=True)
-    zero = peers * 0
-    return (zero + shrink == 0) | ((m == 0) & (zero + mine == 0)) | (peers == rank)
+    return m == 0
 
 
 @triton.jit
@@ -520,7 +517,7 @@ def _comb_recv_body_ll(
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
     wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
-    rank, N, R, L, timeout_ns,
+    rank, N, R, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
@@ -556,10 +553,12 @@ def _comb_recv_body_ll(
     comb8 = buf_ptr + comb_off
     comb32 = comb8.to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros([BLOCK_T, HC], dtype=tl.float32)
+    # NOTES: selections of experts on masked ranks arrive as -1 holes (SymmLowLatency.combine_recv rewrites
+    # topk_idx with the mask before the launch: a per-k mask load here made the FP8 build spill).
     for k in tl.static_range(K):
         e_k = tl.load(topk_ptr + offs_t * K + k, mask=t_ok, other=-1)
         w_k = tl.load(w_ptr + offs_t * K + k, mask=t_ok, other=0.0)
-        v_k = (e_k >= 0) & t_ok & _live_vec(status_ptr, rank, tl.where(e_k >= 0, e_k // L, 0).to(tl.int32), R)
+        v_k = (e_k >= 0) & t_ok
         m = (v_k & ok)[:, None] & h_ok[None, :]
         if FMT < 2:
             y = tl.load(comb + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :], mask=m,
@@ -638,14 +637,14 @@ def _ll_combine_recv_kernel(
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
     wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
-    rank, N, R, L, timeout_ns,
+    rank, N, R, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
 ):
     """BF16 payloads: see :func:`_comb_recv_body_ll`."""
     _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
-                       R, L, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+                       R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
                        COMB_RECV_CNT, 0, False)
 
 
@@ -656,7 +655,7 @@ def _ll_combine_recv_fmt_kernel(
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
     wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
-    rank, N, R, L, timeout_ns,
+    rank, N, R, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
@@ -664,5 +663,5 @@ def _ll_combine_recv_fmt_kernel(
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_recv_body_ll`."""
     _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
-                       R, L, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+                       R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
                        COMB_RECV_CNT, FMT, OUT_F16)

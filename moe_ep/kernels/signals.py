@@ -112,12 +112,9 @@ def wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns):
 
 @triton.jit
 def peer_masked(mask_ptr, rank, peer):
-    """Whether ``peer`` is masked for this rank (``mask_ptr``: this rank's local `[R]` int32 mask, nonzero =
-    masked): its own word is set, or this rank masked itself (then it exchanges with no other rank). A rank
-    never masks its own exchange with itself."""
-    theirs = tl.load(mask_ptr + peer, volatile=True)
-    mine = tl.load(mask_ptr + rank, volatile=True)
-    return ((theirs != 0) | (mine != 0)) & (peer != rank)
+    """Whether ``peer`` is masked for this rank (``mask_ptr``: this rank's local `[R]` int32 effective mask,
+    nonzero = masked; the host folds "this rank masked itself" into it: every other word set, its own never)."""
+    return tl.load(mask_ptr + peer, volatile=True) != 0
 
 
 @triton.jit
