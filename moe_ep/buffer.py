@@ -8,6 +8,7 @@ applies DeepEP's stream/event semantics, and delegates the communication to a ba
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -76,8 +77,9 @@ class Buffer:
             compatibility (RDMA / fabric-memory settings of backends not in this release; ignored).
         explicitly_destroy: as DeepEP: ``True`` means resources are released only by :meth:`destroy`
             (which then must be called); ``False`` releases them when the Buffer is garbage-collected.
-        enable_shrink: DeepEP's rank-masking mode; not supported in this release (``True`` raises
-            ``ValueError``); the mask API methods exist with DeepEP's signatures and refuse without it.
+        enable_shrink: DeepEP's rank-masking mode, low-latency mode only (``low_latency_mode=True``, else
+            ``ValueError``): enables the mask API (:meth:`low_latency_update_mask_buffer` ...), and a rank whose wait
+            times out in a low-latency call is masked instead of failing the call (see :meth:`low_latency_masked_ranks`).
         comm: DeepEP's mpi4py alternative to ``group``; not supported (must be ``None``).
         backend: ``"torch"`` (all_to_all_single over gloo/NCCL, any topology), ``"symm"`` (Triton kernels
             over symmetric memory, one node) or ``"auto"`` (``"torch"`` in this release).
@@ -102,9 +104,10 @@ class Buffer:
                  backend: str = "auto", timeout_s: float = 60.0, check_inputs: bool = True, **backend_kwargs: Any):
         if comm is not None:
             raise ValueError("comm= (an mpi4py communicator) is not supported: pass a torch.distributed process group")
-        if enable_shrink:
-            raise ValueError("enable_shrink=True (rank masking) is not supported in this release: a rank that does not "
-                             "arrive makes every peer raise moe_ep.RankTimeoutError naming it")
+        if enable_shrink and not low_latency_mode:
+            raise ValueError("enable_shrink=True (rank masking) covers low-latency mode only: pass "
+                             "low_latency_mode=True (normal-mode calls keep waiting for every rank and raise "
+                             "moe_ep.RankTimeoutError naming a rank that does not arrive)")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
         if backend not in BACKENDS:
@@ -135,6 +138,9 @@ class Buffer:
         else:
             from .backends.symm import SymmBackend
             self._impl = SymmBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
+        if enable_shrink:
+            self._impl.enable_shrink()
+        self._mask_seen = [0] * self.group_size  # host copy of the mask after the last low-latency call
         self._comm_streams: dict = {}
         self._checked_layout = None  # key of the last get_dispatch_layout whose topk_idx was value-checked
 
@@ -165,21 +171,82 @@ class Buffer:
         return self._comm_stream(torch.device("cuda", torch.cuda.current_device()))
 
     def _check_shrink(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("moe_ep.Buffer: this Buffer was destroyed")
         if not self.enable_shrink:
-            raise ValueError("the low-latency mask API needs Buffer(..., enable_shrink=True) (as in DeepEP), which "
-                             "this release does not support")
+            raise ValueError("the low-latency mask API needs Buffer(..., low_latency_mode=True, enable_shrink=True) "
+                             "(as in DeepEP)")
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """DeepEP's mask API (mask or unmask ``rank_to_mask``); needs ``enable_shrink``."""
+        """DeepEP's mask API: mask (``mask=True``) or unmask ``rank_to_mask`` on THIS rank; needs ``enable_shrink``.
+
+        A rank masked here is neither sent to nor waited for by this rank's low-latency calls; its rows in the
+        outputs: ``recv_count`` excludes its tokens (its source block of ``recv_x`` stays empty), and combine adds 0
+        for selections of experts it holds (with ``eplb.map_topk(..., slot_mask=...)`` no token selects them).
+        Call it with the same arguments on every live rank between steps. A rank that masks ITSELF exchanges
+        with no other rank until cleaned (its calls only serve its own tokens with its own experts). Device write,
+        no host read (CUDA-graph safe on ``symm``)."""
         self._check_shrink()
+        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
+        self._impl.ll_update_mask(rank_to_mask, bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """DeepEP's mask API (copy the mask into ``mask_status`` `[num_ranks]` int32); needs ``enable_shrink``."""
+        """DeepEP's mask API: write this rank's mask into ``mask_status`` (`[num_ranks]` `torch.int32`): 0 = live,
+        1 = masked by :meth:`low_latency_update_mask_buffer`, 2 = masked automatically because a wait on it timed
+        out (nonzero = masked). A device copy, no host read."""
         self._check_shrink()
+        if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32 \
+                or tuple(mask_status.shape) != (self.group_size,):
+            raise ValueError(f"mask_status must be a torch.int32 tensor [{self.group_size}], got "
+                             f"{getattr(mask_status, 'dtype', type(mask_status).__name__)} "
+                             f"{tuple(getattr(mask_status, 'shape', ()))}")
+        self._impl.ll_query_mask(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """DeepEP's mask API (clear every mask); needs ``enable_shrink``."""
+        """DeepEP's mask API: unmask every rank (a rank that came back rejoins). Call it on every rank, the returning
+        one included, between steps: after every rank has finished the previous step and before anyone starts the
+        next (e.g. after a host barrier over the full group). ``symm`` also zeroes this rank's signal words of the
+        ranks that were masked (left set by the steps they missed)."""
         self._check_shrink()
+        self._impl.ll_clean_mask()
+        self._mask_seen = [0] * self.group_size
+
+    def low_latency_masked_ranks(self) -> list:
+        """The ranks this rank has masked (by the API or after a timed-out wait), sorted. With ``enable_shrink`` a
+        low-latency call whose wait on a rank times out does not raise: it masks that rank and completes without
+        it (that rank's tokens are absent from the outputs, its experts' combine contributions are 0); poll this
+        after each step (a host read of the mask: one device synchronisation on GPUs, so poll it outside CUDA
+        graphs) and, when it grows, re-map with ``eplb.map_topk(..., slot_mask=...)`` and re-run the step. On CPU
+        the call that masked a rank also warns (:class:`moe_ep.sync.RankMaskedWarning`)."""
+        self._check_shrink()
+        return [r for r, v in enumerate(self._impl.ll_mask_host()) if v]
+
+    def _after_low_latency(self) -> None:
+        """CPU only (a host read is free there): warn about ranks a timed-out wait has just masked."""
+        if not self.enable_shrink or self._destroyed or events.uses_streams(getattr(self._impl, "device", None)
+                                                                           or torch.device("cpu")):
+            return
+        now = self._impl.ll_mask_host()
+        new = [r for r, v in enumerate(now) if v and not self._mask_seen[r]]
+        self._mask_seen = now
+        timed = [r for r in new if now[r] == 2]
+        if timed:
+            from .sync import RankMaskedWarning
+            warnings.warn(RankMaskedWarning(
+                f"moe_ep low-latency call: rank(s) {timed} did not arrive within {self.timeout_s:.1f} s and were masked "
+                f"(this is rank {self.rank}); their tokens and experts were left out of this call: re-map with the "
+                "live replicas (eplb.map_topk slot_mask) and re-run the step", timed), stacklevel=3)
+
+    def _wrap_hook(self, hook):
+        if hook is None or not self.enable_shrink:
+            return hook
+
+        def wrapped():
+            out = hook()
+            self._after_low_latency()
+            return out
+        return wrapped
 
     def get_local_buffer_tensor(self, *args, **kwargs):
         raise NotImplementedError("get_local_buffer_tensor is not part of this release")
@@ -485,7 +552,9 @@ class Buffer:
             x.device, None, async_finish, False,
             inputs=(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
         recv_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
-        return recv_x, res.recv_count, res.handle, event, res.hook
+        if res.hook is None:
+            self._after_low_latency()
+        return recv_x, res.recv_count, res.handle, event, self._wrap_hook(res.hook)
 
     @_reports_refusal("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -545,7 +614,9 @@ class Buffer:
                                                    wait_recv_cost_stats=combine_wait_recv_cost_stats, **kw),
             x.device, None, async_finish, False,
             inputs=(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats))
-        return combined, event, hook
+        if hook is None:
+            self._after_low_latency()
+        return combined, event, self._wrap_hook(hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The `[L, num_ranks * T, hidden]` `torch.bfloat16` tensor to write expert outputs into for

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["ArrivalCheck", "CallMismatchError", "RankTimeoutError", "RemoteRankError"]
+__all__ = ["ArrivalCheck", "CallMismatchError", "RankMaskedWarning", "RankTimeoutError", "RemoteRankError"]
 
 _ABANDONED = "!abandoned"  # value a waiting rank puts in a late rank's slot when it gives up
 _REFUSED = "!refused"  # prefix of the value a rank writes when its own checks refused the call
@@ -40,6 +40,15 @@ class RankTimeoutError(TimeoutError):
     def __init__(self, message: str, missing_ranks: list[int]):
         super().__init__(message)
         self.missing_ranks = missing_ranks
+
+
+class RankMaskedWarning(RuntimeWarning):
+    """``enable_shrink``: a low-latency call masked rank(s) whose wait timed out instead of raising;
+    ``masked_ranks`` names them."""
+
+    def __init__(self, message: str, masked_ranks: list[int]):
+        super().__init__(message)
+        self.masked_ranks = masked_ranks
 
 
 class CallMismatchError(ValueError):
@@ -90,13 +99,19 @@ class ArrivalCheck:
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.prefix}/{seq}/{rank}"
 
-    def arrive(self, what: str, fields: Optional[dict] = None, wait_ns: Optional[list] = None) -> None:
+    def arrive(self, what: str, fields: Optional[dict] = None, wait_ns: Optional[list] = None, *,
+               live: Optional[list] = None, shrink: bool = False) -> list:
         """Mark this rank's arrival at the next call ``what`` with its signature ``fields`` (values that
         must agree across ranks), wait for all ranks (bounded) and compare the signatures. With ``wait_ns``
         (a list of ``world_size`` ints), adds for each rank the nanoseconds this rank waited from its own
-        arrival until that rank's (0 for ranks that were already there)."""
+        arrival until that rank's (0 for ranks that were already there).
+
+        ``live``: wait only for these ranks (masked ranks are not waited for). ``shrink``: ranks of ``live`` that
+        do not arrive within the timeout (or that another rank already gave up on) are returned instead of
+        raising :class:`RankTimeoutError`; every rank that arrives sees the same list (the first rank to give
+        up marks the slot abandoned, the others find the mark). Returns ``[]`` without ``shrink``."""
         if self.world_size == 1:
-            return
+            return []
         seq = self.seq
         self.seq += 1
         mine = _encode(what, fields)
@@ -107,35 +122,42 @@ class ArrivalCheck:
             raise RankTimeoutError(
                 f"moe_ep {what}: this rank ({self.rank}) arrived after its peers had given up waiting for it "
                 f"(timeout_s={self.timeout_s:.1f}); the Buffer's call sequence is broken: destroy it", [self.rank])
-        keys = [self._key(seq, r) for r in range(self.world_size)]
+        ranks = list(range(self.world_size)) if live is None else sorted(live)
+        if ranks == [self.rank]:
+            return []
+        keys = [self._key(seq, r) for r in ranks]
         try:
             if wait_ns is not None:
-                self._timed_wait(keys, wait_ns)
+                self._timed_wait(keys, wait_ns, ranks)
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
         except Exception as exc:  # DistStoreError / RuntimeError, depending on the torch version
-            missing = [r for r in range(self.world_size)
-                       if self.store.compare_set(keys[r], "", _ABANDONED).decode() == _ABANDONED]
-            if missing:  # (an empty list: everyone arrived just as the wait gave up)
+            missing = [r for r, key in zip(ranks, keys)
+                       if self.store.compare_set(key, "", _ABANDONED).decode() == _ABANDONED]
+            if missing and not shrink:  # (an empty list: everyone arrived just as the wait gave up)
                 raise RankTimeoutError(
                     f"moe_ep {what}: rank(s) {missing} of the group did not arrive within {self.timeout_s:.1f} s "
                     f"(this is rank {self.rank}; a peer died, hangs, or skipped this call)", missing) from exc
         values = [v.decode() for v in self.store.multi_get(keys)]
-        self._compare(what, values)
+        gone = [r for r, v in zip(ranks, values) if v == _ABANDONED] if shrink else []
+        kept = [(r, v) for r, v in zip(ranks, values) if r not in gone]
+        self._compare(what, [v for _, v in kept], [r for r, _ in kept])
         # Every rank has now finished call seq-1, so nobody waits on our key of seq-2 any more.
         if seq >= 2:
             self.store.delete_key(self._key(seq - 2, self.rank))
+        return gone
 
-    def _timed_wait(self, keys: list, wait_ns: list) -> None:
+    def _timed_wait(self, keys: list, wait_ns: list, ranks: Optional[list] = None) -> None:
         """Poll the keys until all are present (or the timeout passes), adding to ``wait_ns[r]`` the time
-        from the start until rank r's key was first seen."""
+        from the start until rank r's key was first seen (``ranks[i]``: the rank of ``keys[i]``)."""
+        ranks = list(range(len(keys))) if ranks is None else ranks
         start = time.monotonic_ns()
         pending = set(range(len(keys)))
         pause = 1e-5
         while pending and (time.monotonic_ns() - start) < self.timeout_s * 1e9:
-            for r in sorted(pending):
-                if self.store.check([keys[r]]):
-                    pending.discard(r)
-                    wait_ns[r] += time.monotonic_ns() - start
+            for i in sorted(pending):
+                if self.store.check([keys[i]]):
+                    pending.discard(i)
+                    wait_ns[ranks[i]] += time.monotonic_ns() - start
             if pending:
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
@@ -149,7 +171,22 @@ class ArrivalCheck:
         self.seq += 1
         self.store.compare_set(self._key(seq, self.rank), "", f"{_REFUSED}|{what}|{message[:400]}")
 
-    def _compare(self, what: str, values: list[str]) -> None:
+    def _compare(self, what: str, values: list[str], ranks: Optional[list] = None) -> None:
+        if ranks is not None and ranks != list(range(len(values))):  # a subset (masked ranks left out)
+            try:
+                self._compare(what, values)
+            except (RankTimeoutError, RemoteRankError, CallMismatchError) as exc:
+                # positions -> ranks in the message and the rank lists
+                import re
+                msg = re.sub(r"rank (\d+)", lambda m: f"rank {ranks[int(m.group(1))]}"
+                             if int(m.group(1)) < len(ranks) else m.group(0), str(exc).split(" (this is rank")[0])
+                msg += f" (this is rank {self.rank}; live ranks {ranks})"
+                if isinstance(exc, RankTimeoutError):
+                    raise RankTimeoutError(msg, [ranks[r] for r in exc.missing_ranks]) from None
+                if isinstance(exc, RemoteRankError):
+                    raise RemoteRankError(msg, [ranks[r] for r in exc.failed_ranks]) from None
+                raise CallMismatchError(msg, exc.fields) from None
+            return
         abandoned = [r for r, v in enumerate(values) if v == _ABANDONED]
         if abandoned:  # another peer gave up on them: they count as missing here too
             raise RankTimeoutError(f"moe_ep {what}: rank(s) {abandoned} of the group did not arrive within "

@@ -200,6 +200,26 @@ class Backend(abc.ABC):
         backends that meet their peers on the host tell them, so they raise at once instead of waiting
         (backends without a host-side sequence do nothing; their peers time out naming this rank)."""
 
+    # ------------------------------------------------------------------ rank mask (enable_shrink, low-latency)
+    def enable_shrink(self) -> None:
+        """Turn on rank masking for the low-latency path (``Buffer(..., enable_shrink=True)``): masked ranks are
+        neither sent to nor waited for, and a rank whose wait times out is masked instead of failing the call."""
+        raise NotImplementedError(f"backend {self.name!r} does not support enable_shrink")
+
+    def ll_update_mask(self, rank: int, masked: bool) -> None:
+        raise NotImplementedError(f"backend {self.name!r} does not support rank masking")
+
+    def ll_query_mask(self, out: torch.Tensor) -> None:
+        """Write the mask (`[R]` int32, nonzero = masked: 1 by the API, 2 by a timeout) into ``out``."""
+        raise NotImplementedError(f"backend {self.name!r} does not support rank masking")
+
+    def ll_clean_mask(self) -> None:
+        raise NotImplementedError(f"backend {self.name!r} does not support rank masking")
+
+    def ll_mask_host(self) -> list:
+        """The mask as a host list (a device read on GPUs)."""
+        raise NotImplementedError(f"backend {self.name!r} does not support rank masking")
+
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The `[L, R*T, H]` bf16 tensor that ``zero_copy`` combine reads in place (backends with a
         registered buffer override this)."""

@@ -201,6 +201,29 @@ class SymmBackend(Backend):
             return self.low_latency_combine_recv(state, wait_recv_cost_stats), None
         return state.out, lambda: self.low_latency_combine_recv(state, wait_recv_cost_stats)
 
+    # ------------------------------------------------------------------ rank mask (enable_shrink)
+    def enable_shrink(self) -> None:
+        self._check_ll()
+        self.ll.shrink = True
+
+    def ll_update_mask(self, rank: int, masked: bool) -> None:
+        self._check_ll()
+        self.ll.update_mask(rank, masked)
+
+    def ll_query_mask(self, out: torch.Tensor) -> None:
+        self._check_ll()
+        api = self.ll.reported_mask()
+        out.copy_(self.ll.mask if api is None else torch.tensor(api, dtype=torch.int32))
+
+    def ll_clean_mask(self) -> None:
+        self._check_ll()
+        self.ll.clean_mask()
+
+    def ll_mask_host(self) -> list:
+        self._check_ll()
+        api = self.ll.reported_mask()
+        return api if api is not None else [int(v) for v in self.ll.mask.tolist()]
+
     # ------------------------------------------------------------------ status
     def check_status(self, blocking: bool = True) -> None:
         """Raise :class:`moe_ep.RankTimeoutError` if any wait of this rank timed out (after CUDA-graph

@@ -41,6 +41,7 @@ from ..kernels.low_latency import (
     signal_layout,
 )
 from ..kernels.pdl import INTERPRET
+from ..kernels.signals import MASK_API
 from ..symm import SymmBuffer
 from .base import LowLatencyDispatchResult, LowLatencyHandle
 
@@ -161,13 +162,27 @@ class SymmLowLatency:
         owner: written into every handle's ``owner``.
     """
 
-    def __init__(self, symm: SymmBuffer, owner: int):
+    def __init__(self, symm: SymmBuffer, owner: int, shrink: bool = False):
         self.symm = symm
         self.owner = owner
+        #: rank mask (``enable_shrink``): `[R]` int32 on the device, local to this rank (peers never read it);
+        #: 0 = live, ``MASK_API`` = masked by the API, ``MASK_TIMEOUT`` = masked by a kernel whose wait timed out.
+        self.mask = symm.status[4:4 + symm.world_size]  # words STATUS_MASK.. of the local status tensor
+        self._api = [0] * symm.world_size  # host copy of the API's masks (known on the host, never read back)
+        self.shrink = shrink
         self.sig = signal_layout(symm.world_size)
         self._dispatch_slot = 0
         self._combine_slot = 0
         self._combine_buffers: dict = {}
+
+    @property
+    def shrink(self) -> bool:
+        return self._shrink
+
+    @shrink.setter
+    def shrink(self, on: bool) -> None:
+        self._shrink = bool(on)
+        self.symm.status[1] = int(self._shrink)  # STATUS_SHRINK, read by the kernels at run time
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -204,6 +219,42 @@ class SymmLowLatency:
 
     def _interpreted(self, device: torch.device) -> bool:
         return INTERPRET or device.type != "cuda"
+
+    # ------------------------------------------------------------------ rank mask (enable_shrink)
+    def update_mask(self, rank: int, masked: bool) -> None:
+        """Mask (``MASK_API``) or unmask ``rank`` on this rank: device writes, no host read (graph-safe). The words
+        are the effective mask the kernels read: masking THIS rank sets every other rank's word (it then
+        exchanges with nobody else); unmasking it restores the other API masks (and drops timeout masks)."""
+        me = self.symm.rank
+        self._api[rank] = int(bool(masked))
+        if rank != me:
+            if not self._api[me]:
+                self.mask[rank] = MASK_API if masked else 0
+            return
+        if masked:
+            others = torch.ones_like(self.mask, dtype=torch.bool)
+            others[me] = False
+            self.mask.copy_(torch.where(others & (self.mask == 0), torch.full_like(self.mask, MASK_API), self.mask))
+        else:
+            self.mask.copy_(torch.tensor([MASK_API if (a and r != me) else 0 for r, a in enumerate(self._api)],
+                                         dtype=torch.int32))
+
+    def reported_mask(self) -> Optional[list]:
+        """The API's view for a self-masked rank (``None`` otherwise: the device words are the view)."""
+        return list(self._api) if self._api[self.symm.rank] else None
+
+    def clean_mask(self) -> None:
+        """Unmask every rank and zero this rank's signal words of the ranks that were masked (a masked rank's
+        busy / full words may be left set by the steps it missed). Call it on every rank between steps, once
+        every rank has finished the previous step and before a returning rank's first call (e.g. after a host
+        barrier that includes it). Device ops only."""
+        R, sig = self.symm.world_size, self.sig
+        keep = (self.mask == 0).to(torch.int32)
+        words = self.symm.signals[:NUM_SLOTS * sig["SLOT_WORDS"]].view(NUM_SLOTS, sig["SLOT_WORDS"])
+        for name in ("DISP_FULL", "DISP_BUSY", "COMB_FULL", "COMB_BUSY"):
+            words[:, sig[name]:sig[name] + R] *= keep
+        self.mask.zero_()
+        self._api = [0] * R
 
     # ------------------------------------------------------------------ dispatch
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -274,7 +325,8 @@ class SymmLowLatency:
             H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=lay.hdr, BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_E=block_e,
             GC=gc, HC=hc, IS_FP8=use_fp8, ROUND_SCALE=round_scale, USE_UE8M0=use_ue8m0,
             NATIVE_FP8=use_fp8 and native_e4m3_supported(dev),
-            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"], num_warps=warps)
+            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"],
+            num_warps=warps)
         symm.check_status("low_latency_dispatch (send)")
         self._dispatch_slot ^= 1
         return _DispatchState(result, x_c, topk, slot, lay, use_fp8)
@@ -322,7 +374,8 @@ class SymmLowLatency:
             H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=lay.hdr, SW=sw, SWP=_pow2(sw), BLOCK_T=block_t, HC=hc,
             RP=_pow2(R), LP=_pow2(L), IS_FP8=state.use_fp8, HAS_STATS=stats is not None,
             HAS_WAIT_STATS=wait_recv_cost_stats is not None,
-            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"], num_warps=warps)
+            DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"],
+            num_warps=warps)
         symm.check_status("low_latency_dispatch (receive)")
         state.recv_done = True
         return res
@@ -383,7 +436,8 @@ class SymmLowLatency:
             symm.rank, T, R, symm.timeout_ns, base + lay.comb_off, slot * s["SLOT_WORDS"],
             H=hidden, K=K, KP=_pow2(K), BLOCK_T=block_t, HC=hc,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_SEND_CNT=s["COMB_SEND_CNT"],
-            FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev), num_warps=warps)
+            FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev),
+            num_warps=warps)
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1
         return _CombineState(out, topk_idx.contiguous(), topk_weights.contiguous(), handle, slot, lay, fmt=fmt)
@@ -406,14 +460,22 @@ class SymmLowLatency:
             block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
         grid = (triton.cdiv(max(n, 1), block_t), triton.cdiv(hidden, hc))
         base = self._slot_base(state.slot)
+        topk = state.topk_idx
+        if self._shrink:
+            # selections of experts on ranks masked so far become -1 holes (they add exactly 0); device ops only.
+            # NOTES: a rank first masked by a timeout inside THIS launch's wait is not covered: its rows of this one
+            # call are stale (that step is incomplete anyway: re-run it after re-mapping, as the docs say).
+            own = torch.where(topk >= 0, topk // (h.num_experts // R), torch.zeros_like(topk))
+            topk = torch.where(self.mask[own] != 0, torch.full_like(topk, -1), topk)
         s = self.sig
         _ll_combine_recv_fmt_kernel[grid](
-            symm.buffer, state.topk_idx, state.topk_weights, state.out.view(torch.int16), symm.signal_ptrs, symm.status,
+            symm.buffer, topk, state.topk_weights, state.out.view(torch.int16), symm.signal_ptrs, symm.status,
             wait_recv_cost_stats if wait_recv_cost_stats is not None else state.topk_idx,
             symm.rank, n, R, symm.timeout_ns, base + lay.comb_off, state.slot * s["SLOT_WORDS"],
             H=hidden, K=K, BLOCK_T=block_t, HC=hc, HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
-            FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, num_warps=warps, enable_fp_fusion=False)
+            FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, num_warps=warps,
+            enable_fp_fusion=False)
         symm.check_status("low_latency_combine (receive)")
         state.recv_done = True
         return state.out

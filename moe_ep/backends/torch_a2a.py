@@ -131,6 +131,54 @@ class TorchBackend(Backend):
         super().__init__(group, rank, world_size, **kwargs)
         self.arrival = ArrivalCheck(group, rank, world_size, self.timeout_s)
         self._combine_buffers: dict = {}
+        # rank mask (enable_shrink, low-latency mode): host list, 0 live / 1 API / 2 timed out
+        self.shrink = False
+        self._mask = [0] * world_size
+        self._subgroups: dict = {}
+
+    # ------------------------------------------------------------------ rank mask (enable_shrink)
+    def enable_shrink(self) -> None:
+        self.shrink = True
+
+    def ll_update_mask(self, rank: int, masked: bool) -> None:
+        self._mask[rank] = 1 if masked else 0
+
+    def ll_query_mask(self, out: torch.Tensor) -> None:
+        out.copy_(torch.tensor(self._mask, dtype=torch.int32))
+
+    def ll_clean_mask(self) -> None:
+        self._mask = [0] * self.world_size
+
+    def ll_mask_host(self) -> list:
+        return list(self._mask)
+
+    def _live(self) -> list:
+        if self._mask[self.rank]:  # this rank masked itself: it exchanges with nobody else
+            return [self.rank]
+        return [r for r in range(self.world_size) if not self._mask[r]]
+
+    def _ll_arrive(self, what: str, fields: dict, wait_ns) -> list:
+        """The arrival check over the live ranks; with ``enable_shrink`` ranks that time out are masked (2).
+        Returns the live ranks the call runs over."""
+        live = self._live() if self.shrink else None
+        gone = self.arrival.arrive(what, fields, wait_ns, live=live, shrink=self.shrink)
+        for r in gone:
+            self._mask[r] = 2
+        return self._live() if self.shrink else list(range(self.world_size))
+
+    def _ll_group(self, live: list):
+        """The process group of the live ranks: the Buffer's own group when every rank is live, else a subgroup
+        made on first use with ``use_local_synchronization`` (only its members rendezvous: a dead rank cannot)."""
+        if len(live) == self.world_size:
+            return self.group
+        key = tuple(live)
+        if key not in self._subgroups:
+            granks = dist.get_process_group_ranks(self.group) if self.group is not None else list(
+                range(dist.get_world_size()))
+            from datetime import timedelta
+            self._subgroups[key] = dist.new_group([granks[r] for r in live], use_local_synchronization=True,
+                                                  timeout=timedelta(seconds=max(self.timeout_s, 30.0)))
+        return self._subgroups[key]
 
     def arrival_mark(self):
         return self.arrival.seq
@@ -302,7 +350,7 @@ class TorchBackend(Backend):
         # NOTES: the wait this backend can time per rank is the arrival at the call (host clock); the
         # collective's own transfer time is not attributed to ranks.
         wait_ns = [0] * R if wait_recv_cost_stats is not None else None
-        self.arrival.arrive("low_latency_dispatch", {
+        live = self._ll_arrive("low_latency_dispatch", {
             "hidden": hidden, "T": T, "num_experts": num_experts, "topk": k, "use_fp8": use_fp8,
             "round_scale": round_scale, "use_ue8m0": use_ue8m0}, wait_ns)
         self._add_wait(wait_recv_cost_stats, wait_ns)
@@ -323,7 +371,16 @@ class TorchBackend(Backend):
         slab[:, off:] = _bytes(idx_pad)
         # Step 2: send (every rank receives every slab; receivers keep the rows routed to them).
         gathered = torch.empty(R * T, row_bytes, dtype=torch.uint8, device=dev)
-        work = _all_gather(gathered, slab, group=self.group, async_op=True)
+        if len(live) == R:
+            work = _all_gather(gathered, slab, group=self.group, async_op=True)
+            sub = None
+        else:
+            # masked sources: all-0xFF rows (topk_idx = -1: no selection); the live ranks' slabs over a subgroup
+            gathered.fill_(255)
+            sub = torch.empty(len(live) * T, row_bytes, dtype=torch.uint8, device=dev)
+            work = _all_gather(sub, slab, group=self._ll_group(live), async_op=True) if len(live) > 1 else None
+            if work is None:
+                sub.copy_(slab)
         rows = R * T
         # Outputs are views of staging tensors with one extra "sink" expert (index L) that absorbs the
         # writes of unselected (row, k) slots, so every scatter has a static size of R*T*K rows.
@@ -347,7 +404,10 @@ class TorchBackend(Backend):
             # Step 3: receive: keep the (row, k) selections of local experts and place row j of
             # expert e at its rank among e's selections in (source rank, token) order; static
             # shapes only (no host synchronisation).
-            work.wait()
+            if work is not None:
+                work.wait()
+            if sub is not None:
+                gathered.view(R, T, row_bytes)[live] = sub.view(len(live), T, row_bytes)
             gidx = _from_bytes(gathered[:, row_bytes - 8 * k:], torch.int64, k)  # [R*T, K]
             lo = self.rank * L
             is_local = (gidx >= lo) & (gidx < lo + L)
@@ -402,7 +462,7 @@ class TorchBackend(Backend):
         if fmt is None or fmt in (FMT_BF16, FMT_FP16):
             fmt = FMT_FP16 if x.dtype == torch.float16 else FMT_BF16
         check_hidden(fmt, hidden)
-        self.arrival.arrive("low_latency_combine", {"hidden": hidden, "T": T, "num_experts": handle.num_experts,
+        live = self._ll_arrive("low_latency_combine", {"hidden": hidden, "T": T, "num_experts": handle.num_experts,
                                                     "topk": k, "x": str(x.dtype).replace("torch.", ""), "fmt": fmt},
                             wait_ns)
         self._add_wait(wait_recv_cost_stats, wait_ns)
@@ -413,14 +473,31 @@ class TorchBackend(Backend):
         send = encode_rows(x[e_idx, p_idx], fmt)  # [R*T*K, row bytes] in the wire format
         # Step 2: all-to-all of the [R, T*K*row] slabs (bytes: gloo takes uint8).
         recv = torch.empty(R * T * k, send.shape[1], dtype=torch.uint8, device=dev)
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        sub = None
+        if len(live) == R:
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        else:
+            # only the live ranks exchange (a subgroup); rows of masked expert ranks stay zero and are skipped
+            recv.zero_()
+            send_sub = send.view(R, T * k, -1)[live].reshape(len(live) * T * k, -1)
+            sub = torch.empty_like(send_sub)
+            work = (dist.all_to_all_single(sub, send_sub, group=self._ll_group(live), async_op=True)
+                    if len(live) > 1 else None)
+            if work is None:
+                sub.copy_(send_sub)
+        live_rank = torch.zeros(R, dtype=torch.bool, device=dev)
+        live_rank[live] = True
         combined = out if out is not None else torch.empty(n, hidden, dtype=x.dtype, device=dev)
 
         def recv_hook():
             # Step 3: weighted sum over k ascending, float32 accumulation, -1 holes skipped.
-            work.wait()
+            if work is not None:
+                work.wait()
+            if sub is not None:
+                recv.view(R, T * k, -1)[live] = sub.view(len(live), T * k, -1)
             r3 = decode_rows(recv, fmt, hidden).reshape(R, T, k, hidden)
-            is_valid = topk_idx >= 0
+            # selections of experts on masked ranks add 0 (with eplb slot_mask no token selects them)
+            is_valid = (topk_idx >= 0) & live_rank[torch.where(topk_idx >= 0, topk_idx // L, 0)]
             src_rank = torch.where(is_valid, topk_idx // L, torch.zeros_like(topk_idx))
             t_idx = torch.arange(n, device=dev).unsqueeze(1).expand(n, k)
             k_idx = torch.arange(k, device=dev).unsqueeze(0).expand(n, k)

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .fp8_cast import e4m3_byte, group_scale
 from .logfmt import e4m3_decode, fp8_encode_groups, fp16_bits, logfmt_decode_values, logfmt_encode_groups
-from .signals import arrive_last, now_ns, signal_release, wait_ne
+from .signals import STATUS_MASK, STATUS_SHRINK, arrive_last, now_ns, peer_masked, signal_release, wait_ne, wait_ne_masked
 
 __all__ = [
     "signal_layout",
@@ -63,8 +63,9 @@ def signal_layout(world_size: int) -> dict:
     """Word offsets (inside one double-buffer slot) of the signal arrays, and the slot's size."""
     R = world_size
     lay = {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "COMB_SEND_CNT": 4 * R,
-           "DISP_SEND_CNT": 5 * R, "DISP_RECV_CNT": 5 * R + 1, "COMB_RECV_CNT": 5 * R + 2}
-    lay["SLOT_WORDS"] = (5 * R + 3 + 7) // 8 * 8
+           "DISP_SEND_CNT": 5 * R, "DISP_RECV_CNT": 5 * R + 1, "COMB_RECV_CNT": 5 * R + 2,
+           "HEARTBEAT": 5 * R + 3}  # HEARTBEAT: kernels compute it as 5 * R + 3 (see _wait)
+    lay["SLOT_WORDS"] = (5 * R + 4 + 7) // 8 * 8
     return lay
 
 
@@ -83,6 +84,42 @@ def _status_ok(status_ptr, like):
     NOTES: built by broadcasting an int and comparing: in the interpreter a scalar compare ANDed with a
     bool block gives an int32 block that ``tl.store`` refuses as a mask."""
     return (like * 0 + tl.load(status_ptr, volatile=True)) == 0
+
+
+# Rank mask (enable_shrink): it lives in this rank's local ``status`` tensor (:class:`moe_ep.symm.SymmBuffer`):
+# word ``STATUS_SHRINK`` = 1 turns masked waits on, words ``STATUS_MASK + r`` = rank r's EFFECTIVE mask for this rank
+# (0 live, nonzero masked; a self-masked rank has every other word set, its own word is never set; the host folds
+# that in). Read at run time (no extra kernel argument); without enable_shrink the words stay 0.
+@triton.jit
+def _live(status_ptr, rank, peer):
+    """Scalar bool: ``peer`` is not masked for this rank (always true without enable_shrink)."""
+    return peer_masked(status_ptr + STATUS_MASK, rank, peer) == 0
+
+
+@triton.jit
+def _live_like(status_ptr, rank, peer, like):
+    """``_live`` broadcast to a bool tensor shaped like the int tensor ``like`` (see ``_status_ok``)."""
+    return (like * 0 + _live(status_ptr, rank, peer).to(tl.int32)) != 0
+
+
+@triton.jit
+def _live_vec(status_ptr, rank, peers, R):
+    """Bool tensor: each rank of the int tensor ``peers`` (in ``[0, R)``) is not masked for this rank."""
+    m = tl.load(status_ptr + STATUS_MASK + peers, mask=(peers >= 0) & (peers < R), other=0, volatile=True)
+    return m == 0
+
+
+@triton.jit
+def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_off, R):
+    """``wait_ne``, or with enable_shrink ``wait_ne_masked``: skip masked peers, mask on timeout (the heartbeat
+    words are word ``HEARTBEAT = 5 * R + 3`` of this slot, :func:`signal_layout`)."""
+    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+        hb = sig_off + 5 * R + 3
+        v = wait_ne_masked(sig_ptr, value, status_ptr, status_ptr + STATUS_MASK, rank, peer, timeout_ns,
+                           _peer(signal_ptrs, rank, 0, tl.int32) + hb, _peer(signal_ptrs, peer, 0, tl.int32) + hb)
+    else:
+        v = wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns)
+    return v
 
 
 @triton.jit
@@ -132,7 +169,7 @@ def _ll_dispatch_send_kernel(
 
     # Step 1: every destination has drained this slot (its receive reset our busy word).
     for d in range(R):
-        wait_ne(my_sig + DISP_BUSY + d, 1, status_ptr, d, timeout_ns)
+        _wait(my_sig + DISP_BUSY + d, 1, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
     tl.debug_barrier()
 
     kk = tl.arange(0, KP)
@@ -170,8 +207,9 @@ def _ll_dispatch_send_kernel(
         for d in range(R):
             base = _peer(buffer_ptrs, d, 0, tl.int32)
             p = base + hdr[:, None] + kk[None, :]
-            tl.store(p, idx, mask=w_mask)
-            tl.store(p + K, pos, mask=w_mask)
+            w_mask_d = w_mask & _live_like(status_ptr, rank, d, offs_t)[:, None]
+            tl.store(p, idx, mask=w_mask_d)
+            tl.store(p + K, pos, mask=w_mask_d)
 
         # Step 5: payload, once per destination rank that holds any of the token's experts.
         row_b = msg_off + row * MSG
@@ -198,7 +236,7 @@ def _ll_dispatch_send_kernel(
                     w_ok = offs_w < (G + 3) // 4
                 for d in range(R):
                     to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                    m = t_ok & to_d & ok
+                    m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
                     base8 = _peer(buffer_ptrs, d, 0, tl.uint8)
                     tl.store(base8 + row_b[:, None, None] + cols[None, :, :], q,
                              mask=m[:, None, None] & g_ok[None, :, None])
@@ -217,7 +255,7 @@ def _ll_dispatch_send_kernel(
                             mask=t_ok[:, None] & h_ok[None, :], other=0)
                 for d in range(R):
                     to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                    m = t_ok & to_d & ok
+                    m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
                     base16 = _peer(buffer_ptrs, d, 0, tl.int16)
                     tl.store(base16 + (row_b // 2)[:, None] + offs_h[None, :], v, mask=m[:, None] & h_ok[None, :])
     else:
@@ -234,7 +272,7 @@ def _ll_dispatch_send_kernel(
         # ptxas spilled (4 B) in the BF16 build. Reading it later only sees a timeout sooner.
         e_ok = (offs_e < E) & _status_ok(status_ptr, offs_e)
         for d in range(R):
-            m = e_ok & (offs_e // L == d)
+            m = e_ok & (offs_e // L == d) & _live_like(status_ptr, rank, d, offs_e)
             base = _peer(buffer_ptrs, d, 0, tl.int32)
             tl.store(base + cnt_off // 4 + rank * L + (offs_e - d * L), hist, mask=m)
 
@@ -243,8 +281,9 @@ def _ll_dispatch_send_kernel(
     if arrive_last(my_sig + DISP_SEND_CNT, num_progs):
         if tl.load(status_ptr, volatile=True) == 0:
             for d in range(R):
-                tl.atomic_xchg(my_sig + DISP_BUSY + d, 1, sem="relaxed", scope="sys")
-                signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + DISP_FULL + rank, N + 1)
+                if _live(status_ptr, rank, d):
+                    tl.atomic_xchg(my_sig + DISP_BUSY + d, 1, sem="relaxed", scope="sys")
+                    signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + DISP_FULL + rank, N + 1)
 
 
 @triton.jit
@@ -276,13 +315,13 @@ def _ll_dispatch_recv_kernel(
         t_start = now_ns()
     n_s = tl.full([], 0, tl.int32)
     for sp in range(s + 1):
-        v = wait_ne(my_sig + DISP_FULL + sp, 0, status_ptr, sp, timeout_ns)
+        v = _wait(my_sig + DISP_FULL + sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
         n_s = tl.where(sp == s, v - 1, n_s)
     if HAS_WAIT_STATS:
         # program (s, 0) reports how long this receive waited (from its start) until source s had sent
         if b == 0:
             tl.atomic_add(wait_stats_ptr + s, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
-    ok = tl.load(status_ptr, volatile=True) == 0
+    ok = (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s)
     n_s = tl.where(ok, tl.minimum(tl.maximum(n_s, 0), T), 0)
     tl.debug_barrier()
     RT = R * T
@@ -292,7 +331,8 @@ def _ll_dispatch_recv_kernel(
         rr = tl.arange(0, RP)
         ll = tl.arange(0, LP)
         cnt = tl.load(buf32 + cnt_off // 4 + rr[:, None] * L + ll[None, :],
-                      mask=((rr < R) & _status_ok(status_ptr, rr))[:, None] & (ll < L)[None, :],
+                      mask=((rr < R) & _status_ok(status_ptr, rr) & _live_vec(status_ptr, rank, rr, R))[:, None]
+                      & (ll < L)[None, :],
                       other=0)
         total = tl.sum(cnt, axis=0)
         tl.store(recv_count_ptr + ll, total, mask=ll < L)
@@ -317,7 +357,8 @@ def _ll_dispatch_recv_kernel(
     le = tl.where(is_local, idx - lo, 0)
     off = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
     for sp in range(s):
-        off += tl.load(buf32 + cnt_off // 4 + sp * L + le, mask=is_local, other=0)
+        off += tl.load(buf32 + cnt_off // 4 + sp * L + le, mask=is_local & _live_like(status_ptr, rank, sp, le),
+                       other=0)
     row = off + pos
     # NOTES: bounds-checked so that stale or missing data (after a timeout) never writes out of range.
     valid = is_local & (pos >= 0) & (row >= 0) & (row < RT)
@@ -359,7 +400,8 @@ def _ll_dispatch_recv_kernel(
         for sp in range(R):
             tl.atomic_xchg(my_sig + DISP_FULL + sp, 0, sem="relaxed", scope="sys")
         for sp in range(R):
-            signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + rank, 0)
+            if _live(status_ptr, rank, sp):
+                signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + rank, 0)
 
 
 @triton.jit
@@ -424,7 +466,7 @@ def _comb_send_body_ll(
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
     # Step 1: source s has drained its combine area (it reset our busy word).
-    wait_ne(my_sig + COMB_BUSY + s, 1, status_ptr, s, timeout_ns)
+    _wait(my_sig + COMB_BUSY + s, 1, status_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R)
     tl.debug_barrier()
 
     # Step 2: rows of (s, t, k) selections that this rank's experts computed -> slot (t, k) on s.
@@ -432,7 +474,7 @@ def _comb_send_body_ll(
     n_s = tl.load(recv_tokens_ptr + s)
     kk = tl.arange(0, KP)
     offs_t = b * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t)
+    t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t) & _live_like(status_ptr, rank, s, offs_t)
     slot = tl.load(slot_row_ptr + (s * T + offs_t)[:, None] * K + kk[None, :], mask=t_ok[:, None] & (kk < K)[None, :],
                    other=-1)
     if FMT < 2:
@@ -463,7 +505,7 @@ def _comb_send_body_ll(
     # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s.
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
-        if tl.load(status_ptr, volatile=True) == 0:
+        if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
             tl.atomic_xchg(my_sig + COMB_BUSY + s, 1, sem="relaxed", scope="sys")
             signal_release(_peer(signal_ptrs, s, 0, tl.int32) + sig_off + COMB_FULL + rank, 1)
 
@@ -491,7 +533,7 @@ def _comb_recv_body_ll(
     if HAS_WAIT_STATS:
         t_start = now_ns()
     for d in range(R):
-        wait_ne(my_sig + COMB_FULL + d, 0, status_ptr, d, timeout_ns)
+        _wait(my_sig + COMB_FULL + d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
         if HAS_WAIT_STATS:
             if (pid_t == 0) & (pid_h == 0):
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
@@ -511,6 +553,8 @@ def _comb_recv_body_ll(
     comb8 = buf_ptr + comb_off
     comb32 = comb8.to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros([BLOCK_T, HC], dtype=tl.float32)
+    # NOTES: selections of experts on masked ranks arrive as -1 holes (SymmLowLatency.combine_recv rewrites
+    # topk_idx with the mask before the launch: a per-k mask load here made the FP8 build spill).
     for k in tl.static_range(K):
         e_k = tl.load(topk_ptr + offs_t * K + k, mask=t_ok, other=-1)
         w_k = tl.load(w_ptr + offs_t * K + k, mask=t_ok, other=0.0)
@@ -549,7 +593,8 @@ def _comb_recv_body_ll(
         for d in range(R):
             tl.atomic_xchg(my_sig + COMB_FULL + d, 0, sem="relaxed", scope="sys")
         for d in range(R):
-            signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + rank, 0)
+            if _live(status_ptr, rank, d):
+                signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + rank, 0)
 
 
 @triton.jit
@@ -598,8 +643,8 @@ def _ll_combine_recv_kernel(
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
 ):
     """BF16 payloads: see :func:`_comb_recv_body_ll`."""
-    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N, R,
-                       timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
+                       R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
                        COMB_RECV_CNT, 0, False)
 
 
@@ -617,6 +662,6 @@ def _ll_combine_recv_fmt_kernel(
     FMT: tl.constexpr, OUT_F16: tl.constexpr,
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_recv_body_ll`."""
-    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N, R,
-                       timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
+                       R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
                        COMB_RECV_CNT, FMT, OUT_F16)

@@ -31,9 +31,15 @@ import triton.language as tl
 
 from .pdl import INTERPRET
 
-__all__ = ["now_ns", "wait_ne", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
+__all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
+           "STATUS_MASK", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
            "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_MESSAGES"]
 
+MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
+MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
+STATUS_SHRINK = tl.constexpr(1)  # status word: 1 = enable_shrink (rank masking on)
+STATUS_MASK = tl.constexpr(4)  # status words STATUS_MASK + r: rank r's mask word (MASK_API / MASK_TIMEOUT)
+HB_CAP = tl.constexpr(4)  # a beating (alive but waiting) peer is masked after HB_CAP timeouts all the same
 STATUS_OVERFLOW = -1
 STATUS_BAD_EXPERT = -2
 STATUS_MESSAGES = {
@@ -101,6 +107,52 @@ def wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns):
                 if failed | (now_ns() - start > timeout_ns):
                     report_timeout(status_ptr, peer)
                     done = True
+    return v
+
+
+@triton.jit
+def peer_masked(mask_ptr, rank, peer):
+    """Whether ``peer`` is masked for this rank (``mask_ptr``: this rank's local `[R]` int32 effective mask,
+    nonzero = masked; the host folds "this rank masked itself" into it: every other word set, its own never)."""
+    return tl.load(mask_ptr + peer, volatile=True) != 0
+
+
+@triton.jit
+def wait_ne_masked(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns, my_hb_ptr, peer_hb_ptr):
+    """:func:`wait_ne` for a maskable peer (``enable_shrink``): returns ``value`` at once when ``peer`` is
+    masked (or becomes masked by another program meanwhile); on timeout it MASKS the peer (mask word =
+    ``MASK_TIMEOUT``) instead of setting ``status``, so the call goes on without it. Callers decide what
+    arrived by re-reading the mask after their waits.
+
+    Heartbeat: while it spins, this rank stores its clock (ms) into its heartbeat word ``my_hb_ptr``; a change of
+    the peer's word ``peer_hb_ptr`` restarts the timeout (a live peer that is itself waiting, e.g. on a dead
+    rank, is not masked), up to ``HB_CAP`` timeouts in all. A dead rank's word never changes."""
+    v = load_acquire(sig_ptr) * 0 + value  # (a tensor in both branches, for the compiler)
+    if peer_masked(mask_ptr, rank, peer) == 0:
+        v = load_acquire(sig_ptr)
+        if v == value:
+            start = now_ns()
+            first = start
+            last_hb = tl.load(peer_hb_ptr, volatile=True)
+            done = False
+            while not done:
+                v = load_acquire(sig_ptr)
+                if v != value:
+                    done = True
+                else:
+                    now = now_ns()
+                    tl.atomic_xchg(my_hb_ptr, (now >> 20).to(tl.int32), sem="relaxed", scope="sys")
+                    hb = tl.load(peer_hb_ptr, volatile=True)
+                    if hb != last_hb:
+                        last_hb = hb
+                        start = now
+                    gone = tl.load(mask_ptr + peer, volatile=True) != 0
+                    failed = tl.load(status_ptr, volatile=True) != 0
+                    if gone | failed:
+                        done = True
+                    elif (now - start > timeout_ns) | (now - first > timeout_ns.to(tl.int64) * HB_CAP):
+                        tl.atomic_cas(mask_ptr + peer, 0, 2, sem="relaxed", scope="sys")
+                        done = True
     return v
 
 

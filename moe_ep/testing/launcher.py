@@ -62,7 +62,7 @@ def _child(conn, store_path: str, rank: int, world_size: int, backend: str, pg_t
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
            backend: str = "gloo", pg_timeout_s: float | None = None, num_threads: int = 1,
-           **kwargs: Any) -> list[Any]:
+           allow_dead: tuple = (), **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks.
 
     Arguments:
@@ -71,6 +71,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
         timeout_s: wall-clock bound for the whole run; past it the remaining ranks are killed.
         pg_timeout_s: timeout of the process group's own collectives (default ``timeout_s``).
         num_threads: torch intra-op threads per rank (1 keeps 8 ranks on 2 cores responsive).
+        allow_dead: ranks that may die without a result (fault-injection tests kill them): their result is
+            ``None`` and the others keep running; raising is still a failure.
 
     Returns:
         the list of the ranks' return values, indexed by rank.
@@ -112,6 +114,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                         procs[rank].join(timeout=5)
                         status, payload = "error", (f"rank {rank} died (exit code {procs[rank].exitcode}) "
                                                     f"without a result")
+                        if rank in allow_dead:
+                            status, payload = "ok", None
                     done[rank] = True
                     progressed = True
                     if status == "ok":
@@ -121,7 +125,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                 elif not procs[rank].is_alive() and not conns[rank].poll(0):
                     done[rank] = True
                     progressed = True
-                    errors[rank] = f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
+                    if rank not in allow_dead:
+                        errors[rank] = f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
             if errors and not all(done):
                 # Give the others a moment to report their own (often more informative) errors.
                 grace = time.monotonic() + 5.0
