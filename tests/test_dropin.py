@@ -141,7 +141,7 @@ def _helpers(rank, world):
     for fn in (lambda: buf.destroy(), lambda: buf.low_latency_update_mask_buffer(1, True),
                lambda: buf.low_latency_query_mask_buffer(torch.zeros(world, dtype=torch.int32)),
                lambda: buf.low_latency_clean_mask_buffer(),
-               lambda: moe_ep.Buffer(None, 0, 0, True, 24, True, False, False, False, True),
+               lambda: moe_ep.Buffer(None, 0, 0, False, 24, True, False, False, False, True),  # shrink: LL only
                lambda: moe_ep.Buffer(None, comm=object())):
         with pytest.raises(ValueError) as info:
             fn()
