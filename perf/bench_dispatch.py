@@ -7,8 +7,9 @@ one HBM, so the physical limit is the device's copy bandwidth, measured in the s
 Rows, per EP size ``R`` (DeepSeek-V3 shapes by default: hidden 7168, 256 experts, top-8):
 
 - ``LL``: low-latency mode, ``T`` tokens per rank (default 128), FP8 cast fused into the send;
-- ``normal``: normal mode, ``N`` tokens per rank (default 4096), FP8 payload, ``num_worst_tokens``
-  set so no call reads device data on the host (only when the normal path is installed);
+- ``normal``: normal mode, ``N`` tokens per rank (default 4096), FP8 payload, ``num_worst_tokens`` set to
+  each rank's exact receive count (from the layouts, outside the timer): no call reads device data on the
+  host and the timed region fills only rows that are counted (only when the normal path is installed);
 - ``torch``: the same bytes moved by torch ops in one process (quantize with the torch reference, then
   ``index_select`` into the receive layout; combine: ``index_select`` + weighted sum): what the
   ``torch`` backend costs without its collective, a lower bound for it on one device.
@@ -277,13 +278,16 @@ def _normal_case(op, R, args, device, time_us):
     qs = [per_token_group_quant_fp8_ref(x, 128) for x in xs]
     bs = virtual_backends(R, num_nvl_bytes=SymmBackend.get_normal_size_hint(N, H, K, R), device=device, timeout_s=60)
     layouts = [b.get_dispatch_layout(i, E) for b, i in zip(bs, idxs)]
-    worst = R * N
+    # Output rows per destination: exactly what it receives (known from the layouts, outside the timer), so the
+    # timed region allocates and fills only the rows that are counted (a worst-case R*N size would time a
+    # zero-fill of rows that never travel); still no host read inside the timed calls.
+    exact = [max(1, sum(int(lay[0][d]) for lay in layouts)) for d in range(R)]
 
     def dispatch():
         st = [b.dispatch_send(q, s, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
                               num_tokens_per_expert=lay[2], topk_idx=i, topk_weights=w, num_experts=E)
               for b, (q, s), i, w, lay in zip(bs, qs, idxs, ws, layouts)]
-        return [b.dispatch_recv(s, expert_alignment=1, num_worst_tokens=worst) for b, s in zip(bs, st)]
+        return [b.dispatch_recv(s, expert_alignment=1, num_worst_tokens=m) for b, s, m in zip(bs, st, exact)]
 
     rows = sum(int(lay[0].sum()) for lay in layouts)  # token-rank pairs: the rows that travel (setup, not timed)
     xq = [dequant_fp8_ref(q, s) for q, s in qs]
