@@ -99,6 +99,14 @@ class SymmBuffer:
                                "destroy the Buffer and create a new one")
 
     def _raise_status(self, code: int, what: str) -> None:
+        if code <= -16:  # STATUS_SIG_MISMATCH - peer: that peer's call signature differs from ours
+            from .sync import CallMismatchError
+            peer = -16 - code
+            self.broken = f"rank {peer} made a different call ({what})"
+            exc = CallMismatchError(f"moe_ep {what}: rank {peer}'s call (hidden, T, experts, top-k or format) differs "
+                                    f"from this rank's ({self.rank}); nothing was read from it", ["call"])
+            exc.peer = peer
+            raise exc
         if code < 0:  # a device-side error flag (see moe_ep.kernels.signals.STATUS_*)
             from .kernels.signals import STATUS_MESSAGES
             self.broken = STATUS_MESSAGES.get(code, f"device error code {code}")

@@ -337,3 +337,30 @@ def _ue8m0_dispatch(rank, world, backend):
 @pytest.mark.parametrize("backend", ["torch", "symm"])
 def test_normal_dispatch_accepts_packed_ue8m0_scales(backend):
     assert launch(_ue8m0_dispatch, 2, backend, timeout_s=120) == [True, True]
+
+
+# ---------------------------------------------------------------------------------------------- 1 on symm (device)
+def _symm_ll_mismatch(rank, world, what):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    buf = moe_ep.Buffer(None, backend="symm", low_latency_mode=True, timeout_s=10, provider="shm",
+                        num_rdma_bytes=SymmBackend.get_low_latency_size_hint(8, 256, world, 8, 3))
+    hidden = 256 if (what == "hidden" and rank == 0) else 128
+    k = 3 if (what == "topk" and rank == 1) else 2
+    inp = make_rank_inputs(rank, 5, hidden, 8, k, seed=2, world_size=world)
+    t0 = time.monotonic()
+    try:
+        buf.low_latency_dispatch(inp.x, inp.topk_idx, 8, 8, use_fp8=False)
+        return "ok", "", time.monotonic() - t0
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("what", ["hidden", "topk"])
+def test_symm_low_latency_ranks_that_disagree_all_raise_naming_the_field(what):
+    for kind, msg, secs in launch(_symm_ll_mismatch, 2, what, timeout_s=120):
+        assert kind == "CallMismatchError", msg
+        field = "hidden" if what == "hidden" else "top-k"
+        assert field in msg and "rank 0=" in msg and "rank 1=" in msg, msg
+        assert secs < 8, "detected on the device at the receive, not by a timeout"

@@ -34,6 +34,7 @@ from ..fp8 import FP8_DTYPE, tma_aligned_size
 from ..kernels.fp8_cast import native_e4m3_supported
 from ..kernels.logfmt import FMT_BF16, FMT_FP16, check_hidden
 from ..kernels.low_latency import (
+    SIG_WORDS,
     _ll_combine_recv_fmt_kernel,
     _ll_combine_send_fmt_kernel,
     _ll_dispatch_recv_kernel,
@@ -43,6 +44,7 @@ from ..kernels.low_latency import (
 from ..kernels.pdl import INTERPRET
 from ..kernels.signals import MASK_API
 from ..symm import SymmBuffer
+from ..sync import CallMismatchError
 from .base import LowLatencyDispatchResult, LowLatencyHandle
 
 __all__ = ["SymmLowLatency", "SymmLowLatencyHandle", "ll_buffer_bytes", "deepep_ll_buffer_bytes", "virtual_low_latency_step"]
@@ -196,6 +198,33 @@ class SymmLowLatency:
         """Data bytes per rank (``num_rdma_bytes``) for calls up to these shapes (BF16 or FP8)."""
         return ll_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
 
+    _SIG_FIELDS = ("hidden", "T (num_max_dispatch_tokens_per_rank)", "num_experts * 256 + top-k", "kind/format flags")
+
+    def _write_signature(self, slot: int, which: str, values: tuple) -> None:
+        """This rank's call signature into its own entry of the slot (device writes, no host read; the
+        send kernel copies it to every peer before it releases FULL, the receive kernel compares)."""
+        rank = self.symm.rank
+        at = slot * self.sig["SLOT_WORDS"] + self.sig[which] + SIG_WORDS * rank
+        for w, v in enumerate(values):
+            self.symm.signals[at + w].fill_(int(v))
+
+    def _check_status_naming_fields(self, what: str, slot: int, which: str) -> None:
+        """``check_status``; a call-signature mismatch is re-raised naming the fields that differ (error path
+        only: reads the signature words on the host)."""
+        try:
+            self.symm.check_status(what)
+        except CallMismatchError as exc:
+            peer = exc.peer
+            base = slot * self.sig["SLOT_WORDS"] + self.sig[which]
+            theirs = self.symm.signals[base + SIG_WORDS * peer: base + SIG_WORDS * (peer + 1)].tolist()
+            mine = self.symm.signals[base + SIG_WORDS * self.symm.rank: base + SIG_WORDS * (self.symm.rank + 1)].tolist()
+            diffs = "; ".join(f"{name}: rank {peer}={a}, rank {self.symm.rank}={b}"
+                              for name, a, b in zip(self._SIG_FIELDS, theirs, mine) if a != b)
+            raise CallMismatchError(f"moe_ep {what}: ranks disagree on {diffs} (nothing was read from rank {peer}; "
+                                    "the Buffer is unusable: destroy it)", [n for n, a, b in
+                                                                           zip(self._SIG_FIELDS, theirs, mine)
+                                                                           if a != b]) from None
+
     def _slot_base(self, slot: int) -> int:
         return slot * (self.symm.nbytes // NUM_SLOTS // _ALIGN * _ALIGN)
 
@@ -318,6 +347,8 @@ class SymmLowLatency:
         grid = (num_token_progs + triton.cdiv(E, block_e),)
         base = self._slot_base(slot)
         s = self.sig
+        self._write_signature(slot, "DISP_SIG", (hidden, T, E * 256 + K,
+                                                 1 | int(use_fp8) << 1 | int(round_scale) << 2 | int(use_ue8m0) << 3))
         _ll_dispatch_send_kernel[grid](
             x_arg, topk, symm.buffer_ptrs, symm.signal_ptrs, symm.status,
             symm.rank, n, T, L, E, R, num_token_progs, symm.timeout_ns,
@@ -376,7 +407,7 @@ class SymmLowLatency:
             HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"],
             num_warps=warps)
-        symm.check_status("low_latency_dispatch (receive)")
+        self._check_status_naming_fields("low_latency_dispatch (receive)", state.slot, "DISP_SIG")
         state.recv_done = True
         return res
 
@@ -430,6 +461,8 @@ class SymmLowLatency:
         base = self._slot_base(slot)
         s = self.sig
         x16 = x.view(torch.int16)
+        self._write_signature(slot, "COMB_SIG", (hidden, T, handle.num_experts * 256 + K,
+                                                 16 | int(fmt) << 5 | int(in_f16) << 9))
         _ll_combine_send_fmt_kernel[(R, triton.cdiv(T, block_t))](
             x16, x16.stride(0), x16.stride(1), handle.slot_row, handle.recv_tokens,
             symm.buffer_ptrs, symm.signal_ptrs, symm.status,
@@ -476,7 +509,7 @@ class SymmLowLatency:
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
             FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, num_warps=warps,
             enable_fp_fusion=False)
-        symm.check_status("low_latency_combine (receive)")
+        self._check_status_naming_fields("low_latency_combine (receive)", state.slot, "COMB_SIG")
         state.recv_done = True
         return state.out
 

@@ -27,6 +27,10 @@ Signals (int32 words of each rank's signal region; ``sig_off`` selects the doubl
     COMB_FULL  + d   on source s: expert rank d's outputs are in (1); s resets to 0
     COMB_BUSY  + s   on expert rank d: s has not drained d's outputs yet (1); s resets to 0
     *_CNT            local arrive_last counters (nobody waits on them)
+    DISP_SIG / COMB_SIG + 4 r   on every receiver: the call signature of rank r (hidden, T, E * 256 + K,
+                     flags), copied there by r before it releases FULL; the receiver compares it with its own
+                     entry (written by its host before its send) and reports a mismatch in its status word
+                     (``STATUS_SIG_MISMATCH - r``) instead of reading rows laid out for another call
 
 NOTES: every data write precedes a ``tl.debug_barrier()`` and then the release of the signal by one
 program (``arrive_last`` chains the other programs' writes to it), and every read follows an acquire
@@ -42,7 +46,17 @@ import triton.language as tl
 
 from .fp8_cast import e4m3_byte, group_scale
 from .logfmt import e4m3_decode, fp8_encode_groups, fp16_bits, logfmt_decode_values, logfmt_encode_groups
-from .signals import STATUS_MASK, STATUS_SHRINK, arrive_last, now_ns, peer_masked, signal_release, wait_ne, wait_ne_masked
+from .signals import (
+    STATUS_MASK,
+    STATUS_SHRINK,
+    arrive_last,
+    now_ns,
+    peer_masked,
+    report_error,
+    signal_release,
+    wait_ne,
+    wait_ne_masked,
+)
 
 __all__ = [
     "signal_layout",
@@ -59,14 +73,46 @@ __all__ = [
 GROUP = tl.constexpr(128)
 
 
+SIG_WORDS = 4  # call signature words: hidden, T, E * 256 + K, kind and format flags
+
+
 def signal_layout(world_size: int) -> dict:
     """Word offsets (inside one double-buffer slot) of the signal arrays, and the slot's size."""
     R = world_size
     lay = {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "COMB_SEND_CNT": 4 * R,
            "DISP_SEND_CNT": 5 * R, "DISP_RECV_CNT": 5 * R + 1, "COMB_RECV_CNT": 5 * R + 2,
-           "HEARTBEAT": 5 * R + 3}  # HEARTBEAT: kernels compute it as 5 * R + 3 (see _wait)
-    lay["SLOT_WORDS"] = (5 * R + 4 + 7) // 8 * 8
+           "HEARTBEAT": 5 * R + 3,  # HEARTBEAT: kernels compute it as 5 * R + 3 (see _wait)
+           # call signatures (SIG_WORDS words per rank; kernels compute the offsets as below): entry r on a
+           # receiver holds what rank r called; the entry of the receiver itself holds its own call
+           "DISP_SIG": 5 * R + 4, "COMB_SIG": 5 * R + 4 + SIG_WORDS * R}
+    lay["SLOT_WORDS"] = (5 * R + 4 + 2 * SIG_WORDS * R + 7) // 8 * 8
     return lay
+
+
+@triton.jit
+def _publish_signature(my_sig, peer_sig, base, rank):
+    """Copy this rank's call signature (its own entry at ``base``) into a peer's entry for this rank."""
+    for w in tl.static_range(4):
+        tl.store(peer_sig + base + 4 * rank + w, tl.load(my_sig + base + 4 * rank + w, volatile=True))
+
+
+@triton.jit
+def _clear_signature(my_sig, base, r):
+    """Zero entry ``r`` of a signature area (idle signal words are all zero between calls). Only the
+    caller decides when: after an error the entries stay, so the host can name the fields that differ."""
+    for w in tl.static_range(4):
+        tl.store(my_sig + base + 4 * r + w, 0)
+
+
+@triton.jit
+def _signature_differs(my_sig, base, rank, src):
+    """Whether source ``src``'s published call signature differs from this rank's (after the FULL acquire)."""
+    diff = tl.full([], 0, tl.int32)
+    for w in tl.static_range(4):
+        a = tl.load(my_sig + base + 4 * src + w, volatile=True)
+        b = tl.load(my_sig + base + 4 * rank + w, volatile=True)
+        diff = diff | (a != b).to(tl.int32)
+    return diff != 0
 
 
 @triton.jit
@@ -283,6 +329,7 @@ def _ll_dispatch_send_kernel(
             for d in range(R):
                 if _live(status_ptr, rank, d):
                     tl.atomic_xchg(my_sig + DISP_BUSY + d, 1, sem="relaxed", scope="sys")
+                    _publish_signature(my_sig, _peer(signal_ptrs, d, 0, tl.int32) + sig_off, 5 * R + 4, rank)
                     signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + DISP_FULL + rank, N + 1)
 
 
@@ -322,6 +369,11 @@ def _ll_dispatch_recv_kernel(
         if b == 0:
             tl.atomic_add(wait_stats_ptr + s, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
     ok = (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s)
+    # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
+    if ok:
+        if _signature_differs(my_sig, 5 * R + 4, rank, s):
+            report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
+            ok = False
     n_s = tl.where(ok, tl.minimum(tl.maximum(n_s, 0), T), 0)
     tl.debug_barrier()
     RT = R * T
@@ -399,6 +451,8 @@ def _ll_dispatch_recv_kernel(
     if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
         for sp in range(R):
             tl.atomic_xchg(my_sig + DISP_FULL + sp, 0, sem="relaxed", scope="sys")
+            if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
+                _clear_signature(my_sig, 5 * R + 4, sp)  # before BUSY is released: the next call's copy comes after
         for sp in range(R):
             if _live(status_ptr, rank, sp):
                 signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + rank, 0)
@@ -507,6 +561,7 @@ def _comb_send_body_ll(
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
             tl.atomic_xchg(my_sig + COMB_BUSY + s, 1, sem="relaxed", scope="sys")
+            _publish_signature(my_sig, _peer(signal_ptrs, s, 0, tl.int32) + sig_off, 5 * R + 4 + 4 * R, rank)
             signal_release(_peer(signal_ptrs, s, 0, tl.int32) + sig_off + COMB_FULL + rank, 1)
 
 
@@ -538,6 +593,12 @@ def _comb_recv_body_ll(
             if (pid_t == 0) & (pid_h == 0):
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
     tl.debug_barrier()
+    # An expert rank that combined a different call (hidden, T, experts, top-k, format) sets the status word
+    # (the output below is then NaN, and the host raises naming it).
+    for d in range(R):
+        if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
+            if _signature_differs(my_sig, 5 * R + 4 + 4 * R, rank, d):
+                report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
 
     # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
     # NOTES: launched with enable_fp_fusion=False: an FMA of w * y + acc would round differently.
@@ -592,6 +653,8 @@ def _comb_recv_body_ll(
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
         for d in range(R):
             tl.atomic_xchg(my_sig + COMB_FULL + d, 0, sem="relaxed", scope="sys")
+            if tl.load(status_ptr, volatile=True) == 0:
+                _clear_signature(my_sig, 5 * R + 4 + 4 * R, d)
         for d in range(R):
             if _live(status_ptr, rank, d):
                 signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + rank, 0)
