@@ -364,3 +364,21 @@ def test_symm_low_latency_ranks_that_disagree_all_raise_naming_the_field(what):
         field = "hidden" if what == "hidden" else "top-k"
         assert field in msg and "rank 0=" in msg and "rank 1=" in msg, msg
         assert secs < 8, "detected on the device at the receive, not by a timeout"
+
+
+def _symm_normal_mismatch(rank, world):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    buf = moe_ep.Buffer(None, backend="symm", timeout_s=10, provider="shm",
+                        num_nvl_bytes=SymmBackend.get_normal_size_hint(8, 256, 2, world))
+    hidden = 256 if rank == 0 else 128
+    inp = make_rank_inputs(rank, 5, hidden, 8, 2, seed=2, world_size=world)
+    return _outcome(lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, 8)))
+
+
+def test_symm_normal_ranks_with_different_hidden_all_raise_naming_the_field():
+    for kind, msg, secs in launch(_symm_normal_mismatch, 2, timeout_s=120):
+        assert kind == "CallMismatchError", msg
+        assert "hidden: rank" in msg and "rank 0=256" in msg and "rank 1=128" in msg, msg
+        assert secs < 8

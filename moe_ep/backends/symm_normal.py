@@ -45,6 +45,7 @@ from ..kernels.layout import dispatch_layout
 from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, encode_rows
 from ..kernels.pdl import INTERPRET
 from ..symm import SymmBuffer
+from ..sync import CallMismatchError
 from .base import DispatchHandle, DispatchResult
 
 __all__ = ["SymmNormal", "SymmNormalHandle"]
@@ -156,6 +157,27 @@ class SymmNormal:
         w = max(SymmNormal._dispatch_words(hidden, num_topk, False), _pad16(hidden // 2 + num_topk))
         return (2 * world_size * max(num_max_tokens, 1) * 4 * w + 255) // 256 * 256
 
+    _SIG_FIELDS = ("hidden", "row words (hidden, dtype, scales, top-k)", "num_experts * 256 + top-k", "flags")
+
+    def _write_signature(self, which: str, values: tuple) -> None:
+        """This rank's call signature into its own entry (device writes; the send kernel copies it to every
+        peer before releasing FULL, the receive kernels compare)."""
+        at = self.sig[which] + 4 * self.symm.rank
+        for w, v in enumerate(values):
+            self.symm.signals[at + w].fill_(int(v))
+
+    def _check_status_naming_fields(self, what: str, which: str) -> None:
+        try:
+            self.symm.check_status(what)
+        except CallMismatchError as exc:
+            peer, me, base = exc.peer, self.symm.rank, self.sig[which]
+            theirs = self.symm.signals[base + 4 * peer: base + 4 * peer + 4].tolist()
+            mine = self.symm.signals[base + 4 * me: base + 4 * me + 4].tolist()
+            bad = [(n, a, b) for n, a, b in zip(self._SIG_FIELDS, theirs, mine) if a != b]
+            detail = "; ".join(f"{n}: rank {peer}={a}, rank {me}={b}" for n, a, b in bad)
+            raise CallMismatchError(f"moe_ep {what}: ranks disagree on {detail} (nothing was read from rank {peer}; "
+                                    "the Buffer is unusable: destroy it)", [n for n, _, _ in bad]) from None
+
     def _cap(self, words: int) -> int:
         return (self.symm.nbytes // 2) // (self.symm.world_size * 4 * max(words, 1))
 
@@ -198,6 +220,9 @@ class SymmNormal:
                              f"(SymmBackend.get_normal_size_hint)")
         bt, bw = self._blocks(words)
         L = self.sig
+        flags = 1 | int(x_scales is not None) << 1 | int(x_scales is not None and x_scales.dtype == torch.int32) << 2 \
+            | int(handle is not None) << 3
+        self._write_signature("DISP_SIG", (hidden, words, (num_experts or 0) * 256 + k, flags))
         _scatter_send_kernel[(R, max(1, triton.cdiv(n, bt)))](
             rows, pos.contiguous(), counts.contiguous(), self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, n, R, words, self.symm.rank * cap * words, self.symm.timeout_ns,
@@ -229,7 +254,7 @@ class SymmNormal:
             out, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, R, st.words, st.cap, 0, m, self.symm.timeout_ns,
             FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw)
-        self.symm.check_status("dispatch (receive)")
+        self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
         # (more rows than num_worst_tokens: the gather kernel drops them and sets the status flag, which the
         # check above reports; no host read)
         # Unpack the rows (views of the received words).
@@ -306,6 +331,7 @@ class SymmNormal:
         words = rows.shape[1]
         cap = self._cap(_pad16(h // 2 + handle.num_topk))  # the 16-bit row width: FP8 rows are narrower
         bt, bw = self._blocks(words)
+        self._write_signature("COMB_SIG", (h, words, handle.num_topk, 2 | int(fmt) << 2 | int(topk_weights is not None) << 6))
         _scatter_send_kernel[(R, max(1, triton.cdiv(m, bt)))](
             rows, pos, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, self.symm.timeout_ns,
@@ -329,5 +355,5 @@ class SymmNormal:
             H=h, K=max(k, 1), KP=triton.next_power_of_2(max(k, 1)), HAS_W=st.has_w,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], RECV_CNT=L["COMB_RECV_CNT"], BLOCK_T=bt, HC=hc,
             FMT=st.fmt, OUT_F16=st.out_dtype == torch.float16, enable_fp_fusion=False)
-        self.symm.check_status("combine (receive)")
+        self._check_status_naming_fields("combine (receive)", "COMB_SIG")
         return out, (wout if st.has_w else None)

@@ -43,9 +43,29 @@ __all__ = ["signal_layout", "_scatter_send_kernel", "_recv_counts_kernel", "_gat
 def signal_layout(world_size: int) -> dict:
     """Word offsets of the normal-mode signal arrays (dispatch and combine have their own)."""
     R = world_size
+    # DISP_SIG / COMB_SIG: call signatures, 4 words per rank (the kernels compute the offsets with
+    # _sig_base): entry r on a receiver holds what rank r sent, the receiver's own entry its own call.
     return {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "DISP_SEND_CNT": 4 * R,
             "COMB_SEND_CNT": 5 * R, "DISP_RECV_CNT": 6 * R, "COMB_RECV_CNT": 6 * R + 1,
-            "WORDS": (6 * R + 2 + 7) // 8 * 8}
+            "DISP_SIG": 6 * R + 2, "COMB_SIG": 10 * R + 2,
+            "WORDS": (14 * R + 2 + 7) // 8 * 8}
+
+
+@triton.jit
+def _sig_base(R, FULL: tl.constexpr):
+    """Word offset of the signature area of the operation whose full words start at ``FULL`` (0: dispatch,
+    2R: combine)."""
+    return 6 * R + 2 + 4 * R * ((FULL // 2) // R)
+
+
+@triton.jit
+def _sig_differs(my_sig, base, rank, src):
+    diff = tl.full([], 0, tl.int32)
+    for w in tl.static_range(4):
+        a = tl.load(my_sig + base + 4 * src + w, volatile=True)
+        b = tl.load(my_sig + base + 4 * rank + w, volatile=True)
+        diff = diff | (a != b).to(tl.int32)
+    return diff != 0
 
 
 @triton.jit
@@ -57,10 +77,15 @@ def _words(ptrs, r):
 
 
 @triton.jit
-def _release_blocks(my_sig, signal_ptrs, rank, R, FULL: tl.constexpr, BUSY: tl.constexpr):
+def _release_blocks(my_sig, signal_ptrs, status_ptr, rank, R, FULL: tl.constexpr, BUSY: tl.constexpr):
     """Receiver done: reset our full words, then free our block on every sender (busy = 0 there)."""
+    base = _sig_base(R, FULL)
+    clear = tl.load(status_ptr, volatile=True) == 0  # after an error the host names the differing fields
     for sp in range(R):
         tl.atomic_xchg(my_sig + FULL + sp, 0, sem="relaxed", scope="sys")
+        if clear:
+            for w in tl.static_range(4):
+                tl.store(my_sig + base + 4 * sp + w, 0)
     for sp in range(R):
         signal_release(_words(signal_ptrs, sp) + BUSY + rank, 0)
 
@@ -100,6 +125,10 @@ def _scatter_send_kernel(
     if arrive_last(my_sig + SEND_CNT + d, tl.num_programs(1)):
         if tl.load(status_ptr, volatile=True) == 0:
             tl.atomic_xchg(my_sig + BUSY + d, 1, sem="relaxed", scope="sys")
+            base = _sig_base(R, FULL)  # our call signature travels before the release of FULL
+            for w in tl.static_range(4):
+                tl.store(_words(signal_ptrs, d) + base + 4 * rank + w,
+                         tl.load(my_sig + base + 4 * rank + w, volatile=True))
             signal_release(_words(signal_ptrs, d) + FULL + rank, tl.load(counts_ptr + d) + 1)
 
 
@@ -133,6 +162,10 @@ def _gather_recv_kernel(
         offset += tl.where(sp < s, n_sp, 0)
         n_s = tl.where(sp == s, n_sp, n_s)
     tl.debug_barrier()
+    # Rows laid out for another call (hidden, dtype, top-k, experts) are never read: report it instead.
+    if tl.load(status_ptr, volatile=True) == 0:
+        if _sig_differs(my_sig, _sig_base(R, FULL), rank, s):
+            report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
     if c == 0:
         tl.store(counts_ptr + s, n_s)
         if offset + n_s > M:  # more rows than the worst-case size: dropped, but never silently
@@ -152,7 +185,7 @@ def _gather_recv_kernel(
     # NOTES: every program waited on every source before arriving, so the last one knows all reads are done.
     tl.debug_barrier()
     if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
-        _release_blocks(my_sig, signal_ptrs, rank, R, FULL, BUSY)
+        _release_blocks(my_sig, signal_ptrs, status_ptr, rank, R, FULL, BUSY)
 
 
 @triton.jit
@@ -174,10 +207,14 @@ def _combine_recv_impl(
     pid_h = tl.program_id(1)
     my_sig = _words(signal_ptrs, rank)
 
-    # Step 1: every rank has returned its rows.
+    # Step 1: every rank has returned its rows (for the same call: else the status word says which rank).
     for d in range(R):
         wait_ne(my_sig + FULL + d, 0, status_ptr, d, timeout_ns)
     tl.debug_barrier()
+    for d in range(R):
+        if tl.load(status_ptr, volatile=True) == 0:
+            if _sig_differs(my_sig, _sig_base(R, FULL), rank, d):
+                report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
 
     # Step 2: float32 sum in ascending rank order, one cast (the torch backend's order, bitwise).
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -230,7 +267,7 @@ def _combine_recv_impl(
     # Step 3: the last program resets the full words and frees our block on every rank.
     tl.debug_barrier()
     if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
-        _release_blocks(my_sig, signal_ptrs, rank, R, FULL, BUSY)
+        _release_blocks(my_sig, signal_ptrs, status_ptr, rank, R, FULL, BUSY)
 
 
 @triton.jit
