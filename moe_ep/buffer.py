@@ -87,6 +87,10 @@ class Buffer:
             :class:`moe_ep.sync.RankTimeoutError` (a ``TimeoutError``) naming it.
         check_inputs: value checks of ``topk_idx`` (range, duplicates) read the tensor on the host; they
             are skipped automatically while a CUDA graph is being captured, and can be turned off here.
+        trap_on_error: ``symm`` only, the opt-in for CUDA-graph mode: a kernel that times out or detects a device
+            error (call mismatch, overflow, bad expert id) executes ``trap``, so the failure cannot pass
+            unnoticed inside replays (the CUDA context is lost: restart the process). Off: outputs turn NaN and
+            :meth:`check_status` raises. Compiled kernels only (the Triton interpreter cannot trap).
         backend_kwargs: passed to the backend: ``provider=`` (``"cuda"`` / ``"shm"``) and ``device=`` for ``symm``;
             ``ranks_per_node=`` (and ``partial_dtype=``) for ``torch``: node-aware normal mode (a token crosses
             nodes once per destination node, then fans out inside it; ``num_tokens_per_rdma_rank`` is filled).
@@ -101,7 +105,8 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
-                 backend: str = "auto", timeout_s: float = 60.0, check_inputs: bool = True, **backend_kwargs: Any):
+                 backend: str = "auto", timeout_s: float = 60.0, check_inputs: bool = True, trap_on_error: bool = False,
+                 **backend_kwargs: Any):
         if comm is not None:
             raise ValueError("comm= (an mpi4py communicator) is not supported: pass a torch.distributed process group")
         if enable_shrink and not low_latency_mode:
@@ -140,6 +145,10 @@ class Buffer:
             self._impl = SymmBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
         if enable_shrink:
             self._impl.enable_shrink()
+        if trap_on_error:
+            if self.backend_name != "symm":
+                raise ValueError("trap_on_error=True is for the symm backend (its kernels run inside CUDA graphs)")
+            self._impl.trap_on_error()
         self._mask_seen = [0] * self.group_size  # host copy of the mask after the last low-latency call
         self._comm_streams: dict = {}
         self._checked_layout = None  # key of the last get_dispatch_layout whose topk_idx was value-checked

@@ -382,3 +382,42 @@ def test_symm_normal_ranks_with_different_hidden_all_raise_naming_the_field():
         assert kind == "CallMismatchError", msg
         assert "hidden: rank" in msg and "rank 0=256" in msg and "rank 1=128" in msg, msg
         assert secs < 8
+
+
+# ---------------------------------------------------------------------------------------------- 5: trap opt-in
+TRAP_SCRIPT = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_ep.kernels import intranode as k
+
+sig = {"counts_ptr": "*i32", "signal_ptrs": "*i64", "status_ptr": "*i32", "rank": "i32", "timeout_ns": "i64",
+       "FULL": "constexpr"}
+ptx = triton.compile(ASTSource(k._recv_counts_kernel, sig, {"FULL": 0}), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print(json.dumps({"trap": ptx.count("trap;")}))
+'''
+
+
+def test_trap_on_error_compiles_a_guarded_trap_into_the_waits():
+    from moe_ep.testing.sm90 import compile_in_subprocess
+
+    out = compile_in_subprocess(TRAP_SCRIPT, [], "the trap opt-in")
+    assert out["trap"] >= 1, "no trap instruction behind the STATUS_TRAP guard"
+
+
+def _trap_flag(rank, world):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    buf = moe_ep.Buffer(None, backend="symm", low_latency_mode=True, provider="shm", trap_on_error=True,
+                        num_rdma_bytes=SymmBackend.get_low_latency_size_hint(4, 128, world, 4, 2))
+    flags = [int(b.status[2]) for b in buf._impl._buffers]
+    refused = _outcome(lambda: moe_ep.Buffer(None, backend="torch", trap_on_error=True))
+    return flags, refused[0]
+
+
+def test_trap_on_error_sets_the_status_flag_and_is_symm_only():
+    for flags, refused in launch(_trap_flag, 2, timeout_s=60):
+        assert flags and all(f == 1 for f in flags)
+        assert refused == "ValueError"

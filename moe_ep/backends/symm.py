@@ -201,6 +201,13 @@ class SymmBackend(Backend):
             return self.low_latency_combine_recv(state, wait_recv_cost_stats), None
         return state.out, lambda: self.low_latency_combine_recv(state, wait_recv_cost_stats)
 
+    def trap_on_error(self) -> None:
+        """Opt-in for CUDA-graph mode: a kernel that times out or detects a device error executes ``trap``
+        (the CUDA context fails loudly) instead of only setting the status word. Compiled kernels only; under
+        the Triton interpreter the status word reports as usual."""
+        for b in self._buffers:
+            b.status[2] = 1  # STATUS_TRAP, read by the kernels at run time (no extra argument)
+
     # ------------------------------------------------------------------ rank mask (enable_shrink)
     def enable_shrink(self) -> None:
         self._check_ll()

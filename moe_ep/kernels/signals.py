@@ -32,13 +32,14 @@ import triton.language as tl
 from .pdl import INTERPRET
 
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
-           "STATUS_MASK", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
+           "STATUS_MASK", "STATUS_TRAP", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
            "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_MESSAGES"]
 
 MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
 MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
 STATUS_SHRINK = tl.constexpr(1)  # status word: 1 = enable_shrink (rank masking on)
 STATUS_MASK = tl.constexpr(4)  # status words STATUS_MASK + r: rank r's mask word (MASK_API / MASK_TIMEOUT)
+STATUS_TRAP = tl.constexpr(2)  # status word: 1 = trap the kernel on a timeout or device error (graph mode)
 HB_CAP = tl.constexpr(4)  # a beating (alive but waiting) peer is masked after HB_CAP timeouts all the same
 STATUS_OVERFLOW = -1
 STATUS_BAD_EXPERT = -2
@@ -77,16 +78,32 @@ def signal_release(ptr, value):
     return tl.atomic_xchg(ptr, value, sem="release", scope="sys")
 
 
+if INTERPRET:
+    @triton.jit
+    def _maybe_trap(status_ptr):
+        """(Interpreter build: a kernel cannot trap here; the status word reports as usual.)"""
+        pass
+else:
+    @triton.jit
+    def _maybe_trap(status_ptr):
+        """``trap`` (the CUDA context fails loudly, also inside a replayed graph) when the rank's status
+        word ``STATUS_TRAP`` is set: the opt-in for graph mode, where no exception can be raised."""
+        if tl.load(status_ptr + STATUS_TRAP, volatile=True) != 0:
+            tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def report_timeout(status_ptr, peer):
-    """Record that a wait on ``peer`` timed out (the first report wins)."""
+    """Record that a wait on ``peer`` timed out (the first report wins); trap when asked (``STATUS_TRAP``)."""
     tl.atomic_cas(status_ptr, 0, peer + 1, sem="relaxed", scope="sys")
+    _maybe_trap(status_ptr)
 
 
 @triton.jit
 def report_error(status_ptr, code):
-    """Record a device-side error (a negative ``STATUS_*`` code; the first report wins)."""
+    """Record a device-side error (a negative ``STATUS_*`` code; the first report wins); trap when asked."""
     tl.atomic_cas(status_ptr, 0, code, sem="relaxed", scope="sys")
+    _maybe_trap(status_ptr)
 
 
 @triton.jit
