@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .logfmt import e4m3_decode, fp16_bits
-from .low_latency import _bf16_bits, _status_ok
+from .low_latency import _bf16_bits, _signature_differs, _status_ok
 from .signals import report_error, arrive_last, signal_release, wait_ne
 
 __all__ = ["signal_layout", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
@@ -57,15 +57,6 @@ def _sig_base(R, FULL: tl.constexpr):
     2R: combine)."""
     return 6 * R + 2 + 4 * R * ((FULL // 2) // R)
 
-
-@triton.jit
-def _sig_differs(my_sig, base, rank, src):
-    diff = tl.full([], 0, tl.int32)
-    for w in tl.static_range(4):
-        a = tl.load(my_sig + base + 4 * src + w, volatile=True)
-        b = tl.load(my_sig + base + 4 * rank + w, volatile=True)
-        diff = diff | (a != b).to(tl.int32)
-    return diff != 0
 
 
 @triton.jit
@@ -164,7 +155,7 @@ def _gather_recv_kernel(
     tl.debug_barrier()
     # Rows laid out for another call (hidden, dtype, top-k, experts) are never read: report it instead.
     if tl.load(status_ptr, volatile=True) == 0:
-        if _sig_differs(my_sig, _sig_base(R, FULL), rank, s):
+        if _signature_differs(my_sig, _sig_base(R, FULL), rank, s):
             report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
     if c == 0:
         tl.store(counts_ptr + s, n_s)
@@ -213,7 +204,7 @@ def _combine_recv_impl(
     tl.debug_barrier()
     for d in range(R):
         if tl.load(status_ptr, volatile=True) == 0:
-            if _sig_differs(my_sig, _sig_base(R, FULL), rank, d):
+            if _signature_differs(my_sig, _sig_base(R, FULL), rank, d):
                 report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
 
     # Step 2: float32 sum in ascending rank order, one cast (the torch backend's order, bitwise).
