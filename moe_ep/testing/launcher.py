@@ -47,6 +47,10 @@ def _child(conn, store_path: str, rank: int, world_size: int, backend: str, pg_t
                                 timeout=timedelta(seconds=pg_timeout_s))
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:
+            # Every pair is connected before any rank runs (and perhaps finishes and exits): gloo's full-mesh
+            # connect on a slower rank would otherwise see the closed socket as a peer crash.
+            dist.barrier()
         payload = fn(rank, world_size, *args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         status = "error"
