@@ -35,7 +35,7 @@ from ..kernels.logfmt import row_bytes as wire_row_bytes
 from ..sync import ArrivalCheck
 from .base import Backend, DispatchHandle, DispatchResult, LowLatencyDispatchResult, LowLatencyHandle
 
-__all__ = ["TorchBackend", "layout_from_topk", "pad_to_worst"]
+__all__ = ["TorchBackend", "layout_from_topk", "localize_topk", "pad_to_worst", "unpack_rows"]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +57,27 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
 
 # torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def unpack_rows(recv: torch.Tensor, x_dtype: torch.dtype, hidden: int, x_scales) -> tuple:
+    """The payload and scale columns of received byte rows: ``(recv_x, recv_scales or None, next byte offset)``.
+    Scales keep the dtype sent (float32 ``[.., H/128]`` or packed UE8M0 int32 ``[.., ceil(H/512)]``)."""
+    xb = hidden * torch.empty((), dtype=x_dtype).element_size()
+    recv_x = _from_bytes(recv[:, :xb], x_dtype, hidden)
+    if x_scales is None:
+        return recv_x, None, xb
+    g = x_scales.shape[1]
+    return recv_x, _from_bytes(recv[:, xb:xb + 4 * g], x_scales.dtype, g), xb + 4 * g
+
+
+def localize_topk(recv: torch.Tensor, off: int, k: int, rank: int, num_local: int) -> tuple:
+    """Received global top-k (int64 ids, float32 weights, from byte ``off``) as this rank's local ids (-1 for
+    experts elsewhere) and weights (0 there)."""
+    gidx = _from_bytes(recv[:, off:off + 8 * k], torch.int64, k)
+    w = _from_bytes(recv[:, off + 8 * k:off + 12 * k], torch.float32, k)
+    lo = rank * num_local
+    is_local = (gidx >= lo) & (gidx < lo + num_local)
+    return torch.where(is_local, gidx - lo, torch.full_like(gidx, -1)), torch.where(is_local, w, torch.zeros_like(w))
 
 
 def pad_to_worst(rank: int, num_recv: int, num_worst_tokens: int, recv_x, recv_scales, recv_src_idx, recv_topk_idx,
@@ -249,28 +270,14 @@ class TorchBackend(Backend):
         recv, _ = self._a2a(send, recv_counts, send_counts, row_bytes)
         num_recv = recv.shape[0]
         # Step 4: unpack.
-        xb = hidden * x.element_size()
-        off = 0
-        recv_x = _from_bytes(recv[:, :xb], x.dtype, hidden)
-        off = xb
-        recv_scales = None
-        if is_fp8:
-            g = x_scales.shape[1]  # float32 [.., H/128] or packed UE8M0 int32 [.., ceil(H/512)]
-            recv_scales = _from_bytes(recv[:, off:off + 4 * g], x_scales.dtype, g)
-            off += 4 * g
+        recv_x, recv_scales, off = unpack_rows(recv, x.dtype, hidden, x_scales)
         recv_topk_idx = recv_topk_weights = None
         recv_src_idx = None
         if handle is None:
             recv_src_idx = _from_bytes(recv[:, off:off + 4], torch.int32, 1).reshape(-1)
             off += 4
         if with_topk:
-            gidx = _from_bytes(recv[:, off:off + 8 * k], torch.int64, k)
-            off += 8 * k
-            w = _from_bytes(recv[:, off:off + 4 * k], torch.float32, k)
-            lo = self.rank * num_local
-            is_local = (gidx >= lo) & (gidx < lo + num_local)
-            recv_topk_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
-            recv_topk_weights = torch.where(is_local, w, torch.zeros_like(w))
+            recv_topk_idx, recv_topk_weights = localize_topk(recv, off, k, self.rank, num_local)
         if handle is None:
             if num_worst_tokens > 0:
                 per_expert_list = []  # as DeepEP and the symm backend: outputs sized without the counts

@@ -30,7 +30,16 @@ import torch.distributed as dist
 
 from ..collectives import node_topology
 from .base import DispatchResult
-from .torch_a2a import TorchBackend, TorchDispatchHandle, _bytes, _from_bytes, layout_from_topk, pad_to_worst
+from .torch_a2a import (
+    TorchBackend,
+    TorchDispatchHandle,
+    _bytes,
+    _from_bytes,
+    layout_from_topk,
+    localize_topk,
+    pad_to_worst,
+    unpack_rows,
+)
 
 __all__ = ["TorchHierBackend"]
 
@@ -156,24 +165,11 @@ class TorchHierBackend(TorchBackend):
         recv = torch.empty_like(recv2)
         recv[perm] = recv2
         num_recv = recv.shape[0]
-        xb = hidden * x.element_size()
-        recv_x = _from_bytes(recv[:, :xb], x.dtype, hidden)
-        off = xb
-        recv_scales = None
-        if is_fp8:
-            g = x_scales.shape[1]  # float32 [.., H/128] or packed UE8M0 int32 [.., ceil(H/512)]
-            recv_scales = _from_bytes(recv[:, off:off + 4 * g], x_scales.dtype, g)
-            off += 4 * g
+        recv_x, recv_scales, off = unpack_rows(recv, x.dtype, hidden, x_scales)
         recv_topk_idx = recv_topk_weights = None
         if not cached:
-            gidx = _from_bytes(recv[:, off:off + 8 * k], torch.int64, k)
-            off += 8 * k
-            w = _from_bytes(recv[:, off:off + 4 * k], torch.float32, k)
             num_local = num_experts // self.world_size
-            lo = self.rank * num_local
-            is_local = (gidx >= lo) & (gidx < lo + num_local)
-            recv_topk_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
-            recv_topk_weights = torch.where(is_local, w, torch.zeros_like(w))
+            recv_topk_idx, recv_topk_weights = localize_topk(recv, off, k, self.rank, num_local)
             if num_worst_tokens > 0:
                 per_expert_list = []  # as the flat path, DeepEP and symm: no counts with num_worst_tokens
             else:
