@@ -289,9 +289,17 @@ def time_us(fn, device=None, iters: int = 5, warmup: int = 1, between=None, flus
     GPU: CUDA events around each call; before each timed call (outside the events) the L2 is flushed (``flush``,
     :class:`L2Flush`), ``between()`` runs, then ``barrier()`` (multi-rank cases: every rank starts together).
     CPU: ``time.perf_counter``. The flush buffer is allocated once per call of this function."""
-    import torch
 
     cuda = device is not None and getattr(device, "type", device) == "cuda"
+    return quantiles(_timed_samples(fn, device, cuda, iters, warmup, between, flush, barrier))
+
+
+def _timed_samples(fn, device, cuda: bool, iters: int, warmup: int, between, flush: bool, barrier) -> list:
+    """Microseconds of each of ``iters`` timed calls of ``fn`` (the loop shared by :func:`time_us` and
+    :func:`time_ranks`): warm-up, then per call an L2 flush, ``between()`` and ``barrier()`` outside the timed
+    region, CUDA events on a GPU, ``time.perf_counter`` on a CPU."""
+    import torch
+
     fl = L2Flush(device) if (cuda and flush) else None
     for _ in range(warmup):
         fn()
@@ -316,7 +324,7 @@ def time_us(fn, device=None, iters: int = 5, warmup: int = 1, between=None, flus
             t0 = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t0) * 1e6)
-    return quantiles(out)
+    return out
 
 
 def graph_fn(fn, device):
@@ -359,27 +367,7 @@ def time_ranks(fn, device, group=None, iters: int = 20, warmup: int = 3, flush: 
         dist.barrier(group=group)
         if cuda:
             torch.cuda.synchronize(device)
-    samples = []
-    fl = L2Flush(device) if (cuda and flush) else None
-    for _ in range(warmup):
-        fn()
-    for _ in range(max(1, iters)):
-        if fl is not None:
-            fl()
-        if between is not None:
-            between()
-        barrier()
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
+    samples = _timed_samples(fn, device, cuda, iters, warmup, between, flush, barrier)
     mine = torch.tensor(samples, dtype=torch.float64, device=device if cuda else "cpu")
     allt = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(allt, mine, group=group)
