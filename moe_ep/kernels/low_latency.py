@@ -22,10 +22,10 @@ earlier launches, DESIGN.md "Phase rule"):
 
 Signals (int32 words of each rank's signal region; ``sig_off`` selects the double-buffer slot):
 
-    DISP_FULL  + s   on receiver d: source s's tokens are in (value N_s + 1); receiver resets to 0
-    DISP_BUSY  + d   on sender s: d has not drained s's slot yet (1); d resets it to 0 after reading
-    COMB_FULL  + d   on source s: expert rank d's outputs are in (1); s resets to 0
-    COMB_BUSY  + s   on expert rank d: s has not drained d's outputs yet (1); s resets to 0
+    DISP_FULL  + 2s  on receiver d: source s's tokens are in (value N_s + 1); receiver resets to 0
+    DISP_BUSY  + 2d  on sender s: d has not drained s's slot yet (1); d resets it to 0 after reading
+    COMB_FULL  + 2d  on source s: expert rank d's outputs are in (1); s resets to 0
+    COMB_BUSY  + 2s  on expert rank d: s has not drained d's outputs yet (1); s resets to 0
     *_CNT            local arrive_last counters (nobody waits on them)
     DISP_SIG / COMB_SIG + 4 r   on every receiver: the call signature of rank r (hidden, T, E * 256 + K,
                      flags), copied there by r before it releases FULL; the receiver compares it with its own
@@ -77,16 +77,48 @@ SIG_WORDS = 4  # call signature words: hidden, T, E * 256 + K, kind and format f
 
 
 def signal_layout(world_size: int) -> dict:
-    """Word offsets (inside one double-buffer slot) of the signal arrays, and the slot's size."""
+    """Word offsets (inside one double-buffer slot) of the signal arrays, and the slot's size.
+
+    The four arrays that peers write (``DISP_FULL``, ``DISP_BUSY``, ``COMB_FULL``, ``COMB_BUSY``) hold one 64-bit,
+    8-byte aligned word per rank (entry ``r`` at word ``X + 2 r``): NVSHMEM's signal words are 64-bit
+    (``nvshmemx_putmem_signal_nbi_block`` sets all of it); kernels read and write the low 32 bits (little endian,
+    values < 2**31, the high half stays 0). ``SCRATCH + 2 r``: where rank ``r``'s bare signals (no payload of their
+    own) put their 8 dummy bytes on the ``nvshmem`` transport."""
     R = world_size
-    lay = {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "COMB_SEND_CNT": 4 * R,
-           "DISP_SEND_CNT": 5 * R, "DISP_RECV_CNT": 5 * R + 1, "COMB_RECV_CNT": 5 * R + 2,
-           "HEARTBEAT": 5 * R + 3,  # HEARTBEAT: kernels compute it as 5 * R + 3 (see _wait)
+    lay = {"DISP_FULL": 0, "DISP_BUSY": 2 * R, "COMB_FULL": 4 * R, "COMB_BUSY": 6 * R, "COMB_SEND_CNT": 8 * R,
+           "DISP_SEND_CNT": 9 * R, "DISP_RECV_CNT": 9 * R + 1, "COMB_RECV_CNT": 9 * R + 2,
+           "HEARTBEAT": 9 * R + 3,  # kernels compute it as _hb_word(R)
+           "SCRATCH": (9 * R + 5) // 2 * 2,
            # call signatures (SIG_WORDS words per rank; kernels compute the offsets as below): entry r on a
            # receiver holds what rank r called; the entry of the receiver itself holds its own call
-           "DISP_SIG": 5 * R + 4, "COMB_SIG": 5 * R + 4 + SIG_WORDS * R}
-    lay["SLOT_WORDS"] = (5 * R + 4 + 2 * SIG_WORDS * R + 7) // 8 * 8
+           "DISP_SIG": (9 * R + 5) // 2 * 2 + 2 * R}
+    lay["COMB_SIG"] = lay["DISP_SIG"] + SIG_WORDS * R  # (the jit twins below compute the same offsets)
+    lay["SLOT_WORDS"] = (lay["COMB_SIG"] + SIG_WORDS * R + 7) // 8 * 8
     return lay
+
+
+@triton.jit
+def _hb_word(R):
+    """Word of this rank's heartbeat inside a slot (``signal_layout``'s ``HEARTBEAT``)."""
+    return 9 * R + 3
+
+
+@triton.jit
+def _scratch_word(R):
+    """First word of the dummy-payload area (``SCRATCH``): 8-byte aligned, 2 words per rank."""
+    return (9 * R + 4 + 1) // 2 * 2
+
+
+@triton.jit
+def _disp_sig_word(R):
+    """First word of the dispatch call signatures (``DISP_SIG``)."""
+    return (9 * R + 4 + 1) // 2 * 2 + 2 * R
+
+
+@triton.jit
+def _comb_sig_word(R):
+    """First word of the combine call signatures (``COMB_SIG``)."""
+    return (9 * R + 4 + 1) // 2 * 2 + 2 * R + 4 * R  # SIG_WORDS = 4
 
 
 @triton.jit
@@ -158,11 +190,16 @@ def _live_vec(status_ptr, rank, peers, R):
 @triton.jit
 def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_off, R):
     """``wait_ne``, or with enable_shrink ``wait_ne_masked``: skip masked peers, mask on timeout (the heartbeat
-    words are word ``HEARTBEAT = 5 * R + 3`` of this slot, :func:`signal_layout`)."""
+    words are word ``_hb_word(R)`` of this slot, :func:`signal_layout`)."""
     if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
-        hb = sig_off + 5 * R + 3
+        hb = sig_off + _hb_word(R)
+        # A peer with no load/store mapping (table entry 0: the nvshmem transport across nodes) has no readable
+        # heartbeat: its own word is read instead, which never changes (plain timeout).
+        peer_base = tl.load(signal_ptrs + peer)
+        peer_base = tl.where(peer_base != 0, peer_base, tl.load(signal_ptrs + rank))
         v = wait_ne_masked(sig_ptr, value, status_ptr, status_ptr + STATUS_MASK, rank, peer, timeout_ns,
-                           _peer(signal_ptrs, rank, 0, tl.int32) + hb, _peer(signal_ptrs, peer, 0, tl.int32) + hb)
+                           _peer(signal_ptrs, rank, 0, tl.int32) + hb,
+                           tl.multiple_of(peer_base.to(tl.pointer_type(tl.int32)), 16) + hb)
     else:
         v = wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns)
     return v
@@ -215,7 +252,7 @@ def _ll_dispatch_send_kernel(
 
     # Step 1: every destination has drained this slot (its receive reset our busy word).
     for d in range(R):
-        _wait(my_sig + DISP_BUSY + d, 1, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
+        _wait(my_sig + DISP_BUSY + 2 * d, 1, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
     tl.debug_barrier()
 
     kk = tl.arange(0, KP)
@@ -328,9 +365,9 @@ def _ll_dispatch_send_kernel(
         if tl.load(status_ptr, volatile=True) == 0:
             for d in range(R):
                 if _live(status_ptr, rank, d):
-                    tl.atomic_xchg(my_sig + DISP_BUSY + d, 1, sem="relaxed", scope="sys")
-                    _publish_signature(my_sig, _peer(signal_ptrs, d, 0, tl.int32) + sig_off, 5 * R + 4, rank)
-                    signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + DISP_FULL + rank, N + 1)
+                    tl.atomic_xchg(my_sig + DISP_BUSY + 2 * d, 1, sem="relaxed", scope="sys")
+                    _publish_signature(my_sig, _peer(signal_ptrs, d, 0, tl.int32) + sig_off, _disp_sig_word(R), rank)
+                    signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + DISP_FULL + 2 * rank, N + 1)
 
 
 @triton.jit
@@ -362,7 +399,7 @@ def _ll_dispatch_recv_kernel(
         t_start = now_ns()
     n_s = tl.full([], 0, tl.int32)
     for sp in range(s + 1):
-        v = _wait(my_sig + DISP_FULL + sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
+        v = _wait(my_sig + DISP_FULL + 2 * sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
         n_s = tl.where(sp == s, v - 1, n_s)
     if HAS_WAIT_STATS:
         # program (s, 0) reports how long this receive waited (from its start) until source s had sent
@@ -371,7 +408,7 @@ def _ll_dispatch_recv_kernel(
     ok = (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s)
     # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
     if ok:
-        if _signature_differs(my_sig, 5 * R + 4, rank, s):
+        if _signature_differs(my_sig, _disp_sig_word(R), rank, s):
             report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
             ok = False
     n_s = tl.where(ok, tl.minimum(tl.maximum(n_s, 0), T), 0)
@@ -450,12 +487,12 @@ def _ll_dispatch_recv_kernel(
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
         for sp in range(R):
-            tl.atomic_xchg(my_sig + DISP_FULL + sp, 0, sem="relaxed", scope="sys")
+            tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
-                _clear_signature(my_sig, 5 * R + 4, sp)  # before BUSY is released: the next call's copy comes after
+                _clear_signature(my_sig, _disp_sig_word(R), sp)  # before BUSY is released: the next call's copy comes after
         for sp in range(R):
             if _live(status_ptr, rank, sp):
-                signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + rank, 0)
+                signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + 2 * rank, 0)
 
 
 @triton.jit
@@ -520,7 +557,7 @@ def _comb_send_body_ll(
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
     # Step 1: source s has drained its combine area (it reset our busy word).
-    _wait(my_sig + COMB_BUSY + s, 1, status_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R)
+    _wait(my_sig + COMB_BUSY + 2 * s, 1, status_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R)
     tl.debug_barrier()
 
     # Step 2: rows of (s, t, k) selections that this rank's experts computed -> slot (t, k) on s.
@@ -560,9 +597,9 @@ def _comb_send_body_ll(
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
-            tl.atomic_xchg(my_sig + COMB_BUSY + s, 1, sem="relaxed", scope="sys")
-            _publish_signature(my_sig, _peer(signal_ptrs, s, 0, tl.int32) + sig_off, 5 * R + 4 + 4 * R, rank)
-            signal_release(_peer(signal_ptrs, s, 0, tl.int32) + sig_off + COMB_FULL + rank, 1)
+            tl.atomic_xchg(my_sig + COMB_BUSY + 2 * s, 1, sem="relaxed", scope="sys")
+            _publish_signature(my_sig, _peer(signal_ptrs, s, 0, tl.int32) + sig_off, _comb_sig_word(R), rank)
+            signal_release(_peer(signal_ptrs, s, 0, tl.int32) + sig_off + COMB_FULL + 2 * rank, 1)
 
 
 @triton.jit
@@ -588,7 +625,7 @@ def _comb_recv_body_ll(
     if HAS_WAIT_STATS:
         t_start = now_ns()
     for d in range(R):
-        _wait(my_sig + COMB_FULL + d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
+        _wait(my_sig + COMB_FULL + 2 * d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
         if HAS_WAIT_STATS:
             if (pid_t == 0) & (pid_h == 0):
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
@@ -597,7 +634,7 @@ def _comb_recv_body_ll(
     # (the output below is then NaN, and the host raises naming it).
     for d in range(R):
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
-            if _signature_differs(my_sig, 5 * R + 4 + 4 * R, rank, d):
+            if _signature_differs(my_sig, _comb_sig_word(R), rank, d):
                 report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
 
     # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
@@ -652,12 +689,12 @@ def _comb_recv_body_ll(
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
         for d in range(R):
-            tl.atomic_xchg(my_sig + COMB_FULL + d, 0, sem="relaxed", scope="sys")
+            tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:
-                _clear_signature(my_sig, 5 * R + 4 + 4 * R, d)
+                _clear_signature(my_sig, _comb_sig_word(R), d)
         for d in range(R):
             if _live(status_ptr, rank, d):
-                signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + rank, 0)
+                signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + 2 * rank, 0)
 
 
 @triton.jit
