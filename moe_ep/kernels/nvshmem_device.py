@@ -177,14 +177,16 @@ else:
     @triton.jit
     def putmem_nbi_block(dest, source, nbytes, pe):
         """``nvshmemx_putmem_nbi_block``: non-blocking block put of ``nbytes`` to ``pe`` (addresses in this heap)."""
-        return _putmem_nbi_block(dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), pe.to(tl.int32))
+        return _putmem_nbi_block(dest.to(tl.int64), source.to(tl.int64), nbytes + tl.zeros([], tl.int64),
+                                 (pe + tl.zeros([], tl.int32)).to(tl.int32))
 
     @triton.jit
     def putmem_signal_nbi_block(dest, source, nbytes, sig, value, pe):
         """``nvshmemx_putmem_signal_nbi_block`` with ``NVSHMEM_SIGNAL_SET``: the payload, then ``pe``'s 64-bit
         signal word ``sig`` = ``value``."""
-        return _putmem_signal_nbi_block(dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), sig.to(tl.int64),
-                                        value.to(tl.uint64), tl.full([], 0, tl.int32), pe.to(tl.int32))
+        return _putmem_signal_nbi_block(dest.to(tl.int64), source.to(tl.int64), nbytes + tl.zeros([], tl.int64),
+                                        sig.to(tl.int64), (value + tl.zeros([], tl.int64)).to(tl.uint64),
+                                        tl.full([], 0, tl.int32), (pe + tl.zeros([], tl.int32)).to(tl.int32))
 
     @triton.jit
     def quiet():
