@@ -21,7 +21,7 @@ from .events import EventOverlap, run_on_comm_stream
 
 __all__ = ["Buffer", "Config"]
 
-BACKENDS = ("auto", "torch", "symm")
+BACKENDS = ("auto", "torch", "symm", "nvshmem")
 
 
 class Config:
@@ -82,18 +82,20 @@ class Buffer:
             times out in a low-latency call is masked instead of failing the call (see :meth:`low_latency_masked_ranks`).
         comm: DeepEP's mpi4py alternative to ``group``; not supported (must be ``None``).
         backend: ``"torch"`` (all_to_all_single over gloo/NCCL, any topology), ``"symm"`` (Triton kernels
-            over symmetric memory, one node) or ``"auto"`` (``"torch"`` in this release).
+            over symmetric memory, one node), ``"nvshmem"`` (low-latency mode only: the ``symm`` kernels over
+            NVSHMEM, across nodes; :mod:`moe_ep.backends.nvshmem`) or ``"auto"`` (``"torch"`` in this release).
         timeout_s: bound on every wait; a rank that does not arrive makes the call raise
             :class:`moe_ep.sync.RankTimeoutError` (a ``TimeoutError``) naming it.
         check_inputs: value checks of ``topk_idx`` (range, duplicates) read the tensor on the host; they
             are skipped automatically while a CUDA graph is being captured, and can be turned off here.
-        trap_on_error: ``symm`` only, the opt-in for CUDA-graph mode: a kernel that times out or detects a device
+        trap_on_error: ``symm`` and ``nvshmem`` only, the opt-in for CUDA-graph mode: a kernel that times out or detects a device
             error (call mismatch, overflow, bad expert id) executes ``trap``, so the failure cannot pass
             unnoticed inside replays (the CUDA context is lost: restart the process). Off: outputs turn NaN and
             :meth:`check_status` raises. Compiled kernels only (the Triton interpreter cannot trap).
         backend_kwargs: passed to the backend: ``provider=`` (``"cuda"`` / ``"shm"``) and ``device=`` for ``symm``;
             ``ranks_per_node=`` (and ``partial_dtype=``) for ``torch``: node-aware normal mode (a token crosses
-            nodes once per destination node, then fans out inside it; ``num_tokens_per_rdma_rank`` is filled).
+            nodes once per destination node, then fans out inside it; ``num_tokens_per_rdma_rank`` is filled);
+            ``device=`` and (CPU emulation) ``ranks_per_node=`` for ``nvshmem``.
 
     The ``symm`` backend needs its buffer sizes: ``num_nvl_bytes`` from
     :meth:`moe_ep.backends.symm.SymmBackend.get_normal_size_hint` and ``num_rdma_bytes`` from
@@ -140,14 +142,18 @@ class Buffer:
             # ranks_per_node=G: node-aware (a token crosses nodes once per destination node, then fans out)
             cls = TorchHierBackend if backend_kwargs.get("ranks_per_node") is not None else TorchBackend
             self._impl: Backend = cls(self.group, self.rank, self.group_size, **common, **backend_kwargs)
+        elif self.backend_name == "nvshmem":
+            from .backends.nvshmem import NvshmemBackend
+            self._impl = NvshmemBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
         else:
             from .backends.symm import SymmBackend
             self._impl = SymmBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
         if enable_shrink:
             self._impl.enable_shrink()
         if trap_on_error:
-            if self.backend_name != "symm":
-                raise ValueError("trap_on_error=True is for the symm backend (its kernels run inside CUDA graphs)")
+            if self.backend_name not in ("symm", "nvshmem"):
+                raise ValueError("trap_on_error=True is for the symm and nvshmem backends (their kernels run inside "
+                                 "CUDA graphs)")
             self._impl.trap_on_error()
         self._mask_seen = [0] * self.group_size  # host copy of the mask after the last low-latency call
         self._comm_streams: dict = {}
@@ -290,7 +296,7 @@ class Buffer:
         send = max(t * dispatch_msg, e * t * combine_msg)
         recv = e * t * max(dispatch_msg, combine_msg)
         deepep = 2 * (send + recv + e * 4)
-        total = max(deepep, ll_buffer_bytes(t, hidden, num_ranks, e, num_topk=e))
+        total = max(deepep, ll_buffer_bytes(t, hidden, num_ranks, e, num_topk=e, transport=1))  # symm or nvshmem
         return (total + 127) // 128 * 128
 
     def _comm_stream(self, device: torch.device):

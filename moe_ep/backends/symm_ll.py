@@ -32,7 +32,7 @@ import triton
 
 from ..fp8 import FP8_DTYPE, tma_aligned_size
 from ..kernels.fp8_cast import native_e4m3_supported
-from ..kernels.logfmt import FMT_BF16, FMT_FP16, check_hidden
+from ..kernels.logfmt import FMT_BF16, FMT_FP16, check_hidden, row_bytes
 from ..kernels.low_latency import (
     SIG_WORDS,
     _ll_combine_recv_fmt_kernel,
@@ -72,9 +72,11 @@ class _Layout:
     msg_off: int
     comb_off: int
     slot_bytes: int
+    stage_bytes: int = 0  # nvshmem transport: staging area at the END of the data region (count + combine staging)
+    comb_stage: int = 0  # offset of the combine staging inside the staging area (the count staging is at 0)
 
 
-def _carve(T: int, hidden: int, R: int, E: int, K: int) -> _Layout:
+def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _Layout:
     # One slot of a rank's data region (NUM_SLOTS of them, each at ``slot * (nbytes // NUM_SLOTS)``):
     #
     #   cnt_off   [R, L] int32                  count[s][e]: tokens of source s for local expert e   4 * E
@@ -92,13 +94,23 @@ def _carve(T: int, hidden: int, R: int, E: int, K: int) -> _Layout:
     msg_off = _align(4 * R * L, _ALIGN)
     comb_off = _align(msg_off + R * T * msg, _ALIGN)
     slot_bytes = _align(comb_off + 2 * T * K * hidden, _ALIGN)
-    return _Layout(msg, hdr, cnt_off, msg_off, comb_off, slot_bytes)
+    if not transport:
+        return _Layout(msg, hdr, cnt_off, msg_off, comb_off, slot_bytes)
+    # nvshmem transport: a sender writes into its own symmetric memory before a put, so one staging area (shared by
+    # both slots: a kernel's puts are complete (quiet) before it ends) follows the slots:
+    #   [E] int32 count staging | [L * R*T, 2H] combine staging (the expert rows' wire bytes)
+    # DeepSeek-V3 decode (T=128, H=7168, E=256): 470 MB whatever the EP size (DeepEP's send buffer is as large).
+    comb_stage = _align(4 * E, _ALIGN)
+    stage_bytes = _align(comb_stage + L * R * T * 2 * hidden, _ALIGN)
+    return _Layout(msg, hdr, cnt_off, msg_off, comb_off, slot_bytes, stage_bytes, comb_stage)
 
 
 def ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
-                    num_topk: int = 8) -> int:
-    """Data bytes per rank of this path (both slots): what :meth:`SymmLowLatency.size_hint` returns."""
-    return NUM_SLOTS * _carve(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk).slot_bytes
+                    num_topk: int = 8, transport: int = 0) -> int:
+    """Data bytes per rank of this path (both slots, plus the staging area of the nvshmem transport,
+    ``transport=1``): what :meth:`SymmLowLatency.size_hint` returns."""
+    lay = _carve(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk, transport)
+    return NUM_SLOTS * lay.slot_bytes + lay.stage_bytes
 
 
 def deepep_ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -164,9 +176,11 @@ class SymmLowLatency:
         owner: written into every handle's ``owner``.
     """
 
-    def __init__(self, symm: SymmBuffer, owner: int, shrink: bool = False):
+    def __init__(self, symm: SymmBuffer, owner: int, shrink: bool = False, transport: int = 0):
         self.symm = symm
         self.owner = owner
+        #: 0: peer pointers (``symm``); 1: NVSHMEM (``nvshmem``: staged writes, puts to unmapped peers)
+        self.transport = int(transport)
         #: rank mask (``enable_shrink``): `[R]` int32 on the device, local to this rank (peers never read it);
         #: 0 = live, ``MASK_API`` = masked by the API, ``MASK_TIMEOUT`` = masked by a kernel whose wait timed out.
         self.mask = symm.status[4:4 + symm.world_size]  # words STATUS_MASK.. of the local status tensor
@@ -194,9 +208,9 @@ class SymmLowLatency:
 
     @staticmethod
     def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
-                  num_topk: int = 8) -> int:
+                  num_topk: int = 8, transport: int = 0) -> int:
         """Data bytes per rank (``num_rdma_bytes``) for calls up to these shapes (BF16 or FP8)."""
-        return ll_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
+        return ll_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk, transport)
 
     _SIG_FIELDS = ("hidden", "T (num_max_dispatch_tokens_per_rank)", "num_experts * 256 + top-k", "kind/format flags")
 
@@ -225,20 +239,29 @@ class SymmLowLatency:
                                                                            zip(self._SIG_FIELDS, theirs, mine)
                                                                            if a != b]) from None
 
-    def _slot_base(self, slot: int) -> int:
-        return slot * (self.symm.nbytes // NUM_SLOTS // _ALIGN * _ALIGN)
+    def _slot_span(self, lay: _Layout) -> int:
+        """Bytes of one slot: the data region less the staging area (nvshmem), halved."""
+        return (self.symm.nbytes - lay.stage_bytes) // NUM_SLOTS // _ALIGN * _ALIGN
+
+    def _slot_base(self, slot: int, lay: _Layout) -> int:
+        return slot * self._slot_span(lay)
+
+    def _stage_base(self, lay: _Layout) -> int:
+        """Offset of the staging area (nvshmem transport): the last ``stage_bytes`` of the data region."""
+        return (self.symm.nbytes - lay.stage_bytes) // _ALIGN * _ALIGN
 
     def _check_capacity(self, T: int, hidden: int, E: int, K: int, what: str) -> _Layout:
         R = self.symm.world_size
         if E % R != 0:
             raise ValueError(f"{what}: num_experts={E} must be divisible by the number of ranks {R}")
-        lay = _carve(T, hidden, R, E, K)
-        have = self.symm.nbytes // NUM_SLOTS // _ALIGN * _ALIGN
+        lay = _carve(T, hidden, R, E, K, self.transport)
+        have = self._slot_span(lay) if self.symm.nbytes >= lay.stage_bytes else 0
         if lay.slot_bytes > have:
-            need = self.size_hint(T, hidden, R, E, K)
+            need = self.size_hint(T, hidden, R, E, K, self.transport)
             raise ValueError(
                 f"{what}: T={T}, hidden={hidden}, num_topk={K}, num_experts={E} on {R} ranks need "
-                f"{lay.slot_bytes} bytes per buffer slot but the low-latency buffer has {have} "
+                f"{lay.slot_bytes} bytes per buffer slot (plus {lay.stage_bytes} bytes of staging) but the "
+                f"low-latency buffer has {have} per slot "
                 f"(num_rdma_bytes={self.symm.nbytes}); use num_rdma_bytes >= {need} "
                 f"(SymmBackend.get_low_latency_size_hint)")
         need_sig = self.num_signals(R)
@@ -248,6 +271,10 @@ class SymmLowLatency:
 
     def _interpreted(self, device: torch.device) -> bool:
         return INTERPRET or device.type != "cuda"
+
+    def _copy_chunk(self, device: torch.device) -> int:
+        """int32 words per step of the nvshmem transport's block copies to mapped peers."""
+        return 4096 if self._interpreted(device) else 1024
 
     # ------------------------------------------------------------------ rank mask (enable_shrink)
     def update_mask(self, rank: int, masked: bool) -> None:
@@ -345,7 +372,7 @@ class SymmLowLatency:
             gc = max(gc, 4)
         num_token_progs = triton.cdiv(n, block_t)
         grid = (num_token_progs + triton.cdiv(E, block_e),)
-        base = self._slot_base(slot)
+        base = self._slot_base(slot, lay)
         s = self.sig
         self._write_signature(slot, "DISP_SIG", (hidden, T, E * 256 + K,
                                                  1 | int(use_fp8) << 1 | int(round_scale) << 2 | int(use_ue8m0) << 3))
@@ -357,6 +384,7 @@ class SymmLowLatency:
             GC=gc, HC=hc, IS_FP8=use_fp8, ROUND_SCALE=round_scale, USE_UE8M0=use_ue8m0,
             NATIVE_FP8=use_fp8 and native_e4m3_supported(dev),
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"],
+            stage_off=self._stage_base(lay), TRANSPORT=self.transport, CH=self._copy_chunk(dev),
             num_warps=warps)
         symm.check_status("low_latency_dispatch (send)")
         self._dispatch_slot ^= 1
@@ -392,7 +420,7 @@ class SymmLowLatency:
         else:
             block_t, hc, warps = 4, min(_pow2(hidden), 2048 if state.use_fp8 else 1024), 4
         grid = (R, triton.cdiv(T, block_t))
-        base = self._slot_base(state.slot)
+        base = self._slot_base(state.slot, lay)
         s = self.sig
         _ll_dispatch_recv_kernel[grid](
             symm.buffer, symm.signal_ptrs, symm.status,
@@ -406,7 +434,7 @@ class SymmLowLatency:
             RP=_pow2(R), LP=_pow2(L), IS_FP8=state.use_fp8, HAS_STATS=stats is not None,
             HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"],
-            num_warps=warps)
+            TRANSPORT=self.transport, num_warps=warps)
         self._check_status_naming_fields("low_latency_dispatch (receive)", state.slot, "DISP_SIG")
         state.recv_done = True
         return res
@@ -458,7 +486,7 @@ class SymmLowLatency:
             block_t, hc, warps = min(_pow2(T), 64), _pow2(hidden), 4
         else:
             block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
-        base = self._slot_base(slot)
+        base = self._slot_base(slot, lay)
         s = self.sig
         x16 = x.view(torch.int16)
         self._write_signature(slot, "COMB_SIG", (hidden, T, handle.num_experts * 256 + K,
@@ -470,7 +498,8 @@ class SymmLowLatency:
             H=hidden, K=K, KP=_pow2(K), BLOCK_T=block_t, HC=hc,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_SEND_CNT=s["COMB_SEND_CNT"],
             FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev),
-            num_warps=warps)
+            stage_off=self._stage_base(lay) + lay.comb_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
+            ROW_BYTES=row_bytes(fmt, hidden), num_warps=warps)
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1
         return _CombineState(out, topk_idx.contiguous(), topk_weights.contiguous(), handle, slot, lay, fmt=fmt)
@@ -492,7 +521,7 @@ class SymmLowLatency:
         else:
             block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
         grid = (triton.cdiv(max(n, 1), block_t), triton.cdiv(hidden, hc))
-        base = self._slot_base(state.slot)
+        base = self._slot_base(state.slot, lay)
         topk = state.topk_idx
         if self._shrink:
             # selections of experts on ranks masked so far become -1 holes (they add exactly 0); device ops only.
@@ -507,7 +536,7 @@ class SymmLowLatency:
             symm.rank, n, R, symm.timeout_ns, base + lay.comb_off, state.slot * s["SLOT_WORDS"],
             H=hidden, K=K, BLOCK_T=block_t, HC=hc, HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
-            FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, num_warps=warps,
+            FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, TRANSPORT=self.transport, num_warps=warps,
             enable_fp_fusion=False)
         self._check_status_naming_fields("low_latency_combine (receive)", state.slot, "COMB_SIG")
         state.recv_done = True

@@ -312,7 +312,8 @@ def _ll_dispatch_send_kernel(
                     if TRANSPORT == PEER:
                         to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
                     else:
-                        to_d = (tl.max((dst >= 0).to(tl.int32), axis=1) > 0) & (d == rank)  # staged once
+                        # staged once (a product, not ``& (d == rank)``: the interpreter refuses int masks)
+                        to_d = tl.max((dst >= 0).to(tl.int32), axis=1) * (d == rank).to(tl.int32) > 0
                     m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
                     base8 = _peer(buffer_ptrs, d, 0, tl.uint8)
                     tl.store(base8 + row_b[:, None, None] + cols[None, :, :], q,
@@ -334,7 +335,8 @@ def _ll_dispatch_send_kernel(
                     if TRANSPORT == PEER:
                         to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
                     else:
-                        to_d = (tl.max((dst >= 0).to(tl.int32), axis=1) > 0) & (d == rank)  # staged once
+                        # staged once (a product, not ``& (d == rank)``: the interpreter refuses int masks)
+                        to_d = tl.max((dst >= 0).to(tl.int32), axis=1) * (d == rank).to(tl.int32) > 0
                     m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
                     base16 = _peer(buffer_ptrs, d, 0, tl.int16)
                     tl.store(base16 + (row_b // 2)[:, None] + offs_h[None, :], v, mask=m[:, None] & h_ok[None, :])
