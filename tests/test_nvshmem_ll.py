@@ -8,8 +8,11 @@ import os
 import zlib
 
 import pytest
+import triton
+import triton.language as tl
 
 from moe_ep.backends.nvshmem import NvshmemBackend
+from moe_ep.kernels import nvshmem_device as nv
 from moe_ep.testing import launch
 from moe_ep.testing.suite import check_buffer_case
 
@@ -41,3 +44,42 @@ def test_suite_low_latency(world, n, hidden, E, k, routing, extra, order, rpn):
                 k=k, routing=routing, **extra)
     nbytes = NvshmemBackend.get_low_latency_size_hint(T, hidden, world, E, k)
     assert launch(_run, world, case, order, timeout_s=300, num_rdma_bytes=nbytes, ranks_per_node=rpn) == [True] * world
+
+
+# ---------------------------------------------------------------------- the emulation catches a missing quiet
+@triton.jit
+def _put_then_signal(buffer_ptrs, rank, peer, QUIET: tl.constexpr):
+    own = tl.load(buffer_ptrs + rank)
+    nv.putmem_nbi_block(own, own, 64, peer)  # bytes [0, 64) of this rank's region to the peer's
+    if QUIET:
+        nv.quiet()
+    nv.putmem_signal_nbi_block(own + 64, own + 64, 8, own + 128, 1, peer)  # then its signal word (byte 128)
+
+
+def _put_signal_rank(rank, world, order, with_quiet):
+    import torch
+
+    from moe_ep.backends.nvshmem import _emulated_heap
+
+    nv.set_emulation_order(order)
+    buf = _emulated_heap(None, rank, world, 4096, 64, 10.0, 1)
+    table = torch.tensor([buf._nvshmem_heap_base if r == rank else 0 for r in range(world)], dtype=torch.int64)
+    if rank == 0:
+        buf.buffer[:64] = 7
+        _put_then_signal[(1,)](table, 0, 1, QUIET=with_quiet)
+    buf.barrier("sent")
+    out = (int(buf.buffer[128:136].view(torch.int64)[0]), int(buf.buffer[:64].sum())) if rank == 1 else None
+    buf.barrier("read")
+    nv.unregister_heap(buf._nvshmem_heap_base)
+    buf.close()
+    return out
+
+
+@pytest.mark.parametrize("order,with_quiet,payload_seen", [("eager", False, True), ("deferred", False, False),
+                                                           ("deferred", True, True)])
+def test_emulation_delivers_nbi_puts_only_after_quiet(order, with_quiet, payload_seen):
+    """Deferred order: a signal that is not preceded by ``quiet`` arrives before the payload it announces (the
+    receiver sees the signal and stale bytes), which is exactly the bug the suite's deferred runs would expose."""
+    sig, total = launch(_put_signal_rank, 2, order, with_quiet, timeout_s=120)[1]
+    assert sig == 1
+    assert (total == 7 * 64) == payload_seen, total
