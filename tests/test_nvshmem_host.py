@@ -419,3 +419,20 @@ def test_nvshmem_heap_one_rank_gpu(tmp_path):
         assert symm_mem.get_backend(buf.device) == "NVSHMEM"
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- packaging
+def test_pin_is_the_same_everywhere():
+    """setup.py's nvshmem extra, scripts/setup.sh and moe_ep.nvshmem name one wheel and version."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    pin = f"{nvshmem.WHEEL}=={nvshmem.WHEEL_VERSION}"
+    tree = ast.parse((root / "setup.py").read_text())
+    extras = next(ast.literal_eval(k.value) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                  and getattr(n.func, "id", None) == "setup" for k in n.keywords if k.arg == "extras_require")
+    assert extras["nvshmem"] == [pin]
+    setup_sh = (root / "scripts" / "setup.sh").read_text()
+    assert f'pipq "{pin}"' in setup_sh and "missing nvidia.nvshmem" in setup_sh and "x86_64" in setup_sh
+    assert pin in nvshmem.INSTALL_HINT
