@@ -253,6 +253,10 @@ def _case(name: str, config: str, kernel, pointers: dict, scalars: dict, constex
     """A case specialised like a launch would: pointers (torch allocations, 256-byte aligned) and integers
     divisible by 16 get ``tt.divisibility`` 16, integers equal to 1 become constexpr, the rest i32 / i64."""
     names = list(kernel.arg_names)
+    scalars, constexprs = dict(scalars), dict(constexprs)
+    for prm in kernel.params:  # arguments with a default (e.g. TRANSPORT) take it unless the case says otherwise
+        if prm.name not in pointers and prm.name not in scalars and prm.name not in constexprs and prm.has_default:
+            (constexprs if prm.is_constexpr else scalars)[prm.name] = prm.default
     given = {**pointers, **scalars, **constexprs}
     missing, extra = set(names) - set(given), set(given) - set(names)
     if missing or extra:

@@ -364,6 +364,9 @@ DIV16 = ("cnt_off", "msg_off", "comb_off", "stride_xl", "stride_xr", "stride_sl"
 def variant(name, fp_fusion=True, ptrs=None, **const):
     kern = getattr(ll, name)
     names = kern.arg_names
+    for prm in kern.params:  # constexprs with a default (TRANSPORT, CH, ...) take it
+        if prm.is_constexpr and prm.has_default and prm.name not in const:
+            const[prm.name] = prm.default
     types = dict(PTRS, **(ptrs or {}))
     sig = {n: "constexpr" if n in const else types.get(n, "i64" if n in I64 else "i32") for n in names}
     for n in const:

@@ -281,7 +281,7 @@ class SymmLowLatency:
         keep = (self.mask == 0).to(torch.int32)
         words = self.symm.signals[:NUM_SLOTS * sig["SLOT_WORDS"]].view(NUM_SLOTS, sig["SLOT_WORDS"])
         for name in ("DISP_FULL", "DISP_BUSY", "COMB_FULL", "COMB_BUSY"):
-            words[:, sig[name]:sig[name] + R] *= keep
+            words[:, sig[name]:sig[name] + 2 * R:2] *= keep  # one 64-bit word per rank: the low halves
         self.mask.zero_()
         self._api = [0] * R
 

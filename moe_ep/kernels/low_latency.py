@@ -22,10 +22,10 @@ earlier launches, DESIGN.md "Phase rule"):
 
 Signals (int32 words of each rank's signal region; ``sig_off`` selects the double-buffer slot):
 
-    DISP_FULL  + s   on receiver d: source s's tokens are in (value N_s + 1); receiver resets to 0
-    DISP_BUSY  + d   on sender s: d has not drained s's slot yet (1); d resets it to 0 after reading
-    COMB_FULL  + d   on source s: expert rank d's outputs are in (1); s resets to 0
-    COMB_BUSY  + s   on expert rank d: s has not drained d's outputs yet (1); s resets to 0
+    DISP_FULL  + 2s  on receiver d: source s's tokens are in (value N_s + 1); receiver resets to 0
+    DISP_BUSY  + 2d  on sender s: d has not drained s's slot yet (1); d resets it to 0 after reading
+    COMB_FULL  + 2d  on source s: expert rank d's outputs are in (1); s resets to 0
+    COMB_BUSY  + 2s  on expert rank d: s has not drained d's outputs yet (1); s resets to 0
     *_CNT            local arrive_last counters (nobody waits on them)
     DISP_SIG / COMB_SIG + 4 r   on every receiver: the call signature of rank r (hidden, T, E * 256 + K,
                      flags), copied there by r before it releases FULL; the receiver compares it with its own
@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .fp8_cast import e4m3_byte, group_scale
 from .logfmt import e4m3_decode, fp8_encode_groups, fp16_bits, logfmt_decode_values, logfmt_encode_groups
+from .nvshmem_device import quiet
 from .signals import (
     STATUS_MASK,
     STATUS_SHRINK,
@@ -53,10 +54,11 @@ from .signals import (
     now_ns,
     peer_masked,
     report_error,
-    signal_release,
     wait_ne,
     wait_ne_masked,
 )
+from .transport import NVSHMEM, PEER, publish, release_remote, xfer
+from .transport import peer_ptr as _peer
 
 __all__ = [
     "signal_layout",
@@ -77,23 +79,48 @@ SIG_WORDS = 4  # call signature words: hidden, T, E * 256 + K, kind and format f
 
 
 def signal_layout(world_size: int) -> dict:
-    """Word offsets (inside one double-buffer slot) of the signal arrays, and the slot's size."""
+    """Word offsets (inside one double-buffer slot) of the signal arrays, and the slot's size.
+
+    The four arrays that peers write (``DISP_FULL``, ``DISP_BUSY``, ``COMB_FULL``, ``COMB_BUSY``) hold one 64-bit,
+    8-byte aligned word per rank (entry ``r`` at word ``X + 2 r``): NVSHMEM's signal words are 64-bit
+    (``nvshmemx_putmem_signal_nbi_block`` sets all of it); kernels read and write the low 32 bits (little endian,
+    values < 2**31, the high half stays 0). ``SCRATCH + 2 r``: where rank ``r``'s bare signals (no payload of their
+    own) put their 8 dummy bytes on the ``nvshmem`` transport."""
     R = world_size
-    lay = {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "COMB_SEND_CNT": 4 * R,
-           "DISP_SEND_CNT": 5 * R, "DISP_RECV_CNT": 5 * R + 1, "COMB_RECV_CNT": 5 * R + 2,
-           "HEARTBEAT": 5 * R + 3,  # HEARTBEAT: kernels compute it as 5 * R + 3 (see _wait)
+    lay = {"DISP_FULL": 0, "DISP_BUSY": 2 * R, "COMB_FULL": 4 * R, "COMB_BUSY": 6 * R, "COMB_SEND_CNT": 8 * R,
+           "DISP_SEND_CNT": 9 * R, "DISP_RECV_CNT": 9 * R + 1, "COMB_RECV_CNT": 9 * R + 2,
+           "HEARTBEAT": 9 * R + 3,  # kernels compute it as _hb_word(R)
+           "SCRATCH": (9 * R + 5) // 2 * 2,
            # call signatures (SIG_WORDS words per rank; kernels compute the offsets as below): entry r on a
            # receiver holds what rank r called; the entry of the receiver itself holds its own call
-           "DISP_SIG": 5 * R + 4, "COMB_SIG": 5 * R + 4 + SIG_WORDS * R}
-    lay["SLOT_WORDS"] = (5 * R + 4 + 2 * SIG_WORDS * R + 7) // 8 * 8
+           "DISP_SIG": (9 * R + 5) // 2 * 2 + 2 * R}
+    lay["COMB_SIG"] = lay["DISP_SIG"] + SIG_WORDS * R  # (the jit twins below compute the same offsets)
+    lay["SLOT_WORDS"] = (lay["COMB_SIG"] + SIG_WORDS * R + 7) // 8 * 8
     return lay
 
 
 @triton.jit
-def _publish_signature(my_sig, peer_sig, base, rank):
-    """Copy this rank's call signature (its own entry at ``base``) into a peer's entry for this rank."""
-    for w in tl.static_range(4):
-        tl.store(peer_sig + base + 4 * rank + w, tl.load(my_sig + base + 4 * rank + w, volatile=True))
+def _hb_word(R):
+    """Word of this rank's heartbeat inside a slot (``signal_layout``'s ``HEARTBEAT``)."""
+    return 9 * R + 3
+
+
+@triton.jit
+def _scratch_word(R):
+    """First word of the dummy-payload area (``SCRATCH``): 8-byte aligned, 2 words per rank."""
+    return (9 * R + 4 + 1) // 2 * 2
+
+
+@triton.jit
+def _disp_sig_word(R):
+    """First word of the dispatch call signatures (``DISP_SIG``)."""
+    return (9 * R + 4 + 1) // 2 * 2 + 2 * R
+
+
+@triton.jit
+def _comb_sig_word(R):
+    """First word of the combine call signatures (``COMB_SIG``)."""
+    return (9 * R + 4 + 1) // 2 * 2 + 2 * R + 4 * R  # SIG_WORDS = 4
 
 
 @triton.jit
@@ -113,14 +140,6 @@ def _signature_differs(my_sig, base, rank, src):
         b = tl.load(my_sig + base + 4 * rank + w, volatile=True)
         diff = diff | (a != b).to(tl.int32)
     return diff != 0
-
-
-@triton.jit
-def _peer(ptrs, r, byte_off, DTYPE: tl.constexpr):
-    """Typed pointer ``byte_off`` bytes into rank ``r``'s region (``ptrs``: int64 address table)."""
-    # NOTES: regions are 256-byte aligned and every offset used here is a multiple of 16: say so, or
-    # the compiler cannot vectorise accesses through a pointer loaded from memory.
-    return tl.multiple_of((tl.load(ptrs + r) + byte_off).to(tl.pointer_type(DTYPE)), 16)
 
 
 @triton.jit
@@ -158,11 +177,16 @@ def _live_vec(status_ptr, rank, peers, R):
 @triton.jit
 def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_off, R):
     """``wait_ne``, or with enable_shrink ``wait_ne_masked``: skip masked peers, mask on timeout (the heartbeat
-    words are word ``HEARTBEAT = 5 * R + 3`` of this slot, :func:`signal_layout`)."""
+    words are word ``_hb_word(R)`` of this slot, :func:`signal_layout`)."""
     if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
-        hb = sig_off + 5 * R + 3
+        hb = sig_off + _hb_word(R)
+        # A peer with no load/store mapping (table entry 0: the nvshmem transport across nodes) has no readable
+        # heartbeat: its own word is read instead, which never changes (plain timeout).
+        peer_base = tl.load(signal_ptrs + peer)
+        peer_base = tl.where(peer_base != 0, peer_base, tl.load(signal_ptrs + rank))
         v = wait_ne_masked(sig_ptr, value, status_ptr, status_ptr + STATUS_MASK, rank, peer, timeout_ns,
-                           _peer(signal_ptrs, rank, 0, tl.int32) + hb, _peer(signal_ptrs, peer, 0, tl.int32) + hb)
+                           _peer(signal_ptrs, rank, 0, tl.int32) + hb,
+                           tl.multiple_of(peer_base.to(tl.pointer_type(tl.int32)), 16) + hb)
     else:
         v = wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns)
     return v
@@ -208,6 +232,8 @@ def _ll_dispatch_send_kernel(
     BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_E: tl.constexpr, GC: tl.constexpr, HC: tl.constexpr,
     IS_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
     DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_SEND_CNT: tl.constexpr,
+    stage_off=0,  # bytes: [E] int32 count staging (TRANSPORT == NVSHMEM)
+    TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024,  # PEER / NVSHMEM (moe_ep.kernels.transport); copy chunk
 ):
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -215,7 +241,7 @@ def _ll_dispatch_send_kernel(
 
     # Step 1: every destination has drained this slot (its receive reset our busy word).
     for d in range(R):
-        _wait(my_sig + DISP_BUSY + d, 1, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
+        _wait(my_sig + DISP_BUSY + 2 * d, 1, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
     tl.debug_barrier()
 
     kk = tl.arange(0, KP)
@@ -250,12 +276,14 @@ def _ll_dispatch_send_kernel(
         # NOTES: fold the scalar ``ok`` into 1D masks before broadcasting (the interpreter refuses
         # a mask built as 2D & scalar).
         w_mask = (t_ok & ok)[:, None] & k_ok[None, :]
+        # NVSHMEM: staged once, in this rank's own slot (rank, t) (the same offset as on every peer), see step 5b.
         for d in range(R):
-            base = _peer(buffer_ptrs, d, 0, tl.int32)
-            p = base + hdr[:, None] + kk[None, :]
-            w_mask_d = w_mask & _live_like(status_ptr, rank, d, offs_t)[:, None]
-            tl.store(p, idx, mask=w_mask_d)
-            tl.store(p + K, pos, mask=w_mask_d)
+            if (TRANSPORT == PEER) | (d == rank):
+                base = _peer(buffer_ptrs, d, 0, tl.int32)
+                p = base + hdr[:, None] + kk[None, :]
+                w_mask_d = w_mask & _live_like(status_ptr, rank, d, offs_t)[:, None]
+                tl.store(p, idx, mask=w_mask_d)
+                tl.store(p + K, pos, mask=w_mask_d)
 
         # Step 5: payload, once per destination rank that holds any of the token's experts.
         row_b = msg_off + row * MSG
@@ -281,7 +309,10 @@ def _ll_dispatch_send_kernel(
                     offs_w = g0 // 4 + tl.arange(0, GC // 4)
                     w_ok = offs_w < (G + 3) // 4
                 for d in range(R):
-                    to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                    if TRANSPORT == PEER:
+                        to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                    else:
+                        to_d = (tl.max((dst >= 0).to(tl.int32), axis=1) > 0) & (d == rank)  # staged once
                     m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
                     base8 = _peer(buffer_ptrs, d, 0, tl.uint8)
                     tl.store(base8 + row_b[:, None, None] + cols[None, :, :], q,
@@ -300,10 +331,34 @@ def _ll_dispatch_send_kernel(
                 v = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :],
                             mask=t_ok[:, None] & h_ok[None, :], other=0)
                 for d in range(R):
-                    to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                    if TRANSPORT == PEER:
+                        to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                    else:
+                        to_d = (tl.max((dst >= 0).to(tl.int32), axis=1) > 0) & (d == rank)  # staged once
                     m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
                     base16 = _peer(buffer_ptrs, d, 0, tl.int16)
                     tl.store(base16 + (row_b // 2)[:, None] + offs_h[None, :], v, mask=m[:, None] & h_ok[None, :])
+        if TRANSPORT == NVSHMEM:
+            # Step 5b: the staged message of each token to every other live rank: the payload where the token has
+            # an expert there, the header everywhere (the receiver reads the headers of all N tokens).
+            tl.debug_barrier()
+            if IS_FP8:
+                if USE_UE8M0:
+                    pay = H + 4 * ((H // GROUP + 3) // 4)
+                else:
+                    pay = H + 4 * (H // GROUP)
+            else:
+                pay = 2 * H
+            for i in range(BLOCK_T):
+                t = pid * BLOCK_T + i
+                if (t < N) & (tl.load(status_ptr, volatile=True) == 0):
+                    idx_i = tl.load(topk_ptr + t * K + kk, mask=k_ok, other=-1).to(tl.int32)
+                    row_i = msg_off + (rank * T + t).to(tl.int64) * MSG
+                    for d in range(R):
+                        if (d != rank) & _live(status_ptr, rank, d):
+                            if tl.max(((idx_i >= 0) & (idx_i // L == d)).to(tl.int32), axis=0) > 0:
+                                xfer(buffer_ptrs, rank, d, row_i, row_i, pay, CH)
+                            xfer(buffer_ptrs, rank, d, row_i + HDR, row_i + HDR, 8 * K, CH)
     else:
         # Step 2': count programs: this rank's tokens per expert, into each owner's count table [R, L].
         offs_e = (pid - num_token_progs) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -317,20 +372,35 @@ def _ll_dispatch_send_kernel(
         # NOTES: the status word is read after the loop, not before: kept live across it, it was the one value
         # ptxas spilled (4 B) in the BF16 build. Reading it later only sees a timeout sooner.
         e_ok = (offs_e < E) & _status_ok(status_ptr, offs_e)
-        for d in range(R):
-            m = e_ok & (offs_e // L == d) & _live_like(status_ptr, rank, d, offs_e)
-            base = _peer(buffer_ptrs, d, 0, tl.int32)
-            tl.store(base + cnt_off // 4 + rank * L + (offs_e - d * L), hist, mask=m)
+        if TRANSPORT == PEER:
+            for d in range(R):
+                m = e_ok & (offs_e // L == d) & _live_like(status_ptr, rank, d, offs_e)
+                base = _peer(buffer_ptrs, d, 0, tl.int32)
+                tl.store(base + cnt_off // 4 + rank * L + (offs_e - d * L), hist, mask=m)
+        else:
+            # staged in this rank's count staging area, then each owner's share of this block to its row ``rank``
+            tl.store(_peer(buffer_ptrs, rank, 0, tl.int32) + stage_off // 4 + offs_e, hist, mask=e_ok)
+            tl.debug_barrier()
+            e0 = (pid - num_token_progs) * BLOCK_E
+            if tl.load(status_ptr, volatile=True) == 0:
+                for d in range(R):
+                    lo = tl.maximum(e0, d * L)
+                    hi = tl.minimum(tl.minimum(e0 + BLOCK_E, d * L + L), E)
+                    if (lo < hi) & _live(status_ptr, rank, d):
+                        xfer(buffer_ptrs, rank, d, cnt_off + (rank * L + lo - d * L).to(tl.int64) * 4,
+                             stage_off + lo.to(tl.int64) * 4, (hi - lo) * 4, CH)
 
-    # Step 6: the last program publishes: busy[d] = 1 here, then full[rank] = N + 1 on every d.
+    # Step 6: the last program publishes: busy[d] = 1 here, then full[rank] = N + 1 on every d (NVSHMEM: after
+    # every program's puts are complete).
+    if TRANSPORT == NVSHMEM:
+        quiet()
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_SEND_CNT, num_progs):
         if tl.load(status_ptr, volatile=True) == 0:
             for d in range(R):
                 if _live(status_ptr, rank, d):
-                    tl.atomic_xchg(my_sig + DISP_BUSY + d, 1, sem="relaxed", scope="sys")
-                    _publish_signature(my_sig, _peer(signal_ptrs, d, 0, tl.int32) + sig_off, 5 * R + 4, rank)
-                    signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + DISP_FULL + rank, N + 1)
+                    tl.atomic_xchg(my_sig + DISP_BUSY + 2 * d, 1, sem="relaxed", scope="sys")
+                    publish(signal_ptrs, rank, d, sig_off, _disp_sig_word(R), DISP_FULL + 2 * rank, N + 1, TRANSPORT)
 
 
 @triton.jit
@@ -349,6 +419,7 @@ def _ll_dispatch_recv_kernel(
     SW: tl.constexpr, SWP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, RP: tl.constexpr,
     LP: tl.constexpr, IS_FP8: tl.constexpr, HAS_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_RECV_CNT: tl.constexpr,
+    TRANSPORT: tl.constexpr = 0,
 ):
     s = tl.program_id(0)
     b = tl.program_id(1)
@@ -362,7 +433,7 @@ def _ll_dispatch_recv_kernel(
         t_start = now_ns()
     n_s = tl.full([], 0, tl.int32)
     for sp in range(s + 1):
-        v = _wait(my_sig + DISP_FULL + sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
+        v = _wait(my_sig + DISP_FULL + 2 * sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
         n_s = tl.where(sp == s, v - 1, n_s)
     if HAS_WAIT_STATS:
         # program (s, 0) reports how long this receive waited (from its start) until source s had sent
@@ -371,7 +442,7 @@ def _ll_dispatch_recv_kernel(
     ok = (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s)
     # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
     if ok:
-        if _signature_differs(my_sig, 5 * R + 4, rank, s):
+        if _signature_differs(my_sig, _disp_sig_word(R), rank, s):
             report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
             ok = False
     n_s = tl.where(ok, tl.minimum(tl.maximum(n_s, 0), T), 0)
@@ -450,20 +521,22 @@ def _ll_dispatch_recv_kernel(
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
         for sp in range(R):
-            tl.atomic_xchg(my_sig + DISP_FULL + sp, 0, sem="relaxed", scope="sys")
+            tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
-                _clear_signature(my_sig, 5 * R + 4, sp)  # before BUSY is released: the next call's copy comes after
+                _clear_signature(my_sig, _disp_sig_word(R), sp)  # before BUSY is released: the next call's copy comes after
         for sp in range(R):
             if _live(status_ptr, rank, sp):
-                signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + rank, 0)
+                release_remote(signal_ptrs, rank, sp, sig_off, DISP_BUSY + 2 * rank, 0, _scratch_word(R), TRANSPORT)
 
 
 @triton.jit
 def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT,
                           H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
-                          FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, GS: tl.constexpr):
+                          FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, GS: tl.constexpr,
+                          STAGED: tl.constexpr):
     """Encode the rows of (t, k) selections (16-bit ``x`` as int16) into slot ``(t, k)`` of ``dst8`` (``GS``: channels
-    per group, 128 for FP8, 64 for LogFMT)."""
+    per group, 128 for FP8, 64 for LogFMT); ``STAGED``: into the staging row of the expert row instead (``2H`` bytes
+    per row of ``x``'s ``[L, R*T]`` rows)."""
     NG: tl.constexpr = HC // GS
     dst32 = dst8.to(tl.pointer_type(tl.int32), bitcast=True)
     offs_c = tl.arange(0, GS)
@@ -472,7 +545,10 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, R
         v_ok = src >= 0
         e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
         r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
-        sb = (offs_t.to(tl.int64) * K + k) * (2 * H)  # byte offset of slot (t, k)
+        if STAGED:
+            sb = (e_k * RT + r_k) * (2 * H)  # byte offset of the expert row's staging row
+        else:
+            sb = (offs_t.to(tl.int64) * K + k) * (2 * H)  # byte offset of slot (t, k)
         for g0 in range(0, H // GS, NG):
             offs_g = g0 + tl.arange(0, NG)
             g_ok = offs_g < H // GS
@@ -514,13 +590,14 @@ def _comb_send_body_ll(
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
     FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    stage_off, TRANSPORT: tl.constexpr, CH: tl.constexpr, ROW_BYTES: tl.constexpr,
 ):
     s = tl.program_id(0)
     b = tl.program_id(1)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
     # Step 1: source s has drained its combine area (it reset our busy word).
-    _wait(my_sig + COMB_BUSY + s, 1, status_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R)
+    _wait(my_sig + COMB_BUSY + 2 * s, 1, status_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R)
     tl.debug_barrier()
 
     # Step 2: rows of (s, t, k) selections that this rank's experts computed -> slot (t, k) on s.
@@ -531,9 +608,16 @@ def _comb_send_body_ll(
     t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t) & _live_like(status_ptr, rank, s, offs_t)
     slot = tl.load(slot_row_ptr + (s * T + offs_t)[:, None] * K + kk[None, :], mask=t_ok[:, None] & (kk < K)[None, :],
                    other=-1)
+    # NVSHMEM: every row is written to this rank's staging row of its expert row first (step 2b moves it).
+    if TRANSPORT == PEER:
+        dst_rank = s
+        dst_off = comb_off
+    else:
+        dst_rank = rank
+        dst_off = stage_off
     if FMT < 2:
         # BF16 / FP16: the 16-bit rows as they are.
-        dst16 = _peer(buffer_ptrs, s, comb_off, tl.int16)
+        dst16 = _peer(buffer_ptrs, dst_rank, dst_off, tl.int16)
         for h0 in range(0, H, HC):
             offs_h = h0 + tl.arange(0, HC)
             h_ok = offs_h < H
@@ -544,25 +628,42 @@ def _comb_send_body_ll(
                 r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
                 m = v_ok[:, None] & h_ok[None, :]
                 y = tl.load(x_ptr + (e_k * stride_xl + r_k * stride_xr)[:, None] + offs_h[None, :], mask=m)
-                tl.store(dst16 + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :], y, mask=m)
+                if TRANSPORT == PEER:
+                    at = offs_t.to(tl.int64) * K + k
+                else:
+                    at = e_k * RT + r_k
+                tl.store(dst16 + at[:, None] * H + offs_h[None, :], y, mask=m)
     else:
         # FP8 / LogFMT: encode per channel group inside the send (formats: moe_ep.kernels.logfmt); slot (t, k)
         # keeps its 2H bytes, the encoded row uses the first row_bytes(FMT, H) of them.
-        dst8 = _peer(buffer_ptrs, s, comb_off, tl.uint8)
+        dst8 = _peer(buffer_ptrs, dst_rank, dst_off, tl.uint8)
         if FMT == 2:
             _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
-                                  NATIVE_FP8, 128)
+                                  NATIVE_FP8, 128, TRANSPORT == NVSHMEM)
         else:
             _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
-                                  NATIVE_FP8, 64)
+                                  NATIVE_FP8, 64, TRANSPORT == NVSHMEM)
+    if TRANSPORT == NVSHMEM:
+        # Step 2b: each staged row (its wire bytes) to slot (t, k) of source s.
+        tl.debug_barrier()
+        for i in range(BLOCK_T):
+            t = b * BLOCK_T + i
+            if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
+                for k in tl.static_range(K):
+                    src = tl.load(slot_row_ptr + (s * T + t) * K + k)
+                    if src >= 0:
+                        xfer(buffer_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * (2 * H),
+                             stage_off + src.to(tl.int64) * (2 * H), ROW_BYTES, CH)
 
-    # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s.
+    # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s (NVSHMEM: after every
+    # program's puts are complete).
+    if TRANSPORT == NVSHMEM:
+        quiet()
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
-            tl.atomic_xchg(my_sig + COMB_BUSY + s, 1, sem="relaxed", scope="sys")
-            _publish_signature(my_sig, _peer(signal_ptrs, s, 0, tl.int32) + sig_off, 5 * R + 4 + 4 * R, rank)
-            signal_release(_peer(signal_ptrs, s, 0, tl.int32) + sig_off + COMB_FULL + rank, 1)
+            tl.atomic_xchg(my_sig + COMB_BUSY + 2 * s, 1, sem="relaxed", scope="sys")
+            publish(signal_ptrs, rank, s, sig_off, _comb_sig_word(R), COMB_FULL + 2 * rank, 1, TRANSPORT)
 
 
 @triton.jit
@@ -576,7 +677,7 @@ def _comb_recv_body_ll(
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
-    FMT: tl.constexpr, OUT_F16: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr, TRANSPORT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -588,7 +689,7 @@ def _comb_recv_body_ll(
     if HAS_WAIT_STATS:
         t_start = now_ns()
     for d in range(R):
-        _wait(my_sig + COMB_FULL + d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
+        _wait(my_sig + COMB_FULL + 2 * d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
         if HAS_WAIT_STATS:
             if (pid_t == 0) & (pid_h == 0):
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
@@ -597,7 +698,7 @@ def _comb_recv_body_ll(
     # (the output below is then NaN, and the host raises naming it).
     for d in range(R):
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
-            if _signature_differs(my_sig, 5 * R + 4 + 4 * R, rank, d):
+            if _signature_differs(my_sig, _comb_sig_word(R), rank, d):
                 report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
 
     # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
@@ -652,12 +753,12 @@ def _comb_recv_body_ll(
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
         for d in range(R):
-            tl.atomic_xchg(my_sig + COMB_FULL + d, 0, sem="relaxed", scope="sys")
+            tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:
-                _clear_signature(my_sig, 5 * R + 4 + 4 * R, d)
+                _clear_signature(my_sig, _comb_sig_word(R), d)
         for d in range(R):
             if _live(status_ptr, rank, d):
-                signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + rank, 0)
+                release_remote(signal_ptrs, rank, d, sig_off, COMB_BUSY + 2 * rank, 0, _scratch_word(R), TRANSPORT)
 
 
 @triton.jit
@@ -673,7 +774,7 @@ def _ll_combine_send_kernel(
     """BF16 payloads: see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
-                       COMB_FULL, COMB_SEND_CNT, 0, False, False)
+                       COMB_FULL, COMB_SEND_CNT, 0, False, False, 0, 0, 1, 2 * H)
 
 
 @triton.jit
@@ -686,11 +787,13 @@ def _ll_combine_send_fmt_kernel(
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
     FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    stage_off=0,  # bytes: [L * R*T, 2H] combine staging (TRANSPORT == NVSHMEM)
+    TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024, ROW_BYTES: tl.constexpr = 0,  # ROW_BYTES: wire bytes per row
 ):
-    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_send_body_ll`."""
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
-                       COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8)
+                       COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8, stage_off, TRANSPORT, CH, ROW_BYTES)
 
 
 @triton.jit
@@ -708,7 +811,7 @@ def _ll_combine_recv_kernel(
     """BF16 payloads: see :func:`_comb_recv_body_ll`."""
     _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
                        R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
-                       COMB_RECV_CNT, 0, False)
+                       COMB_RECV_CNT, 0, False, 0)
 
 
 @triton.jit
@@ -722,9 +825,9 @@ def _ll_combine_recv_fmt_kernel(
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
-    FMT: tl.constexpr, OUT_F16: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr, TRANSPORT: tl.constexpr = 0,
 ):
-    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_comb_recv_body_ll`."""
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_recv_body_ll`."""
     _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
                        R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
-                       COMB_RECV_CNT, FMT, OUT_F16)
+                       COMB_RECV_CNT, FMT, OUT_F16, TRANSPORT)

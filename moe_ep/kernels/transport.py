@@ -1,0 +1,109 @@
+"""The transport switch of the low-latency kernels: every difference between writing to peers through mapped
+pointers (``TRANSPORT`` = :data:`PEER`, the ``symm`` backend) and NVSHMEM (``TRANSPORT`` = :data:`NVSHMEM`, the
+``nvshmem`` backend) lives in these jit helpers; :mod:`moe_ep.kernels.low_latency` is written once over them.
+
+With ``PEER`` a sender stores straight into the peer's region and releases the peer's signal word (system scope).
+With ``NVSHMEM`` a sender writes its bytes into ITS OWN symmetric region first (a staging place whose offset is
+the same on every rank, or a separate staging area), then :func:`xfer` moves them:
+
+- to a peer whose region is mapped here (``buffer_ptrs[pe] != 0``: the same node, NVLink / P2P, as
+  ``nvshmem_ptr`` reports it; and this rank itself) the block copies them with loads and stores: intranode bytes
+  never take the NIC, and the signal is a release store like ``PEER``'s;
+- to any other peer with ``nvshmemx_putmem_nbi_block`` (IBGDA: the GPU rings the NIC's doorbell itself), made
+  complete by ``nvshmem_quiet`` (:func:`moe_ep.kernels.nvshmem_device.quiet`) before the signal that announces
+  them, which travels as ``nvshmemx_putmem_signal_nbi_block``: the call signature (16 bytes) or 8 dummy bytes as
+  the payload, then the peer's 64-bit signal word set.
+
+Peer tables: ``buffer_ptrs`` / ``signal_ptrs`` entry ``r`` is rank ``r``'s region mapped in this process, or 0 when
+it is not mapped; entry ``rank`` is this rank's own region, whose addresses NVSHMEM translates to ``pe``'s.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .nvshmem_device import putmem_nbi_block, putmem_signal_nbi_block
+from .signals import signal_release
+
+__all__ = ["PEER", "NVSHMEM", "peer_ptr", "mapped", "xfer", "publish", "release_remote", "publish_signature"]
+
+PEER = tl.constexpr(0)
+NVSHMEM = tl.constexpr(1)
+
+
+@triton.jit
+def peer_ptr(ptrs, r, byte_off, DTYPE: tl.constexpr):
+    """Typed pointer ``byte_off`` bytes into rank ``r``'s region (``ptrs``: int64 address table)."""
+    # NOTES: regions are 256-byte aligned and every offset used here is a multiple of 16: say so, or
+    # the compiler cannot vectorise accesses through a pointer loaded from memory.
+    return tl.multiple_of((tl.load(ptrs + r) + byte_off).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def mapped(ptrs, r):
+    """Scalar bool: rank ``r``'s region is mapped in this process (load/store reach it)."""
+    return tl.load(ptrs + r) != 0
+
+
+@triton.jit
+def publish_signature(my_sig, peer_sig, base, rank):
+    """Copy this rank's call signature (its own entry at ``base``) into a peer's entry for this rank."""
+    for w in tl.static_range(4):
+        tl.store(peer_sig + base + 4 * rank + w, tl.load(my_sig + base + 4 * rank + w, volatile=True))
+
+
+@triton.jit
+def xfer(buffer_ptrs, rank, pe, dst_off, src_off, nbytes, CH: tl.constexpr):
+    """(``NVSHMEM``) this rank's data bytes ``[src_off, src_off + nbytes)`` to ``[dst_off, ...)`` of ``pe``'s region:
+    a block copy (int32 words: offsets and sizes are multiples of 4) when ``pe`` is mapped, else a non-blocking
+    NVSHMEM put (complete after ``quiet``). The caller has a ``tl.debug_barrier()`` after writing the source."""
+    own = tl.load(buffer_ptrs + rank)
+    peer = tl.load(buffer_ptrs + pe)
+    if peer != 0:
+        src = (own + src_off).to(tl.pointer_type(tl.int32))
+        dst = (peer + dst_off).to(tl.pointer_type(tl.int32))
+        for o in range(0, nbytes // 4, CH):
+            offs = o + tl.arange(0, CH)
+            m = offs < nbytes // 4
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+    else:
+        putmem_nbi_block(own + dst_off, own + src_off, nbytes, pe)
+
+
+@triton.jit
+def publish(signal_ptrs, rank, pe, sig_off, sig_base, word, value, TRANSPORT: tl.constexpr):
+    """Copy this rank's call signature (entry ``rank`` of the area at word ``sig_base``) to ``pe``, then set ``pe``'s
+    signal word ``word`` (both inside the slot at word ``sig_off``) to ``value`` with release semantics: every write
+    (and, for ``NVSHMEM``, every put made complete by ``quiet``) before it is visible to ``pe`` first."""
+    if TRANSPORT == 0:
+        _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value)
+    elif mapped(signal_ptrs, pe):
+        _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value)
+    else:
+        own = tl.load(signal_ptrs + rank)
+        entry = own + (sig_off + sig_base + 4 * rank).to(tl.int64) * 4
+        putmem_signal_nbi_block(entry, entry, 16, own + (sig_off + word).to(tl.int64) * 4, value + tl.zeros([], tl.int64), pe)
+
+
+@triton.jit
+def _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value):
+    my_sig = peer_ptr(signal_ptrs, rank, 0, tl.int32) + sig_off
+    peer_sig = peer_ptr(signal_ptrs, pe, 0, tl.int32) + sig_off
+    publish_signature(my_sig, peer_sig, sig_base, rank)
+    signal_release(peer_sig + word, value)
+
+
+@triton.jit
+def release_remote(signal_ptrs, rank, pe, sig_off, word, value, scratch, TRANSPORT: tl.constexpr):
+    """Set ``pe``'s signal word ``word`` (inside the slot at ``sig_off``) to ``value`` with release semantics; for
+    ``NVSHMEM`` to an unmapped peer a put-with-signal whose payload is 8 dummy bytes at ``pe``'s ``scratch + 2 rank``
+    (this rank's own scratch pair there: one writer per location)."""
+    if TRANSPORT == 0:
+        signal_release(peer_ptr(signal_ptrs, pe, 0, tl.int32) + sig_off + word, value)
+    elif mapped(signal_ptrs, pe):
+        signal_release(peer_ptr(signal_ptrs, pe, 0, tl.int32) + sig_off + word, value)
+    else:
+        own = tl.load(signal_ptrs + rank)
+        pad = own + (sig_off + scratch + 2 * rank).to(tl.int64) * 4
+        putmem_signal_nbi_block(pad, pad, 8, own + (sig_off + word).to(tl.int64) * 4, value + tl.zeros([], tl.int64), pe)
