@@ -44,7 +44,8 @@ setup(
         "test": ["pytest", "hypothesis"],          # moe_ep.testing.sm90 imports pytest
         "plot": ["matplotlib"],                    # python -m eplb plan --png
         "progress": ["tqdm"],
-        "nvshmem": ["nvidia-nvshmem-cu12"],        # internode RDMA (csrc/, not in this release)
+        # internode low-latency EP (backend="nvshmem"): the NVSHMEM device bitcode Triton links (moe_ep/nvshmem.py)
+        "nvshmem": ["nvidia-nvshmem-cu12==3.8.0"],
         "gpu": [],                                 # kept for `pip install moe-ep[gpu]`: triton is now required
     },
     ext_modules=ext_modules,

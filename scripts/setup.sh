@@ -11,6 +11,11 @@
 #      of nvidia-* wheels; for the CPU build run
 #      `TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh`.
 #    - triton>=3.4 (Linux only), numpy, pytest, hypothesis;
+#    - on Linux x86_64, nvidia-nvshmem-cu12==3.8.0 when no NVSHMEM wheel is present (moe-ep[nvshmem]'s pin):
+#      its device bitcode is what the sm90 NVSHMEM compile checks link. A ~280 MB wheel whose only
+#      dependency is nvidia-cuda-cccl-cu12 (3 MB of headers); no CUDA runtime. A CUDA torch brings its own
+#      NVSHMEM wheel (nvidia-nvshmem-cu13 for torch 2.11+): then nothing is added. MOE_EP_NO_NVSHMEM=1 skips
+#      it; a failed download only warns (those checks then skip).
 #    - this checkout in editable mode (--no-deps), unless moe_ep, eplb and microbatch already
 #      import from it.
 # With --print-python, the Python to use is printed on stdout (everything else goes to stderr).
@@ -61,6 +66,12 @@ if [ -n "$NEED" ]; then
   say "installing $NEED"
   # shellcheck disable=SC2086
   pipq $NEED
+fi
+if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ] && [ "${MOE_EP_NO_NVSHMEM:-0}" != 1 ] \
+    && [ -n "$(missing nvidia.nvshmem)" ]; then
+  say "installing nvidia-nvshmem-cu12==3.8.0 (~280 MB; NVSHMEM device bitcode for the sm90 checks; MOE_EP_NO_NVSHMEM=1 skips)"
+  pipq "nvidia-nvshmem-cu12==3.8.0" \
+    || say "could not install nvidia-nvshmem-cu12==3.8.0: the NVSHMEM sm90 checks will skip (pip install 'moe-ep[nvshmem]' later)"
 fi
 if ! (cd / && "$PY" "$ROOT/moe_ep/_env.py" installed "$ROOT"); then
   say "installing $ROOT in editable mode"

@@ -1,0 +1,438 @@
+"""Host side of the nvshmem backend (moe_ep/nvshmem.py): bitcode finder, availability checks, module-init hook;
+and the sm90 evidence: a tiny kernel calling NVSHMEM compiled for sm90 and its PTX scanned."""
+
+import os
+import types
+
+import pytest
+
+from moe_ep import nvshmem
+from moe_ep.nvshmem import NvshmemUnavailableError
+
+# the real checks (fixtures below replace them on the module)
+_real_check_driver = nvshmem.check_driver
+_real_check_torch = nvshmem.check_torch_nvshmem
+_real_check_ibgda = nvshmem.check_ibgda
+_real_check_host = nvshmem.check_host_library
+
+
+# ---------------------------------------------------------------------------------------------- bitcode finder
+@pytest.fixture
+def no_dirs(monkeypatch):
+    """No environment variable, no wheel: search_dirs() is empty until a test adds a directory."""
+    monkeypatch.delenv("NVSHMEM_LIB_DIR", raising=False)
+    monkeypatch.delenv("NVSHMEM_HOME", raising=False)
+    monkeypatch.setattr(nvshmem, "_wheel_lib_dir", lambda: None)
+
+
+def _lib(tmp_path, name, files):
+    d = tmp_path / name
+    d.mkdir(parents=True)
+    for f in files:
+        (d / f).write_bytes(b"BC\xc0\xde")
+    return d
+
+
+def test_finder_exact_arch_then_closest_lower_then_generic(tmp_path, no_dirs, monkeypatch):
+    d = _lib(tmp_path, "lib", ["libnvshmem_device_sm_70.bc", "libnvshmem_device_sm_80.bc",
+                               "libnvshmem_device_sm_90.bc", "libnvshmem_device_sm_100.bc", "libnvshmem_device.a"])
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
+    assert nvshmem.find_device_bitcode(90) == str(d / "libnvshmem_device_sm_90.bc")
+    assert nvshmem.find_device_bitcode("sm_90a") == str(d / "libnvshmem_device_sm_90.bc")
+    assert nvshmem.find_device_bitcode((8, 6)) == str(d / "libnvshmem_device_sm_80.bc")   # closest lower
+    assert nvshmem.find_device_bitcode(120) == str(d / "libnvshmem_device_sm_100.bc")
+    # below every per-arch file: the generic one when present, else an error
+    with pytest.raises(FileNotFoundError):
+        nvshmem.find_device_bitcode(60)
+    (d / "libnvshmem_device.bc").write_bytes(b"BC")
+    assert nvshmem.find_device_bitcode(60) == str(d / "libnvshmem_device.bc")
+    assert nvshmem.extern_libs(89) == {"libnvshmem_device": str(d / "libnvshmem_device_sm_80.bc")}
+
+
+def test_finder_generic_only_install(tmp_path, no_dirs, monkeypatch):
+    """torch's nvidia-nvshmem-cu13 wheel (and tarballs) ship one libnvshmem_device.bc."""
+    home = tmp_path / "home"
+    _lib(home, "lib", ["libnvshmem_device.bc"])
+    monkeypatch.setenv("NVSHMEM_HOME", str(home))
+    assert nvshmem.find_device_bitcode(90) == str(home / "lib" / "libnvshmem_device.bc")
+
+
+def test_finder_order_first_usable_directory_wins(tmp_path, no_dirs, monkeypatch):
+    env = _lib(tmp_path, "env", ["libnvshmem_device_sm_100.bc"])            # nothing usable for sm_90
+    wheel = _lib(tmp_path, "wheel", ["libnvshmem_device_sm_80.bc"])
+    home = tmp_path / "home"
+    _lib(home, "lib", ["libnvshmem_device_sm_90.bc"])
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(env))
+    monkeypatch.setattr(nvshmem, "_wheel_lib_dir", lambda: str(wheel))
+    monkeypatch.setenv("NVSHMEM_HOME", str(home))
+    assert [w for w, _ in nvshmem.search_dirs()] == ["$NVSHMEM_LIB_DIR", "the nvidia.nvshmem package", "$NVSHMEM_HOME/lib"]
+    # the wheel's sm_80 file beats $NVSHMEM_HOME's exact sm_90: directories are never mixed, earlier wins
+    assert nvshmem.find_device_bitcode(90) == str(wheel / "libnvshmem_device_sm_80.bc")
+    assert nvshmem.find_device_bitcode(100) == str(env / "libnvshmem_device_sm_100.bc")
+
+
+def test_finder_error_lists_every_directory(tmp_path, no_dirs, monkeypatch):
+    env = _lib(tmp_path, "env", ["libnvshmem_device_sm_100.bc"])
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(env))
+    monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError) as ei:
+        nvshmem.find_device_bitcode(90)
+    msg = str(ei.value)
+    assert "sm_90" in msg and str(env) in msg and "libnvshmem_device_sm_100.bc" in msg
+    assert str(tmp_path / "missing" / "lib") in msg and "not a readable directory" in msg
+    assert "pip install 'moe-ep[nvshmem]'" in msg and "nvidia-nvshmem-cu12==3.8.0" in msg
+    monkeypatch.delenv("NVSHMEM_LIB_DIR")
+    monkeypatch.delenv("NVSHMEM_HOME")
+    with pytest.raises(FileNotFoundError, match="none \\(no variable set, no wheel\\)"):
+        nvshmem.find_device_bitcode(90)
+
+
+def test_finder_rejects_bad_arch():
+    with pytest.raises(ValueError, match="compute capability"):
+        nvshmem.find_device_bitcode("hopper")
+
+
+def test_installed_wheel_has_sm90_bitcode():
+    """The pinned wheel (when installed) gives the sm_90 file; skips in one line without it."""
+    lib = nvshmem._wheel_lib_dir()
+    if lib is None:
+        pytest.skip("nvidia-nvshmem-cu12 is not installed (pip install 'moe-ep[nvshmem]')")
+    path = nvshmem.find_device_bitcode(90)
+    assert os.path.basename(path) in ("libnvshmem_device_sm_90.bc", "libnvshmem_device.bc")
+    assert os.path.getsize(path) > 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------- check_available
+@pytest.fixture
+def all_ok(monkeypatch, tmp_path):
+    """Every check passes (a fake bitcode, a fake GPU); each test breaks one."""
+    d = _lib(tmp_path, "ok", ["libnvshmem_device_sm_90.bc"])
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
+    monkeypatch.setattr(nvshmem, "check_cuda_device", lambda device=None: None)
+    monkeypatch.setattr(nvshmem, "check_driver", lambda arch=90: None)
+    monkeypatch.setattr(nvshmem, "check_torch_nvshmem", lambda: None)
+    monkeypatch.setattr(nvshmem, "check_host_library", lambda arch=90: None)
+    monkeypatch.setattr(nvshmem, "check_ibgda", lambda: None)
+    import torch
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    return d
+
+
+def test_check_available_passes_and_returns_bitcode(all_ok):
+    assert nvshmem.check_available() == str(all_ok / "libnvshmem_device_sm_90.bc")
+
+
+def test_missing_wheel(all_ok, monkeypatch, no_dirs):
+    with pytest.raises(NvshmemUnavailableError) as ei:
+        nvshmem.check_available(internode=False)
+    assert ei.value.missing == ["wheel"]
+    assert "pip install 'moe-ep[nvshmem]'" in str(ei.value) and "NVSHMEM_LIB_DIR" in str(ei.value)
+
+
+def test_no_cuda_device_cpu_torch(monkeypatch, tmp_path):
+    import torch
+    monkeypatch.setattr(torch.version, "cuda", None)
+    msg = nvshmem.check_cuda_device()
+    assert "CPU build" in msg and "TRITON_INTERPRET=1" in msg
+
+
+def test_no_cuda_device_none_visible(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(nvshmem, "_cuda_available", lambda: False)
+    assert "CUDA_VISIBLE_DEVICES" in nvshmem.check_cuda_device()
+
+
+def test_no_cuda_device_in_check_available(all_ok, monkeypatch):
+    monkeypatch.setattr(nvshmem, "check_cuda_device", lambda device=None: "no CUDA device: test")
+    monkeypatch.setattr(nvshmem, "check_driver", lambda arch=90: pytest.fail("driver checked without a device"))
+    with pytest.raises(NvshmemUnavailableError) as ei:
+        nvshmem.check_available(internode=False)
+    assert ei.value.missing == ["cuda"] and "no CUDA device: test" in str(ei.value)
+
+
+@pytest.mark.parametrize("have,need,expect", [
+    (12080, 13000, "CUDA driver too old: it supports CUDA 12.8"),
+    (None, 13000, "no CUDA driver"),
+    (13000, 13000, None),
+    (13020, 13000, None),
+    (12040, 12000, None),
+])
+def test_driver_check(monkeypatch, have, need, expect):
+    monkeypatch.setattr(nvshmem, "driver_cuda_version", lambda: have)
+    monkeypatch.setattr(nvshmem, "required_driver_cuda_version", lambda arch=90: need)
+    msg = nvshmem.check_driver()
+    if expect is None:
+        assert msg is None
+    else:
+        assert expect in msg
+        if need == 13000:
+            assert "580" in msg
+
+
+def test_required_driver_follows_tritons_ptxas(monkeypatch):
+    monkeypatch.setattr(nvshmem, "_ptxas_cuda_major", lambda arch: {90: 13, 80: 12}.get(arch))
+    assert nvshmem.required_driver_cuda_version(90) == 13000
+    assert nvshmem.required_driver_cuda_version("sm_80") == 12000
+    assert nvshmem.required_driver_cuda_version(75) == 13000  # unknown: assume CUDA 13
+
+
+def test_driver_in_check_available(all_ok, monkeypatch):
+    monkeypatch.setattr(nvshmem, "driver_cuda_version", lambda: 12040)
+    monkeypatch.setattr(nvshmem, "required_driver_cuda_version", lambda arch=90: 13000)
+    monkeypatch.setattr(nvshmem, "check_driver", _real_check_driver)
+    with pytest.raises(NvshmemUnavailableError) as ei:
+        nvshmem.check_available(internode=False)
+    assert ei.value.missing == ["driver"] and "upgrade the driver" in str(ei.value)
+
+
+def test_torch_without_nvshmem(all_ok, monkeypatch):
+    from torch.distributed import _symmetric_memory as symm_mem
+    monkeypatch.setattr(symm_mem, "is_nvshmem_available", lambda: False)
+    monkeypatch.setattr(nvshmem, "check_torch_nvshmem", _real_check_torch)
+    with pytest.raises(NvshmemUnavailableError) as ei:
+        nvshmem.check_available(internode=False)
+    assert ei.value.missing == ["torch"]
+    assert "is_nvshmem_available() is False" in str(ei.value) and "CUDA build" in str(ei.value)
+
+
+def test_ibgda_env_missing(all_ok, monkeypatch, tmp_path):
+    monkeypatch.delenv("NVSHMEM_IB_ENABLE_IBGDA", raising=False)
+    monkeypatch.setattr(nvshmem, "DRIVER_PARAMS", str(tmp_path / "no-params"))
+    monkeypatch.setattr(nvshmem, "check_ibgda", _real_check_ibgda)
+    assert nvshmem.check_available(internode=False)  # intranode only: IBGDA not needed
+    with pytest.raises(NvshmemUnavailableError) as ei:
+        nvshmem.check_available(internode=True)
+    assert ei.value.missing == ["ibgda"]
+    assert "NVSHMEM_IB_ENABLE_IBGDA=1" in str(ei.value) and "export" in str(ei.value)
+    monkeypatch.setenv("NVSHMEM_IB_ENABLE_IBGDA", "1")
+    assert nvshmem.check_available(internode=True)
+
+
+@pytest.mark.parametrize("params,gdrdrv,ok", [
+    ('EnableStreamMemOPs: 1\nRegistryDwords: "PeerMappingOverride=1;"\n', False, True),
+    ('EnableStreamMemOPs: 0\nRegistryDwords: ""\n', False, False),
+    ('EnableStreamMemOPs: 1\nRegistryDwords: ""\n', False, False),
+    ('EnableStreamMemOPs: 0\nRegistryDwords: ""\n', True, True),   # CPU-assisted IBGDA through GDRCopy
+])
+def test_ibgda_driver_options(monkeypatch, tmp_path, params, gdrdrv, ok):
+    monkeypatch.setenv("NVSHMEM_IB_ENABLE_IBGDA", "1")
+    p = tmp_path / "params"
+    p.write_text(params)
+    monkeypatch.setattr(nvshmem, "DRIVER_PARAMS", str(p))
+    g = tmp_path / "gdrdrv"
+    if gdrdrv:
+        g.write_text("")
+    monkeypatch.setattr(nvshmem, "GDRDRV", str(g))
+    msg = nvshmem.check_ibgda()
+    if ok:
+        assert msg is None
+    else:
+        assert "NVreg_EnableStreamMemOPs=1" in msg and "PeerMappingOverride=1" in msg
+        assert "/etc/modprobe.d/nvidia.conf" in msg and "gdrdrv" in msg
+
+
+def test_all_problems_in_one_error(all_ok, monkeypatch, no_dirs):
+    monkeypatch.setattr(nvshmem, "check_driver", lambda arch=90: "CUDA driver too old: x")
+    monkeypatch.setattr(nvshmem, "check_torch_nvshmem", lambda: "torch was built without NVSHMEM: y")
+    monkeypatch.setattr(nvshmem, "check_ibgda", lambda: "IBGDA ... is not enabled: z")
+    with pytest.raises(NvshmemUnavailableError) as ei:
+        nvshmem.check_available()
+    assert ei.value.missing == ["wheel", "driver", "torch", "ibgda"]
+    assert isinstance(ei.value, RuntimeError)
+    assert str(ei.value).count("\n  - ") == 4
+
+
+def test_host_library_release_mismatch(monkeypatch, tmp_path, no_dirs):
+    d = _lib(tmp_path, "lib", ["libnvshmem_device_sm_90.bc"])
+    (d / "libnvshmem_host.so.3").write_bytes(b"\0ELF junk NVSHMEM v3.4.5\0 more")
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
+    assert nvshmem._version_in_file(str(d / "libnvshmem_host.so.3")) == "3.4.5"
+    monkeypatch.setattr(nvshmem, "_owner_versions", lambda path: [("nvidia-nvshmem-cu12", "3.8.0")])
+    msg = _real_check_host(90)
+    assert "mixed NVSHMEM releases" in msg and "3.8.0" in msg and "3.4.5" in msg and "--force-reinstall" in msg
+    monkeypatch.setattr(nvshmem, "_owner_versions", lambda path: [("nvidia-nvshmem-cu13", "3.4.5")])
+    assert _real_check_host(90) is None
+    monkeypatch.setattr(nvshmem, "_owner_versions", lambda path: [])      # not from a wheel: nothing to compare
+    assert _real_check_host(90) is None
+
+
+def test_installed_wheel_host_library_matches():
+    if nvshmem._wheel_lib_dir() is None:
+        pytest.skip("nvidia-nvshmem-cu12 is not installed (pip install 'moe-ep[nvshmem]')")
+    host = os.path.join(os.path.dirname(nvshmem.find_device_bitcode(90)), "libnvshmem_host.so.3")
+    if os.path.exists(host):
+        assert nvshmem._version_in_file(host) is not None
+    assert _real_check_host(90) is None
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+    code = "import sys, moe_ep.nvshmem; print('triton' in sys.modules, 'torch.cuda' in sys.modules and " \
+           "__import__('torch').cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+# ---------------------------------------------------------------------------------------------- register_kernels
+class _FakeKernel:
+    """What the hook touches of a triton CompiledKernel: ``asm``, the lazy ``run`` property, ``module``."""
+
+    def __init__(self, module):
+        self.asm = {}
+        self._module = module
+        self.module = None
+        self.loads = 0
+
+    @property
+    def run(self):
+        if self.module is None:
+            self.module = self._module
+            self.loads += 1
+        return lambda *a: None
+
+
+@pytest.fixture
+def hook_env(monkeypatch):
+    triton = pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction  # noqa: F401
+    saved = triton.knobs.runtime.jit_post_compile_hook
+    inits = []
+    monkeypatch.setattr(nvshmem, "_cumodule_init", inits.append)
+    monkeypatch.setitem(nvshmem._STATE, "installed", None)
+    nvshmem._reset_for_tests()
+    yield triton, inits
+    triton.knobs.runtime.jit_post_compile_hook = saved
+    nvshmem._reset_for_tests()
+
+
+def _jit(name):
+    """A compiled-mode JITFunction (triton.jit gives an InterpretedFunction under TRITON_INTERPRET) whose
+    per-device cache is a plain dict (creating Triton's binder needs a GPU driver)."""
+    from triton.runtime.jit import JITFunction
+
+    def body(x):
+        pass
+
+    body.__name__ = body.__qualname__ = name
+    fn = JITFunction(body)
+    fn.device_caches = {0: ({}, {}, None, None, None)}
+    return fn
+
+
+def _fire(triton, fn, key, kernel, device=0):
+    fn.device_caches[device][0][key] = kernel
+    triton.knobs.runtime.jit_post_compile_hook(key=key, repr="", fn=types.SimpleNamespace(jit_function=fn),
+                                               compile={"key": key, "device": device}, is_manual_warmup=False,
+                                               already_compiled=False)
+
+
+def test_register_kernels_chains_and_inits_each_module_once(hook_env):
+    triton, inits = hook_env
+    seen = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["key"])
+    f, g = _jit("f_nvshmem"), _jit("g_plain")
+    nvshmem._STATE["ready"] = True
+    nvshmem.register_kernels(f)
+    nvshmem.register_kernels(f)                     # idempotent: one hook, one registration
+    assert isinstance(triton.knobs.runtime.jit_post_compile_hook, nvshmem._PostCompileHook)
+    assert nvshmem.registered_kernels() == [f]
+    k1, k2, k3 = _FakeKernel(101), _FakeKernel(102), _FakeKernel(103)
+    _fire(triton, f, "spec1", k1)
+    _fire(triton, f, "spec2", k2)                   # every specialisation
+    _fire(triton, f, "spec1", k1)                   # a module is initialised once
+    _fire(triton, g, "spec1", k3)                   # not registered: untouched
+    assert inits == [101, 102]
+    assert k1.loads == 1 and k3.loads == 0
+    assert seen == ["spec1", "spec2", "spec1", "spec1"]   # the previous hook still runs, for every kernel
+
+
+def test_register_kernels_covers_earlier_compiles_and_defers_until_heap(hook_env):
+    triton, inits = hook_env
+    f = _jit("f_early")
+    early = _FakeKernel(201)
+    f.device_caches[0][0]["early"] = early          # compiled before registration
+    nvshmem.register_kernels(f)                     # NVSHMEM not initialised yet: deferred
+    _fire(triton, f, "later", _FakeKernel(202))
+    assert inits == [] and early.loads == 0
+    nvshmem._heap_ready()                           # what create_nvshmem_heap calls after the rendezvous
+    assert inits == [201, 202]
+    _fire(triton, f, "after", _FakeKernel(203))
+    assert inits == [201, 202, 203]
+
+
+def test_register_kernels_rejects_plain_functions(hook_env):
+    with pytest.raises(TypeError, match="@triton.jit"):
+        nvshmem.register_kernels(lambda x: x)
+
+
+def test_register_kernels_interpreted_is_a_no_op(hook_env):
+    triton, inits = hook_env
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU runs)")
+
+    @triton.jit
+    def interp_kernel(x):
+        pass
+
+    nvshmem.register_kernels(interp_kernel)
+    assert nvshmem.registered_kernels() == [] and inits == []
+
+
+# ---------------------------------------------------------------------------------------------- heap (GPU)
+def test_create_heap_validates_before_anything(monkeypatch):
+    with pytest.raises(ValueError, match="non-negative"):
+        nvshmem.create_nvshmem_heap(None, -1, 4)
+    with pytest.raises(ValueError, match="timeout_s"):
+        nvshmem.create_nvshmem_heap(None, 16, 4, 0)
+
+
+def test_create_heap_raises_unavailable_before_allocating(monkeypatch):
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(nvshmem, "check_cuda_device", lambda device=None: "no CUDA device: test")
+    from torch.distributed import _symmetric_memory as symm_mem
+    monkeypatch.setattr(symm_mem, "empty", lambda *a, **k: pytest.fail("allocated before the checks"))
+    with pytest.raises(NvshmemUnavailableError, match="no CUDA device: test"):
+        nvshmem.create_nvshmem_heap(None, 1024, 8, internode=False)
+
+
+@pytest.mark.gpu
+def test_nvshmem_heap_one_rank_gpu(tmp_path):
+    """One rank on one GPU: the heap comes from NVSHMEM, its own entry is its region, signals are zero."""
+    import tempfile
+
+    import torch.distributed as dist
+    try:
+        nvshmem.check_available(internode=False)
+    except NvshmemUnavailableError as exc:
+        pytest.skip(str(exc).splitlines()[1])
+    dist.init_process_group("nccl", init_method="file://" + tempfile.mktemp(dir=tmp_path), rank=0, world_size=1)
+    try:
+        buf = nvshmem.create_nvshmem_heap(dist.group.WORLD, 1 << 20, 64, 30.0, internode=False)
+        assert buf.provider == "nvshmem" and buf.world_size == 1
+        assert int(buf.buffer_ptrs[0]) == buf.symmetric_base == buf.buffer.data_ptr()
+        assert buf.pe_list == [0] and buf.reachable == [True]
+        assert int(buf.signals.abs().sum()) == 0
+        from torch.distributed import _symmetric_memory as symm_mem
+        assert symm_mem.get_backend(buf.device) == "NVSHMEM"
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- packaging
+def test_pin_is_the_same_everywhere():
+    """setup.py's nvshmem extra, scripts/setup.sh and moe_ep.nvshmem name one wheel and version."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    pin = f"{nvshmem.WHEEL}=={nvshmem.WHEEL_VERSION}"
+    tree = ast.parse((root / "setup.py").read_text())
+    extras = next(ast.literal_eval(k.value) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                  and getattr(n.func, "id", None) == "setup" for k in n.keywords if k.arg == "extras_require")
+    assert extras["nvshmem"] == [pin]
+    setup_sh = (root / "scripts" / "setup.sh").read_text()
+    assert f'pipq "{pin}"' in setup_sh and "missing nvidia.nvshmem" in setup_sh and "x86_64" in setup_sh
+    assert pin in nvshmem.INSTALL_HINT
