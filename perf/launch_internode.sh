@@ -6,8 +6,8 @@
 #
 # Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (required when NNODES > 1; 127.0.0.1 otherwise),
 # MASTER_PORT (29500), GPUS_PER_NODE (8; the GPUs of this node that the bench uses, one process each),
-# EXPERTS (the bench's --experts, else 256; sizes NVSHMEM_IBGDA_NUM_RC_PER_PE), PURE_RDMA (0; 1: same-node peers go through the
-# NIC too, as DeepEP's published low-latency figures were taken), TORCHRUN (torchrun).
+# EXPERTS (the bench's --experts, else 256; sizes NVSHMEM_IBGDA_NUM_RC_PER_PE), PURE_RDMA (0; 1: same-node
+# peers go through the NIC too, as DeepEP's published low-latency figures were taken), TORCHRUN (torchrun).
 # Every NVSHMEM_* variable below keeps a value already set in the environment. Bench args go to
 # perf/bench_internode_ll.py (e.g. --backend nvshmem symm, --json ll.jsonl, --nic-gbps 50, --graph).
 # Exits 2 without torchrun, without enough GPUs, or with an invalid setting; otherwise torchrun's status.
@@ -68,22 +68,19 @@ export NVSHMEM_IB_ENABLE_IBGDA=${NVSHMEM_IB_ENABLE_IBGDA:-1}
 # Who rings the NIC's doorbell: gpu = the SMs themselves. The default (auto) silently falls back to the CPU
 # when the platform cannot map the doorbell for the GPU, which would time a different path; gpu fails instead.
 export NVSHMEM_IBGDA_NIC_HANDLER=${NVSHMEM_IBGDA_NIC_HANDLER:-gpu}
+qps=$((EXPERTS / WORLD)); [ "$qps" -ge 1 ] || qps=1
 # RC (reliable connection) queue pairs per peer PE. Blocks are spread over them (NVSHMEM_IBGDA_RC_MAP_BY, by
 # CTA by default), so more QPs let more blocks post in parallel; one per local expert, as DeepEP V1 uses
 # (num_qps_per_rank = experts / ranks), so both backends get the same QPs in one run.
-qps=$((EXPERTS / WORLD)); [ "$qps" -ge 1 ] || qps=1
 export NVSHMEM_IBGDA_NUM_RC_PER_PE=${NVSHMEM_IBGDA_NUM_RC_PER_PE:-$qps}
 # Work requests per QP: must exceed what one QP can have in flight between two completions (default 1024).
 export NVSHMEM_QP_DEPTH=${NVSHMEM_QP_DEPTH:-1024}
 # NVLink SHARP (NVLS) serves NVSHMEM collectives only; point-to-point puts do not use it: skip its setup.
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+p2p=0
+if [ "$PURE_RDMA" = 1 ]; then p2p=1; args+=(--pure-rdma); fi
 # Same-node peers: 0 lets NVSHMEM reach them over NVLink (P2P); 1 sends them through the NIC too (pure RDMA).
-if [ "$PURE_RDMA" = 1 ]; then
-  export NVSHMEM_DISABLE_P2P=${NVSHMEM_DISABLE_P2P:-1}
-  args+=(--pure-rdma)
-else
-  export NVSHMEM_DISABLE_P2P=${NVSHMEM_DISABLE_P2P:-0}
-fi
+export NVSHMEM_DISABLE_P2P=${NVSHMEM_DISABLE_P2P:-$p2p}
 # Left to the cluster (set them before calling this script when they apply; kept as given):
 #   NVSHMEM_ENABLE_NIC_PE_MAPPING=1 with NVSHMEM_HCA_LIST (e.g. mlx5_0:1,...) or NVSHMEM_HCA_PE_MAPPING: pin each
 #     PE to a NIC; unset, a PE uses the NIC closest to its GPU (right for one NIC per GPU);
