@@ -173,9 +173,10 @@ def bytes_per_selection(op: str, hidden: int, fp8: bool) -> int:
 
 
 def published(world: int, args) -> tuple | None:
-    """DeepEP's published (dispatch us, combine us) for this EP size, or None (other sizes, shapes or formats)."""
+    """DeepEP's published (dispatch us, combine us) for this EP size, or None (other sizes, shapes, routings or
+    formats: DeepEP's test routes each token to the top-k of random scores, our ``uniform``)."""
     shape = {"tokens": args.tokens, "hidden": args.hidden, "topk": args.topk, "experts": args.experts}
-    if args.cpu_smoke or args.no_fp8 or shape != PUBLISHED_SHAPE:
+    if args.cpu_smoke or args.no_fp8 or args.routing != "uniform" or shape != PUBLISHED_SHAPE:
         return None
     return PUBLISHED.get(world)
 
@@ -443,7 +444,7 @@ def report(rec, body, args, deepep_line) -> None:
     for line in body["lines"]:
         print(f"# {line}")
     target = (f"EP{world} dispatch {pub[0]:.0f} us, combine {pub[1]:.0f} us" if pub else
-              "n/a (published for EP16/32/64/128 at the default shapes with FP8 dispatch only)")
+              "n/a (published for EP16/32/64/128 at the default shapes, uniform routing, FP8 dispatch only)")
     print(f"# DeepEP published target: {target} ({PUBLISHED_SOURCE})")
     print(_common.table_header(["backend", "op", "EP", "us", "p10-p90 us", "per-rank medians us", "GB/s",
                                 "internode GB/s", "DeepEP published us", "published/ours", "DeepEP us", "DeepEP/ours",
@@ -491,6 +492,7 @@ def report(rec, body, args, deepep_line) -> None:
 
 def _header_extra(args, world, deepep_line, launcher) -> dict:
     return dict(launcher=launcher, world_size=world, backends=args.backend, deepep=deepep_line,
+                limits={"nic_gbps": args.nic_gbps, "nic_gbps_source": "--nic-gbps (given, not measured)"},
                 published_source=PUBLISHED_SOURCE, nvshmem_env={k: v for k, v in sorted(os.environ.items())
                                                                 if k.startswith("NVSHMEM_")},
                 timing="time_ranks: barrier, CUDA events per rank, L2 flushed, slowest rank per iteration"
@@ -538,7 +540,6 @@ def main_torchrun(args, argv) -> int:
         rec = _common.Records(PROG[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv)
         rec.update_header(**_header_extra(args, world, deepep_line, "torchrun"))
         say = (lambda *a, **k: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a, **k: None)
-        say(deepep_line)
         body = rank_body(rank, world, args, device, deep_ep, say)
         if rank != 0:
             return 0

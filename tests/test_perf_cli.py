@@ -228,6 +228,7 @@ def test_internode_ll_published_targets():
     assert b.published(32, b._parse(["--hidden", "4096"])) is None
     assert b.published(32, b._parse(["--no-fp8"])) is None
     assert b.published(32, b._parse(["--cpu-smoke"])) is None
+    assert b.published(32, b._parse(["--routing", "zipf"])) is None
     assert "docs/legacy.md" in b.PUBLISHED_SOURCE and "118 / 195" in b.__doc__
     assert b.bytes_per_selection("dispatch", 7168, True) == 7168 + 224 + 16
     assert b.bytes_per_selection("dispatch", 7168, False) == b.bytes_per_selection("combine", 7168, True) == 14336
