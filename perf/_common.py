@@ -85,6 +85,34 @@ def no_gpu(prog: str) -> int:
     return error(prog, "needs a CUDA GPU (none found); use --cpu-smoke to run the CPU variant", 2)
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def torchrun_env_error(prog: str, example: str) -> int | None:
+    """``None`` when torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) is set; otherwise one line on
+    stderr naming what is missing and how to run it (``example``), and exit status 2."""
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        return error(prog, f"--launcher torchrun needs {', '.join(missing)} in the environment: run it as `{example}`", 2)
+    return None
+
+
+def deepep_probe(disabled: bool = False):
+    """``(deep_ep module or None, one line saying which)``: DeepEP is the baseline of the torchrun benches when
+    ``import deep_ep`` works (nothing is installed or downloaded here)."""
+    if disabled:
+        return None, "DeepEP baseline: skipped (--no-deepep); rows carry baseline=null"
+    try:
+        import deep_ep
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken extension: skipped with one line
+        return None, (f"DeepEP baseline: skipped, deep_ep is not importable ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:100] if str(exc) else ''}); rows carry baseline=null")
+    if not hasattr(deep_ep, "Buffer"):
+        return None, "DeepEP baseline: skipped, deep_ep has no Buffer; rows carry baseline=null"
+    return deep_ep, f"DeepEP baseline: deep_ep {getattr(deep_ep, '__version__', '(version unknown)')} " \
+                    f"({os.path.dirname(getattr(deep_ep, '__file__', '') or '')})"
+
+
 def gpu_count() -> int:
     """GPUs per nvidia-smi (CUDA stays uninitialised in this process, so ranks may still fork)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":

@@ -312,17 +312,17 @@ def _normal_case(op, R, args, device, time_us):
     return t, rows, _common.rel_err(torch.cat(outs), ref)
 
 
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+TORCHRUN_ENV = _common.TORCHRUN_ENV
+deepep_probe = _common.deepep_probe  # shared with bench_internode_ll.py (tests import it from here)
 
 
 def main_torchrun(args, prog, argv) -> int:
     """``--launcher torchrun``: one process per GPU, the real path through ``moe_ep.Buffer`` (``--backend``),
     a barrier before each timed iteration, per-rank times and the slowest rank's reported (rank 0 prints and
     writes the JSON). Without torchrun's environment: one line on stderr, exit 2."""
-    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
-    if missing:
-        return _common.error(prog, f"--launcher torchrun needs {', '.join(missing)} in the environment: run it as "
-                                   f"`torchrun --nproc-per-node <GPUs> perf/{prog} --launcher torchrun`", 2)
+    bad = _common.torchrun_env_error(prog, f"torchrun --nproc-per-node <GPUs> perf/{prog} --launcher torchrun")
+    if bad:
+        return bad
     deep_ep, line = deepep_probe(args.no_deepep)
     if os.environ.get("RANK") == "0":
         print(line, flush=True)
@@ -340,22 +340,6 @@ def main_torchrun(args, prog, argv) -> int:
         return _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep, deep_ep, line)
     finally:
         dist.destroy_process_group()
-
-
-def deepep_probe(disabled: bool = False):
-    """``(deep_ep module or None, one line saying which)``: DeepEP is the baseline of the torchrun mode when
-    ``import deep_ep`` works (nothing is installed or downloaded here)."""
-    if disabled:
-        return None, "DeepEP baseline: skipped (--no-deepep); rows carry baseline=null"
-    try:
-        import deep_ep
-    except Exception as exc:  # noqa: BLE001 - ImportError or a broken extension: skipped with one line
-        return None, (f"DeepEP baseline: skipped, deep_ep is not importable ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0][:100] if str(exc) else ''}); rows carry baseline=null")
-    if not hasattr(deep_ep, "Buffer"):
-        return None, "DeepEP baseline: skipped, deep_ep has no Buffer; rows carry baseline=null"
-    return deep_ep, f"DeepEP baseline: deep_ep {getattr(deep_ep, '__version__', '(version unknown)')} " \
-                    f"({os.path.dirname(getattr(deep_ep, '__file__', '') or '')})"
 
 
 class DeepEPCase:

@@ -4,6 +4,10 @@
 #   bash perf/run_all.sh              # a machine with a CUDA GPU: pytest -m gpu, sm90_report, every bench
 #   bash perf/run_all.sh --cpu-smoke  # any machine: every bench's CPU variant (interpreter, tiny shapes)
 #
+# bench_internode_ll.py runs under torchrun over all local GPUs as one node (perf/launch_internode.sh,
+# backends nvshmem and symm, DeepEP when importable) when there are >= 2, else one line says it needs a
+# cluster; its cluster runs are perf/launch_internode.sh on every node (perf/RESULTS.md, owed list).
+#
 # Writes perf/out/<UTC date-time>-<gpu name | cpu-smoke>.md (the report) and .jsonl (every bench's JSON
 # lines: a header object, then one object per row), never overwriting a file (a -2, -3 ... suffix is
 # added). Exits 2 at once without a GPU (unless --cpu-smoke), 1 when any step failed, timed out, measured
@@ -17,7 +21,7 @@ smoke=0
 for a in "$@"; do
   case "$a" in
     --cpu-smoke) smoke=1 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "$usage" >&2; echo "run_all.sh: error: unrecognized argument: $a" >&2; exit 2 ;;
   esac
 done
@@ -99,10 +103,23 @@ for b in perf/bench_*.py; do
   say ""
   say "## $name"
   say ""
-  say "\`$PY $b ${flag[*]} --json ...\` (timeout $bench_timeout s)"
-  echo "running $b ${flag[*]} ..." >&2
+  cmd=("$PY" "$b" "${flag[@]}")
+  if [ "$smoke" = 0 ] && [ "$name" = bench_internode_ll.py ]; then
+    # one process per GPU (torchrun): every local GPU as one node; a cluster run is perf/launch_internode.sh
+    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+    if [ "$ngpu" -lt 2 ]; then
+      say "skipped: the internode low-latency bench needs a cluster (N nodes x 8 GPUs: perf/launch_internode.sh on" \
+          "every node) or, for its single-node run here, at least 2 GPUs; this machine has $ngpu"
+      summary+=("| $name | skipped (needs >= 2 GPUs or a cluster) |")
+      continue
+    fi
+    cmd=(env NNODES=1 NODE_RANK=0 GPUS_PER_NODE="$ngpu" MASTER_PORT="${MASTER_PORT:-29517}" bash perf/launch_internode.sh
+         --backend nvshmem symm)
+  fi
+  say "\`${cmd[*]} --json ...\` (timeout $bench_timeout s)"
+  echo "running ${cmd[*]} ..." >&2
   rm -f "$tmp/rows.jsonl"
-  timeout "$bench_timeout" "$PY" "$b" "${flag[@]}" --json "$tmp/rows.jsonl" > "$tmp/bench.log" 2>&1
+  timeout "$bench_timeout" "${cmd[@]}" --json "$tmp/rows.jsonl" > "$tmp/bench.log" 2>&1
   rc=$?
   [ -f "$tmp/rows.jsonl" ] && cat "$tmp/rows.jsonl" >> "$json"
   rows=0; invalid=0

@@ -149,3 +149,202 @@ def test_gpu_state_parse_and_routing():
     z = route(512, 256, 8, "zipf", g)
     assert all(len(set(row.tolist())) == 8 for row in z)
     assert torch.bincount(z.flatten(), minlength=256).max() > 3 * 512 * 8 / 256  # skewed
+
+
+# ---------------------------------------------------------------- bench_internode_ll.py and perf/launch_internode.sh
+
+FAKE_SMI = "#!/bin/sh\ni=0; while [ $i -lt ${FAKE_GPUS:-8} ]; do echo \"GPU $i: NVIDIA H800 (UUID: GPU-$i)\"; i=$((i+1)); done\n"
+FAKE_ECHO = "#!/bin/sh\necho \"$(basename \"$0\") $*\"\n"
+
+
+def _fake_bin(tmp_path, **scripts):
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    for name, text in scripts.items():
+        (d / name).write_text(text)
+        (d / name).chmod(0o755)
+    return str(d)
+
+
+def _launch_sh(args, env_extra, timeout=30):
+    env = {k: v for k, v in ENV.items() if not k.startswith("NVSHMEM_")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(env_extra)
+    return subprocess.run(["bash", os.path.join(PERF, "launch_internode.sh"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_internode_ll_cpu_smoke_rows(tmp_path):
+    """The smoke run goes through moe_ep.Buffer on 4 forked ranks as 2 emulated nodes: symm rows for dispatch and
+    combine (time, bandwidth, internode bandwidth), checked, cross-node selections counted; nvshmem either runs or is
+    skipped with one line; no published target at smoke shapes; DeepEP skipped with one line."""
+    out = tmp_path / "ll.jsonl"
+    p = _run([sys.executable, os.path.join(PERF, "bench_internode_ll.py"), "--cpu-smoke", "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    head, rows = recs[0], recs[1:]
+    assert head["launcher"] == "fork" and head["world_size"] == 4 and "DeepEP" in head["deepep"]
+    symm = [r for r in rows if r["backend"] == "symm"]
+    assert {(r["op"], r["metric"]) for r in symm} == {(op, m) for op in ("dispatch", "combine")
+                                                      for m in ("time", "bandwidth", "internode bandwidth")}
+    for r in symm:
+        assert r["valid"] is True
+        if r["metric"] == "time":
+            assert r["rel_err"] <= 1e-2 and r["published_us"] is None and r["nodes"] == 2
+            assert 0 < r["internode_selections_per_rank"] < r["selections_per_rank"]
+            assert len(r["per_rank_us"]) == 4 and "meaningless" in r["note"]
+    if not any(r["backend"] == "nvshmem" for r in rows):
+        assert sum("backend nvshmem:" in ln for ln in p.stdout.splitlines()) == 1
+    assert sum(ln.startswith("# DeepEP baseline: skipped") for ln in p.stdout.splitlines()) == 1
+
+
+def test_internode_ll_refusals():
+    bench = os.path.join(PERF, "bench_internode_ll.py")
+    p = _run([sys.executable, bench, "--launcher", "fork"], timeout=60)
+    assert p.returncode == 2 and "only with --cpu-smoke" in p.stderr and "Traceback" not in p.stderr
+    p = _run([sys.executable, bench, "--graph", "--zero-copy"], timeout=60)
+    assert p.returncode == 2 and "not supported" in p.stderr
+    p = _run([sys.executable, bench, "--backend", "none", "symm"], timeout=60)
+    assert p.returncode == 2 and "DeepEP only" in p.stderr
+
+
+def test_torchrun_env_error(monkeypatch, capsys):
+    for k in _common.TORCHRUN_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert _common.torchrun_env_error("x.py", "torchrun x.py") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "RANK, WORLD_SIZE, LOCAL_RANK" in err[0] and "`torchrun x.py`" in err[0]
+    for k in _common.TORCHRUN_ENV:
+        monkeypatch.setenv(k, "0")
+    assert _common.torchrun_env_error("x.py", "torchrun x.py") is None
+
+
+def test_internode_ll_published_targets():
+    import bench_internode_ll as b
+    args = b._parse([])
+    assert (args.tokens, args.hidden, args.topk, args.experts, args.backend) == (128, 7168, 8, 256, ["nvshmem"])
+    assert b.published(16, args) == (118.0, 195.0) and b.published(128, args) == (192.0, 369.0)
+    assert b.published(8, args) is None  # not in the table
+    assert b.published(32, b._parse(["--hidden", "4096"])) is None
+    assert b.published(32, b._parse(["--no-fp8"])) is None
+    assert b.published(32, b._parse(["--cpu-smoke"])) is None
+    assert b.published(32, b._parse(["--routing", "zipf"])) is None
+    assert "docs/legacy.md" in b.PUBLISHED_SOURCE and "118 / 195" in b.__doc__
+    assert b.bytes_per_selection("dispatch", 7168, True) == 7168 + 224 + 16
+    assert b.bytes_per_selection("dispatch", 7168, False) == b.bytes_per_selection("combine", 7168, True) == 14336
+
+
+def _checks_on_one_rank(rank, world):
+    """check_dispatch / check_combine accept a correct receive and reject a wrong count, a wrong row, a wrong factor."""
+    import torch
+
+    import bench_internode_ll as b
+    from moe_ep.fp8 import per_token_group_quant_fp8_ref
+
+    args = b._parse(["--cpu-smoke", "--tokens", "6", "--hidden", "256", "--experts", "4", "--topk", "2"])
+    ctx = b.Ctx(rank, world, torch.device("cpu"), 1)
+    x, idx, w = b.make_inputs(rank, args, ctx.device)
+    q, s = per_token_group_quant_fp8_ref(x, 128)
+    L, T = args.experts, args.tokens
+    rq = torch.zeros(L, T, args.hidden, dtype=q.dtype)
+    rs = torch.zeros(L, T, args.hidden // 128)
+    count = torch.zeros(L, dtype=torch.int32)
+    pos = {}
+    for t in range(T):
+        for k in range(args.topk):
+            e = int(idx[t, k])
+            if e >= 0:
+                pos[(t, k)] = (e, int(count[e]))
+                rq[e, count[e]], rs[e, count[e]] = q[t], s[t]
+                count[e] += 1
+    good = ((rq, rs), count)
+    res = {"dispatch_ok": b.check_dispatch(good, x, idx, args, ctx)}
+    e0 = int(idx[0, 0])
+    rs_bad = rs.clone()
+    rs_bad[e0, 0] *= 2
+    res["dispatch_bad_row"] = b.check_dispatch(((rq, rs_bad), count), x, idx, args, ctx)
+    res["dispatch_bad_count"] = b.check_dispatch(((rq, rs), count + 1), x, idx, args, ctx)
+    y = b.expert_outputs(good, args, ctx)
+
+    def combine(ys):
+        out = torch.zeros(T, args.hidden)
+        for (t, k), (e, p) in pos.items():
+            out[t] += w[t, k] * ys[e, p].float()
+        return out.to(torch.bfloat16)
+    res["combine_ok"] = b.check_combine(combine(y), x, idx, w, ctx)
+    res["combine_bad_factor"] = b.check_combine(combine(b.expert_outputs(good, args, ctx) * 0 + rq.float().to(
+        torch.bfloat16)), x, idx, w, ctx)
+    return res
+
+
+def test_internode_ll_checks_catch_errors():
+    from moe_ep.testing import launch
+
+    res = launch(_checks_on_one_rank, 1, timeout_s=120)[0]
+    assert res["dispatch_ok"] == (True, 0.0, True)
+    assert res["dispatch_bad_row"][0] is False and res["dispatch_bad_row"][2] is True
+    assert res["dispatch_bad_count"][0] is False and res["dispatch_bad_count"][2] is False
+    assert res["combine_ok"][0] is True and res["combine_ok"][1] < 1e-2
+    assert res["combine_bad_factor"][0] is False
+
+
+def test_launch_internode_help_and_refusals(tmp_path):
+    p = _launch_sh(["-h"], {})
+    assert p.returncode == 0 and "NNODES" in p.stdout and "MASTER_ADDR" in p.stdout and "set -" not in p.stdout
+    p = _launch_sh([], {"TORCHRUN": "no-such-torchrun"})
+    assert p.returncode == 2 and "not found" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    fake = _fake_bin(tmp_path, torchrun=FAKE_ECHO, **{"nvidia-smi": FAKE_SMI})
+    path = f"{fake}:/usr/bin:/bin"
+    p = _launch_sh([], {"PATH": path, "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 2 and "no CUDA GPU" in p.stderr
+    p = _launch_sh([], {"PATH": "/usr/bin:/bin", "TORCHRUN": os.path.join(fake, "torchrun")})
+    assert p.returncode == 2 and "no CUDA GPU" in p.stderr  # no nvidia-smi at all
+    p = _launch_sh([], {"PATH": path, "FAKE_GPUS": "4"})
+    assert p.returncode == 2 and "GPUS_PER_NODE=4" in p.stderr
+    p = _launch_sh([], {"PATH": path, "NNODES": "2"})
+    assert p.returncode == 2 and "MASTER_ADDR is required" in p.stderr
+    p = _launch_sh([], {"PATH": path, "NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"})
+    assert p.returncode == 2 and "NODE_RANK" in p.stderr
+
+
+def test_launch_internode_command_and_nvshmem_env(tmp_path):
+    fake = _fake_bin(tmp_path, torchrun=FAKE_ECHO, **{"nvidia-smi": FAKE_SMI})
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29999", "NVSHMEM_IBGDA_NIC_HANDLER": "auto"}
+    p = _launch_sh(["--json", "ll.jsonl", "--experts", "64"], env)
+    assert p.returncode == 0, p.stderr
+    ran = p.stdout.strip().splitlines()[-1]  # the fake torchrun echoes its arguments
+    assert ran.startswith("torchrun --nnodes 4 --node-rank 3 --nproc-per-node 8 --master-addr 10.0.0.1 --master-port 29999 "
+                          "perf/bench_internode_ll.py --launcher torchrun --gpus-per-node 8 --json ll.jsonl --experts 64")
+    assert "# NVSHMEM_IB_ENABLE_IBGDA=1" in p.stdout
+    assert "# NVSHMEM_IBGDA_NIC_HANDLER=auto" in p.stdout  # a value already set is kept
+    assert "# NVSHMEM_IBGDA_NUM_RC_PER_PE=2" in p.stdout  # 64 experts / 32 ranks
+    assert "# NVSHMEM_DISABLE_P2P=0" in p.stdout and "--pure-rdma" not in ran
+    p = _launch_sh(["--dry-run"], dict(env, PURE_RDMA="1"))
+    assert p.returncode == 0 and "# NVSHMEM_DISABLE_P2P=1" in p.stdout and "--pure-rdma" in p.stdout
+    assert not any(ln.startswith("torchrun ") for ln in p.stdout.splitlines())  # dry run: printed, not run
+    text = open(os.path.join(PERF, "launch_internode.sh")).read()
+    for knob in ("NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_IBGDA_NIC_HANDLER", "NVSHMEM_IBGDA_NUM_RC_PER_PE", "NVSHMEM_QP_DEPTH",
+                 "NVSHMEM_DISABLE_P2P", "NVSHMEM_DISABLE_NVLS"):
+        i = text.index(f"export {knob}=")
+        assert text[:i].rstrip().splitlines()[-1].lstrip().startswith("#"), f"{knob} has no comment above it"
+
+
+def test_run_all_runs_internode_bench_with_torchrun_or_says_why(tmp_path):
+    """GPU mode with faked nvidia-smi / python / torchrun: one GPU -> one line, the step is skipped (not failed);
+    eight -> perf/launch_internode.sh over the 8 local GPUs with the bench's --json."""
+    fake = _fake_bin(tmp_path, fakepy=FAKE_ECHO, faketorchrun=FAKE_ECHO, **{"nvidia-smi": FAKE_SMI})
+    for gpus in ("1", "8"):
+        out = tmp_path / f"out{gpus}"
+        env = dict(ENV, PATH=f"{fake}:/usr/bin:/bin", FAKE_GPUS=gpus, PYTHON=os.path.join(fake, "fakepy"),
+                   TORCHRUN=os.path.join(fake, "faketorchrun"), OUT_DIR=str(out), PYTEST_TIMEOUT="30")
+        env.pop("CUDA_VISIBLE_DEVICES")
+        subprocess.run(["bash", os.path.join(PERF, "run_all.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+        md = next(out.glob("*.md")).read_text()
+        sec = md.split("## bench_internode_ll.py", 1)[1].split("\n## ", 1)[0]
+        if gpus == "1":
+            assert "needs a cluster" in sec and "| bench_internode_ll.py | skipped" in md
+        else:
+            assert "faketorchrun --nnodes 1 --node-rank 0 --nproc-per-node 8" in sec
+            assert "perf/bench_internode_ll.py --launcher torchrun --gpus-per-node 8 --backend nvshmem symm --json" in sec
