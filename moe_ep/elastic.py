@@ -48,12 +48,11 @@ import torch.distributed as dist
 
 from . import validate as V
 from .buffer import Buffer
+from .elastic_memory import elastic_memory_per_rank, elastic_num_bytes
 from .events import EventOverlap
 from .fp8 import FP8_DTYPE
 
 __all__ = ["ElasticBuffer", "EPHandle"]
-
-_ALIGN_2MB = 2 << 20
 
 
 def _align(x: int, a: int) -> int:
@@ -270,12 +269,20 @@ class ElasticBuffer:
                              num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
                              allow_multiple_reduction: bool = True) -> int:
         """Bytes for ``num_bytes`` (2 MB-aligned, as V2): the ``symm`` backend's normal-mode size for these
-        shapes (BF16 rows, enough for FP8 too; ``num_topk=0`` sizes for a top-k of 32)."""
-        from .backends.symm import SymmBackend
-
+        shapes (BF16 rows, enough for FP8 too; ``num_topk=0`` sizes for a top-k of 32); see
+        :func:`moe_ep.elastic_memory.elastic_num_bytes`."""
         world = dist.get_world_size(group if group is not None else dist.group.WORLD)
-        hint = SymmBackend.get_normal_size_hint(num_max_tokens_per_rank, hidden, num_topk or 32, world)
-        return _align(hint, _ALIGN_2MB)
+        return elastic_num_bytes(world, num_max_tokens_per_rank, hidden, num_topk)
+
+    @staticmethod
+    def memory_per_rank(num_ranks: int, num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
+                        *, backend: str = "symm", num_bytes: Optional[int] = None) -> int:
+        """Bytes one rank's ElasticBuffer allocates at construction for these shapes and backend (``torch``: 0;
+        ``symm``: the symmetric region, ``num_bytes`` defaulting to :meth:`get_buffer_size_hint`, plus its signal
+        words); no group needed. See :func:`moe_ep.elastic_memory.elastic_memory_per_rank`, and
+        :func:`moe_ep.elastic_memory.deepep_v2_buffer_size_hint` for DeepEP V2's size of the same shapes."""
+        return elastic_memory_per_rank(num_ranks, num_max_tokens_per_rank, hidden, num_topk, backend=backend,
+                                       num_bytes=num_bytes)
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """A barrier over the group (a host-side ``torch.distributed.barrier``; the arguments are accepted)."""
