@@ -27,6 +27,13 @@ communication is a self-copy and every op past it sees that rank's real shapes),
   message rows, then the unpack of ``recv_x`` / scales into contiguous tensors); a receive-as-view option
   (V2 returns views of its buffer) would save them. The ``symm`` backend does not expose one in this release.
 
+Memory per rank (computed, not measured): ``ElasticBuffer.memory_per_rank`` (what our constructor allocates:
+the ``symm`` region sized by ``get_buffer_size_hint``, plus its signal words; the ``torch`` backend allocates
+nothing persistent) vs DeepEP V2's ``get_buffer_size_hint`` restated in ``moe_ep.elastic_memory`` (BF16 and FP8
+dispatch; 8 GPUs per NVLink domain with hybrid mode, and one NVLink domain of all ranks) for DeepSeek-V3
+(hidden 7168, 256 experts, top-8): prefill ``--memory-prefill-tokens``, decode ``--memory-decode-tokens``, EP
+``--memory-ranks``.
+
     python perf/bench_elastic.py [--tokens 4096] [--ranks 8 32] [--layer-tokens 1024] [--json out.jsonl]
     python perf/bench_elastic.py --cpu-smoke
 """
@@ -268,15 +275,55 @@ def symm_receive_copy_bytes(recv_rows: int, hidden: int = HIDDEN, topk: int = TO
     return recv_rows * (2 * 4 * words + 2 * row)
 
 
+def memory_rows(rec, prefill_tokens, decode_tokens, ranks_list, hidden=HIDDEN, topk=TOPK) -> None:
+    """The memory-per-rank table (see the module docstring), printed and recorded."""
+    from moe_ep import ElasticBuffer
+    from moe_ep.elastic_memory import deepep_v2_buffer_size_hint as deepep
+
+    MB = 2 ** 20
+    print(C.table_header(["phase", "tokens/rank", "EP", "ours symm MiB", "ours torch MiB", "DeepEP V2 BF16 MiB, 8/node",
+                          "DeepEP V2 BF16 MiB, one domain", "DeepEP V2 FP8 MiB, 8/node", "DeepEP V2 FP8 MiB, one domain",
+                          "ours / DeepEP BF16 one domain"]))
+    for phase, tokens in [("prefill", t) for t in prefill_tokens] + [("decode", t) for t in decode_tokens]:
+        for R in ranks_list:
+            ours = ElasticBuffer.memory_per_rank(R, tokens, hidden, topk, backend="symm")
+            d = {(fp8, nvl): deepep(R, tokens, hidden, topk, fp8, nvlink_ranks=nvl)
+                 for fp8 in (False, True) for nvl in (8, R)}
+            ratio = ours / d[(False, R)]
+            rec.add(f"dsv3 {phase} memory T={tokens} EP{R}", "ElasticBuffer bytes per rank (symm)", ours, "B",
+                    baseline=d[(False, R)], ratio=ratio, ours_torch=0, deepep_bf16_8_per_node=d[(False, 8)],
+                    deepep_bf16_one_domain=d[(False, R)], deepep_fp8_8_per_node=d[(True, 8)],
+                    deepep_fp8_one_domain=d[(True, R)],
+                    note="computed: ElasticBuffer.memory_per_rank vs DeepEP V2 get_buffer_size_hint (restated in "
+                         "moe_ep.elastic_memory; its ~16 MB workspace not included); symm is intranode only")
+            print(f"| {phase} | {tokens} | {R} | {ours / MB:.0f} | 0 | {d[(False, 8)] / MB:.0f} | "
+                  f"{d[(False, R)] / MB:.0f} | {d[(True, 8)] / MB:.0f} | {d[(True, R)] / MB:.0f} | {ratio:.2f} |")
+
+
 def main(argv=None) -> int:
     p = C.parser("bench_elastic.py", __doc__)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 32], help="EP sizes")
     p.add_argument("--layer-tokens", type=int, default=1024, help="tokens per rank for the layer counts")
+    p.add_argument("--memory-prefill-tokens", type=int, nargs="+", default=[4096, 8192],
+                   help="max tokens per rank of the prefill rows of the memory table")
+    p.add_argument("--memory-decode-tokens", type=int, nargs="+", default=[128],
+                   help="max tokens per rank of the decode rows of the memory table")
+    p.add_argument("--memory-ranks", type=int, nargs="+", default=[8, 16, 32, 64], help="EP sizes of the memory table")
     args = p.parse_args(argv)
+    prog = "bench_elastic.py"
     if args.cpu_smoke:
-        C.smoke_defaults(args, p, argv, tokens=256, ranks=[8], layer_tokens=64)
+        C.smoke_defaults(args, p, argv, tokens=256, ranks=[8], layer_tokens=64, memory_ranks=[8, 16],
+                         memory_prefill_tokens=[4096])
+    for name in ("tokens", "layer_tokens"):
+        if getattr(args, name) < 1:
+            return C.error(prog, f"--{name.replace('_', '-')} must be positive")
+    if min(args.memory_prefill_tokens + args.memory_decode_tokens) < 1 or \
+            any(r < 1 or (r > 8 and r % 8) for r in args.memory_ranks):
+        return C.error(prog, "memory-table token counts must be positive and --memory-ranks at most 8 or multiples of "
+                             "8 (8 GPUs per NVLink domain)")
     rec = C.Records("bench_elastic", args.json, args.cpu_smoke, device="cpu (counted)", argv=argv)
+    memory_rows(rec, args.memory_prefill_tokens, args.memory_decode_tokens, args.memory_ranks)
     row = HIDDEN + HIDDEN // 128 * 4
     print(C.table_header(["case", "metric", "dispatch+permute", "fused expanded", "ratio"]))
     for ranks in args.ranks:
@@ -316,7 +363,7 @@ def main(argv=None) -> int:
                 view, "B", baseline=view, limit=0, note="no receive-as-view option in the symm backend (this release)")
         print(f"| dsv3 prefill T={args.tokens} EP{ranks} | symm receive copy MB (a view: 0; not exposed) | "
               f"{view / 1e6:.1f} | {view / 1e6:.1f} | 1.00 |")
-    return rec.finish("bench_elastic.py")
+    return rec.finish(prog)
 
 
 if __name__ == "__main__":
