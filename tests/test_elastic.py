@@ -490,3 +490,49 @@ def test_memory_helpers_refuse_bad_input_and_match_deepep_hand_counts():
     T = 128
     assert hint(16, T, 7168, 8) == -(-max(14464 * (16 * T + T + 2 * (T + 1280)),
                                           14400 * (8 * 2 * T + 2 * T + 2 * (T + 1280))) // MB2) * MB2
+
+
+# ---------------------------------------------------------------------------------------------- symm source index
+def _symm_source_exchange(rank, world, num_max):
+    """The symm handle has no ``recv_src_idx``: the source global index comes from one all_to_all of bit-packed mask
+    columns (``R * ceil(num_max / 8)`` bytes each way), no all_gather; it equals the torch backend's (which reports
+    ``recv_src_idx``) on the same input."""
+    import torch.distributed as dist
+
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    ins = make_all_inputs(world, [5, 7, 2, 6][:world], HIDDEN, 8, 3, seed=21)
+    inp = ins[rank]
+    sym = moe_ep.ElasticBuffer(None, num_max_tokens_per_rank=num_max, backend="symm", provider="shm", timeout_s=30,
+                               num_bytes=SymmBackend.get_normal_size_hint(num_max, HIDDEN, 3, world))
+    tor = moe_ep.ElasticBuffer(None, num_max_tokens_per_rank=num_max, backend="torch", timeout_s=30)
+    calls = {"all_gather": 0, "a2a_bytes": 0}
+    real_gather, real_a2a = dist.all_gather, dist.all_to_all_single
+
+    def gather(*a, **k):
+        calls["all_gather"] += 1
+        return real_gather(*a, **k)
+
+    def a2a(out, inp_, *a, **k):
+        calls["a2a_bytes"] += inp_.numel() * inp_.element_size()
+        return real_a2a(out, inp_, *a, **k)
+
+    dist.all_gather, dist.all_to_all_single = gather, a2a
+    try:
+        hs = [sym.dispatch(inp.x, inp.topk_idx, inp.topk_weights, num_experts=8, do_cpu_sync=s)[3] for s in (True, False)]
+    finally:
+        dist.all_gather, dist.all_to_all_single = real_gather, real_a2a
+    ht = tor.dispatch(inp.x, inp.topk_idx, inp.topk_weights, num_experts=8)[3]
+    M = ht.num_recv_tokens
+    same = all(torch.equal(h.recv_src_metadata[:M, :2], ht.recv_src_metadata[:, :2]) for h in hs)
+    pad = bool((hs[1].recv_src_metadata[M:, :2] == -1).all())
+    return calls, same and pad
+
+
+@pytest.mark.parametrize("world,num_max", [(2, 8), (4, 13)])
+def test_symm_source_index_needs_no_all_gather(world, num_max):
+    for calls, same in launch(_symm_source_exchange, world, num_max, timeout_s=120):
+        assert same
+        assert calls["all_gather"] == 0, calls
+        assert calls["a2a_bytes"] == 2 * world * ((num_max + 7) // 8), calls  # two dispatches
