@@ -48,12 +48,11 @@ import torch.distributed as dist
 
 from . import validate as V
 from .buffer import Buffer
+from .elastic_memory import elastic_memory_per_rank, elastic_num_bytes
 from .events import EventOverlap
 from .fp8 import FP8_DTYPE
 
 __all__ = ["ElasticBuffer", "EPHandle"]
-
-_ALIGN_2MB = 2 << 20
 
 
 def _align(x: int, a: int) -> int:
@@ -270,12 +269,20 @@ class ElasticBuffer:
                              num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
                              allow_multiple_reduction: bool = True) -> int:
         """Bytes for ``num_bytes`` (2 MB-aligned, as V2): the ``symm`` backend's normal-mode size for these
-        shapes (BF16 rows, enough for FP8 too; ``num_topk=0`` sizes for a top-k of 32)."""
-        from .backends.symm import SymmBackend
-
+        shapes (BF16 rows, enough for FP8 too; ``num_topk=0`` sizes for a top-k of 32); see
+        :func:`moe_ep.elastic_memory.elastic_num_bytes`."""
         world = dist.get_world_size(group if group is not None else dist.group.WORLD)
-        hint = SymmBackend.get_normal_size_hint(num_max_tokens_per_rank, hidden, num_topk or 32, world)
-        return _align(hint, _ALIGN_2MB)
+        return elastic_num_bytes(world, num_max_tokens_per_rank, hidden, num_topk)
+
+    @staticmethod
+    def memory_per_rank(num_ranks: int, num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
+                        *, backend: str = "symm", num_bytes: Optional[int] = None) -> int:
+        """Bytes one rank's ElasticBuffer allocates at construction for these shapes and backend (``torch``: 0;
+        ``symm``: the symmetric region, ``num_bytes`` defaulting to :meth:`get_buffer_size_hint`, plus its signal
+        words); no group needed. See :func:`moe_ep.elastic_memory.elastic_memory_per_rank`, and
+        :func:`moe_ep.elastic_memory.deepep_v2_buffer_size_hint` for DeepEP V2's size of the same shapes."""
+        return elastic_memory_per_rank(num_ranks, num_max_tokens_per_rank, hidden, num_topk, backend=backend,
+                                       num_bytes=num_bytes)
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """A barrier over the group (a host-side ``torch.distributed.barrier``; the arguments are accepted)."""
@@ -371,15 +378,12 @@ class ElasticBuffer:
         src_rank = torch.bucketize(rows, psum.to(torch.int64), right=True)  # R on padding rows
         src_idx = bh.deepep_field("recv_src_idx")
         if src_idx is None:
-            # The backend does not report source token indices: gather every rank's token->rank mask
-            # (R * num_max bytes per rank, no host read) and list, in (rank, token) order, what came here.
-            cols = torch.zeros(R, num_max, dtype=torch.uint8, device=device)
-            cols[:, :is_token_in_rank.shape[0]] = is_token_in_rank.t().to(torch.uint8)
-            gathered = [torch.empty_like(cols) for _ in range(R)]
-            dist.all_gather(gathered, cols, group=self.group)
-            to_me = torch.stack([g[me] for g in gathered])  # [R src, num_max]
+            # The backend does not report source token indices (symm: its message rows do not carry them): get
+            # from every source its token->rank mask column for this rank and list, in (rank, token) order, what
+            # came here.
+            to_me = self._masks_to_me(is_token_in_rank, num_max, device)  # [R src, num_max] bool
             flat = torch.arange(R * num_max, device=device)
-            key = torch.where(to_me.reshape(-1) > 0, flat, R * num_max)
+            key = torch.where(to_me.reshape(-1), flat, R * num_max)
             ordered = torch.sort(key).values
             if ordered.numel() < num_rows:
                 ordered = torch.cat([ordered, ordered.new_full((num_rows - ordered.numel(),), R * num_max)])
@@ -391,6 +395,21 @@ class ElasticBuffer:
         src_global = torch.where(valid, src_global, -1)
         src_rank = torch.where(valid, src_rank, -1)
         return psum, src_global, src_rank
+
+    def _masks_to_me(self, is_token_in_rank: torch.Tensor, num_max: int, device) -> torch.Tensor:
+        """``[R src, num_max]`` bool: which of source ``s``'s tokens came to this rank. One ``all_to_all_single``
+        where each rank sends each peer only that peer's column of its ``is_token_in_rank``, 8 tokens a byte:
+        ``R * ceil(num_max / 8)`` bytes per rank each way (an all-gather of the whole masks moved ``R * R * num_max``
+        bytes into every rank); device ops only, no host read."""
+        R = self.num_ranks
+        nbytes = (num_max + 7) // 8
+        bits = torch.zeros(R, nbytes * 8, dtype=torch.uint8, device=device)
+        bits[:, :is_token_in_rank.shape[0]] = is_token_in_rank.t().to(torch.uint8)
+        shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        packed = (bits.view(R, nbytes, 8) << shifts).sum(-1).to(torch.uint8).contiguous()  # row d: for rank d
+        got = torch.empty_like(packed)  # row s: from rank s
+        dist.all_to_all_single(got, packed, group=self.group)
+        return ((got.unsqueeze(-1) >> shifts) & 1).view(R, nbytes * 8)[:, :num_max] > 0
 
     @staticmethod
     def _expand_plan(recv_topk_idx: torch.Tensor, num_local: int, alignment: int, num_expanded: Optional[int],

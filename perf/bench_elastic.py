@@ -27,8 +27,26 @@ communication is a self-copy and every op past it sees that rank's real shapes),
   message rows, then the unpack of ``recv_x`` / scales into contiguous tensors); a receive-as-view option
   (V2 returns views of its buffer) would save them. The ``symm`` backend does not expose one in this release.
 
+Memory per rank (computed, not measured): ``ElasticBuffer.memory_per_rank`` (what our constructor allocates:
+the ``symm`` region sized by ``get_buffer_size_hint``, plus its signal words; the ``torch`` backend allocates
+nothing persistent) vs DeepEP V2's ``get_buffer_size_hint`` restated in ``moe_ep.elastic_memory`` (BF16 and FP8
+dispatch; 8 GPUs per NVLink domain with hybrid mode, and one NVLink domain of all ranks) for DeepSeek-V3
+(hidden 7168, 256 experts, top-8): prefill ``--memory-prefill-tokens``, decode ``--memory-decode-tokens``, EP
+``--memory-ranks``.
+
+Timed (``perf/_common.time_ranks``: a barrier before each iteration, the slowest rank per iteration):
+``ElasticBuffer.dispatch`` normal and expanded (alignment 128, TMA-aligned scales) of FP8 input vs
+``Buffer.get_dispatch_layout`` + ``Buffer.dispatch`` (the transport it wraps), and ``ElasticBuffer.combine``
+normal and expanded vs ``Buffer.combine``, on the same ``Buffer`` (``ElasticBuffer.from_buffer``), per backend
+(``--time-backends``). Every timed output is then checked (receive bitwise equal to ``Buffer``'s, expanded rows
+equal to their received rows, both combines bitwise equal to ``Buffer.combine``). ``--launcher spawn`` (the
+default): ``--time-ranks`` forked CPU ranks over gloo (``symm`` on shared memory): CPU numbers, for the code
+paths and the Python overhead of this face only. ``--launcher torchrun``: one process per GPU over NCCL
+(only the timed section runs; rank 0 prints and writes the JSON). ``--time-ranks 0`` skips the timing.
+
     python perf/bench_elastic.py [--tokens 4096] [--ranks 8 32] [--layer-tokens 1024] [--json out.jsonl]
     python perf/bench_elastic.py --cpu-smoke
+    torchrun --nproc-per-node 8 perf/bench_elastic.py --launcher torchrun [--time-tokens 4096] --json t.jsonl
 """
 
 from __future__ import annotations
@@ -186,7 +204,8 @@ class _Counter:
 
     def paused_call(self, fn, kind):
         def wrapped(*a, **k):
-            setattr(self, kind, getattr(self, kind) + 1)
+            if not self.paused:  # a call made inside a paused one (a backend's own collective) is part of it
+                setattr(self, kind, getattr(self, kind) + 1)
             self.paused += 1
             try:
                 return fn(*a, **k)
@@ -243,7 +262,7 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
                    (moe_ep.Buffer, "dispatch", c.paused_call(moe_ep.Buffer.dispatch, "comm")),
                    (moe_ep.Buffer, "combine", c.paused_call(moe_ep.Buffer.combine, "comm")),
                    (moe_ep.Buffer, "get_dispatch_layout", c.paused_call(moe_ep.Buffer.get_dispatch_layout, "comm")),
-                   (el.dist, "all_gather", c.paused_call(el.dist.all_gather, "comm"))]
+                   (el.dist, "all_to_all_single", c.paused_call(el.dist.all_to_all_single, "comm"))]
         for mod, name, fn in patches:
             saved[(mod, name)] = getattr(mod, name)
             setattr(mod, name, fn)
@@ -268,15 +287,197 @@ def symm_receive_copy_bytes(recv_rows: int, hidden: int = HIDDEN, topk: int = TO
     return recv_rows * (2 * 4 * words + 2 * row)
 
 
+def memory_rows(rec, prefill_tokens, decode_tokens, ranks_list, hidden=HIDDEN, topk=TOPK) -> None:
+    """The memory-per-rank table (see the module docstring), printed and recorded."""
+    from moe_ep import ElasticBuffer
+    from moe_ep.elastic_memory import deepep_v2_buffer_size_hint as deepep
+
+    MB = 2 ** 20
+    print(C.table_header(["phase", "tokens/rank", "EP", "ours symm MiB", "ours torch MiB", "DeepEP V2 BF16 MiB, 8/node",
+                          "DeepEP V2 BF16 MiB, one domain", "DeepEP V2 FP8 MiB, 8/node", "DeepEP V2 FP8 MiB, one domain",
+                          "ours / DeepEP BF16 one domain"]))
+    for phase, tokens in [("prefill", t) for t in prefill_tokens] + [("decode", t) for t in decode_tokens]:
+        for R in ranks_list:
+            ours = ElasticBuffer.memory_per_rank(R, tokens, hidden, topk, backend="symm")
+            d = {(fp8, nvl): deepep(R, tokens, hidden, topk, fp8, nvlink_ranks=nvl)
+                 for fp8 in (False, True) for nvl in (8, R)}
+            ratio = ours / d[(False, R)]
+            rec.add(f"dsv3 {phase} memory T={tokens} EP{R}", "ElasticBuffer bytes per rank (symm)", ours, "B",
+                    baseline=d[(False, R)], ratio=ratio, ours_torch=0, deepep_bf16_8_per_node=d[(False, 8)],
+                    deepep_bf16_one_domain=d[(False, R)], deepep_fp8_8_per_node=d[(True, 8)],
+                    deepep_fp8_one_domain=d[(True, R)],
+                    note="computed: ElasticBuffer.memory_per_rank vs DeepEP V2 get_buffer_size_hint (restated in "
+                         "moe_ep.elastic_memory; its ~16 MB workspace not included); symm is intranode only")
+            print(f"| {phase} | {tokens} | {R} | {ours / MB:.0f} | 0 | {d[(False, 8)] / MB:.0f} | "
+                  f"{d[(False, R)] / MB:.0f} | {d[(True, 8)] / MB:.0f} | {d[(True, R)] / MB:.0f} | {ratio:.2f} |")
+
+
+TIMED = ("Buffer dispatch (layout + dispatch)", "ElasticBuffer dispatch (normal)", "ElasticBuffer dispatch (expanded)",
+         "Buffer combine", "ElasticBuffer combine (normal)", "ElasticBuffer combine (expanded)")
+
+
+def time_rank(rank, world, backend, tokens, hidden, experts, topk, iters, device="cpu"):
+    """One rank's part of the timed section: ``{metric: (Timing, per-rank medians)}`` for :data:`TIMED` (the same
+    on every rank: :func:`_common.time_ranks` gathers them) and ``valid``: this rank's output checks."""
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+    from moe_ep.fp8 import per_token_group_quant_fp8_ref
+
+    device = torch.device(device)
+    kw = {}
+    if backend == "symm":
+        kw = dict(num_nvl_bytes=SymmBackend.get_normal_size_hint(tokens, hidden, topk, world))
+        if device.type == "cpu":
+            kw["provider"] = "shm"
+    buf = moe_ep.Buffer(None, backend=backend, timeout_s=300, **kw)
+    eb = moe_ep.ElasticBuffer.from_buffer(buf, tokens)
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    idx = torch.rand(tokens, experts, generator=g).argsort(1)[:, :topk].to(device)
+    w = torch.rand(tokens, topk, generator=g).to(device)
+    q = per_token_group_quant_fp8_ref(x.to(device), 128)
+
+    def buffer_dispatch():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        return buf.dispatch(q, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                            topk_idx=idx, topk_weights=w)
+
+    def elastic(expand):
+        return eb.dispatch(q, idx, w, num_experts=experts, expert_alignment=128 if expand else 1, do_expand=expand,
+                           use_tma_aligned_col_major_sf=expand)
+
+    base = buffer_dispatch()
+    normal, expanded = elastic(False), elastic(True)
+    z = base[0][0].float().to(torch.bfloat16)  # BF16 rows to combine, one per received token
+    slots = expanded[3].recv_src_metadata[:, 2:]
+    # expanded combine input: each token's row on its first local selection, zeros elsewhere (the sum is exact)
+    first = torch.where(slots >= 0, torch.arange(slots.shape[1], device=device), slots.shape[1]).min(1).values
+    y = torch.zeros(expanded[3].num_expanded_tokens, hidden, dtype=torch.bfloat16, device=device)
+    has = first < slots.shape[1]
+    rows = torch.arange(slots.shape[0], device=device)[has]
+    y[slots[rows, first[has]]] = z[rows]
+    fns = [buffer_dispatch, lambda: elastic(False), lambda: elastic(True), lambda: buf.combine(z, base[4]),
+           lambda: eb.combine(z, normal[3]), lambda: eb.combine(y, expanded[3])]
+    out = {}
+    for name, fn in zip(TIMED, fns):
+        out[name] = C.time_ranks(fn, device, iters=iters, warmup=1)
+    # checks (outside the timed region): receive, expansion and combines against Buffer's own results
+    ref = buf.combine(z, base[4])[0]
+    u8 = lambda t: t.view(torch.uint8)  # noqa: E731
+    ex = expanded[0][0]
+    ok = torch.equal(u8(normal[0][0]), u8(base[0][0])) and torch.equal(normal[0][1], base[0][1])
+    sel = slots >= 0
+    ok = ok and torch.equal(u8(ex[slots[sel]]), u8(base[0][0]).unsqueeze(1).expand(-1, slots.shape[1], -1)[sel])
+    ok = ok and torch.equal(u8(eb.combine(z, normal[3])[0]), u8(ref))
+    ok = ok and torch.equal(u8(eb.combine(y, expanded[3])[0]), u8(ref))
+    out["valid"] = bool(ok)
+    return out
+
+
+def timing_rows(rec, say, results, backend, world, tokens, hidden, experts, topk, where, note) -> None:
+    """Rows of one backend's timed section; ``results`` per rank (or rank 0's only under torchrun)."""
+    valid = all(r["valid"] for r in results)
+    r0 = results[0]
+    case = f"{backend} EP{world} T={tokens} H={hidden} E={experts} top-{topk} ({where})"
+    for i, name in enumerate(TIMED):
+        t, per_rank = r0[name]
+        base = r0[TIMED[0] if i < 3 else TIMED[3]][0]
+        is_base = i in (0, 3)
+        rec.add(case, name, t.median, "us", p10=t.p10, p90=t.p90, iterations=t.n,
+                baseline=None if is_base else base.median, ratio=None if is_base else t.median / base.median,
+                valid=valid, per_rank_medians=per_rank, note=note)
+        say(f"| {case} | {name} | {t.median:.0f} | {t.p10:.0f}-{t.p90:.0f} | "
+            f"{'-' if is_base else f'{t.median / base.median:.2f}'} | {'' if valid else 'INVALID'} |")
+
+
+def main_torchrun(args, prog, argv) -> int:
+    """``--launcher torchrun``: the timed section only, one process per GPU over NCCL."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k not in os.environ]
+    if missing:
+        return C.error(prog, f"--launcher torchrun needs {', '.join(missing)} in the environment: run it as "
+                             f"`torchrun --nproc-per-node <GPUs> perf/{prog} --launcher torchrun`", 2)
+    if args.cpu_smoke or not torch.cuda.is_available():
+        return C.error(prog, "--launcher torchrun needs one CUDA GPU per rank (not --cpu-smoke)", 2)
+    import torch.distributed as dist
+
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        name = torch.cuda.get_device_name(device)
+        rec = C.Records("bench_elastic", args.json if rank == 0 else None, False, device=f"{world} x {name}",
+                        argv=argv)
+        say = print if rank == 0 else (lambda *a, **k: None)
+        say(C.table_header(["case", "metric", "slowest rank us (median)", "p10-p90 us", "vs Buffer", "check"]))
+        for backend in args.time_backends:
+            r = time_rank(rank, world, backend, args.time_tokens, args.time_hidden, args.time_experts,
+                          args.time_topk, args.iters, device)
+            flags = [None] * world
+            dist.all_gather_object(flags, r["valid"])
+            r["valid"] = all(flags)
+            timing_rows(rec, say, [r], backend, world, args.time_tokens, args.time_hidden, args.time_experts,
+                        args.time_topk, "torchrun", None)
+            dist.barrier()
+        return rec.finish(prog) if rank == 0 else 0
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     p = C.parser("bench_elastic.py", __doc__)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 32], help="EP sizes")
     p.add_argument("--layer-tokens", type=int, default=1024, help="tokens per rank for the layer counts")
+    p.add_argument("--memory-prefill-tokens", type=int, nargs="+", default=[4096, 8192],
+                   help="max tokens per rank of the prefill rows of the memory table")
+    p.add_argument("--memory-decode-tokens", type=int, nargs="+", default=[128],
+                   help="max tokens per rank of the decode rows of the memory table")
+    p.add_argument("--memory-ranks", type=int, nargs="+", default=[8, 16, 32, 64], help="EP sizes of the memory table")
+    p.add_argument("--launcher", choices=["spawn", "torchrun"], default="spawn",
+                   help="timed section: spawn = forked CPU ranks over gloo; torchrun = one process per GPU (only the "
+                        "timed section runs)")
+    p.add_argument("--time-ranks", type=int, default=2, help="ranks forked for the timed section (spawn); 0: no timing")
+    p.add_argument("--time-backends", nargs="+", choices=["torch", "symm"], default=["torch", "symm"],
+                   help="backends of the timed section")
+    p.add_argument("--time-tokens", type=int, default=4096, help="tokens per rank of the timed section")
+    p.add_argument("--time-hidden", type=int, default=HIDDEN, help="hidden size of the timed section")
+    p.add_argument("--time-experts", type=int, default=EXPERTS, help="experts of the timed section")
+    p.add_argument("--time-topk", type=int, default=TOPK, help="top-k of the timed section")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per call")
     args = p.parse_args(argv)
+    prog = "bench_elastic.py"
     if args.cpu_smoke:
-        C.smoke_defaults(args, p, argv, tokens=256, ranks=[8], layer_tokens=64)
+        C.smoke_defaults(args, p, argv, tokens=256, ranks=[8], layer_tokens=64, memory_ranks=[8, 16],
+                         memory_prefill_tokens=[4096], time_tokens=16, time_hidden=256, time_experts=8,
+                         time_topk=3, iters=2)
+    if args.launcher == "torchrun":
+        return main_torchrun(args, prog, argv)
+    for name in ("tokens", "layer_tokens", "time_tokens", "time_hidden", "time_experts", "time_topk", "iters"):
+        if getattr(args, name) < 1:
+            return C.error(prog, f"--{name.replace('_', '-')} must be positive")
+    if args.time_ranks < 0 or (args.time_ranks and args.time_experts % args.time_ranks) or args.time_hidden % 128:
+        return C.error(prog, "--time-ranks must be >= 0 and divide --time-experts; --time-hidden a multiple of 128")
+    if min(args.memory_prefill_tokens + args.memory_decode_tokens) < 1 or \
+            any(r < 1 or (r > 8 and r % 8) for r in args.memory_ranks):
+        return C.error(prog, "memory-table token counts must be positive and --memory-ranks at most 8 or multiples of "
+                             "8 (8 GPUs per NVLink domain)")
     rec = C.Records("bench_elastic", args.json, args.cpu_smoke, device="cpu (counted)", argv=argv)
+    memory_rows(rec, args.memory_prefill_tokens, args.memory_decode_tokens, args.memory_ranks)
+    if args.time_ranks:  # before the counts: those initialise a process group in this process, the ranks fork
+        from moe_ep.testing import launch
+
+        print(C.table_header(["case", "metric", "slowest rank us (median)", "p10-p90 us", "vs Buffer", "check"]))
+        for backend in args.time_backends:
+            if backend == "symm" and os.environ.get("TRITON_INTERPRET") != "1":
+                print("# symm: not timed on forked CPU ranks without the Triton interpreter (use --cpu-smoke or "
+                      "TRITON_INTERPRET=1 on CPU, --launcher torchrun on GPUs)", flush=True)
+                continue
+            res = launch(time_rank, args.time_ranks, backend, args.time_tokens, args.time_hidden, args.time_experts,
+                         args.time_topk, args.iters, timeout_s=1800)
+            timing_rows(rec, print, res, backend, args.time_ranks, args.time_tokens, args.time_hidden,
+                        args.time_experts, args.time_topk, "CPU, forked gloo ranks",
+                        "CPU timing (forked gloo ranks on one machine): code paths and Python overhead, not GPU time")
     row = HIDDEN + HIDDEN // 128 * 4
     print(C.table_header(["case", "metric", "dispatch+permute", "fused expanded", "ratio"]))
     for ranks in args.ranks:
@@ -316,7 +517,7 @@ def main(argv=None) -> int:
                 view, "B", baseline=view, limit=0, note="no receive-as-view option in the symm backend (this release)")
         print(f"| dsv3 prefill T={args.tokens} EP{ranks} | symm receive copy MB (a view: 0; not exposed) | "
               f"{view / 1e6:.1f} | {view / 1e6:.1f} | 1.00 |")
-    return rec.finish("bench_elastic.py")
+    return rec.finish(prog)
 
 
 if __name__ == "__main__":

@@ -443,3 +443,96 @@ def test_construction_during_graph_capture_raises_a_clear_error():
                 and "before capturing" in out[name], out[name]
         assert out["wrapped"] == ("ElasticBuffer", 2, True)
         assert out["violations"] == [] and out["after"] == "ElasticBuffer"
+
+
+# ---------------------------------------------------------------------------------------------- memory per rank
+def _allocated(rank, world, num_topk, num_bytes):
+    """Bytes of every symmetric region this rank's ElasticBuffer mapped (the storage behind each SymmBuffer)."""
+    import moe_ep
+
+    kw = {} if num_bytes is None else {"num_bytes": num_bytes}
+    eb = moe_ep.ElasticBuffer(None, num_max_tokens_per_rank=NUM_MAX, hidden=HIDDEN, num_topk=num_topk,
+                              backend="symm", provider="shm", timeout_s=30, **kw)
+    regions = {b.buffer.untyped_storage().data_ptr(): b.buffer.untyped_storage().nbytes()
+               for b in eb.buffer._impl._buffers}
+    return sum(regions.values()), eb.num_bytes
+
+
+@pytest.mark.parametrize("world,num_topk,num_bytes", [(2, 3, None), (4, 0, None), (2, 3, (6 << 20) + 100)])
+def test_memory_per_rank_equals_the_bytes_allocated(world, num_topk, num_bytes):
+    import moe_ep
+
+    for allocated, nb in launch(_allocated, world, num_topk, num_bytes, timeout_s=60):
+        want = moe_ep.ElasticBuffer.memory_per_rank(world, NUM_MAX, HIDDEN, num_topk, backend="symm",
+                                                    num_bytes=num_bytes)
+        assert allocated == want, (allocated, want)
+        assert nb == (num_bytes if num_bytes is not None else
+                      moe_ep.elastic_memory.elastic_num_bytes(world, NUM_MAX, HIDDEN, num_topk))
+    assert moe_ep.ElasticBuffer.memory_per_rank(world, NUM_MAX, HIDDEN, num_topk, backend="torch") == 0
+
+
+def test_memory_helpers_refuse_bad_input_and_match_deepep_hand_counts():
+    from moe_ep.elastic_memory import deepep_v2_buffer_size_hint as hint
+    from moe_ep.elastic_memory import elastic_memory_per_rank as mem
+
+    for bad in (lambda: mem(0, 8, 128), lambda: mem(2, -1, 128), lambda: mem(2, 8, 128, backend="nccl"),
+                lambda: mem(2, 0, 0, backend="symm"), lambda: mem(2, 8, 128, num_bytes=0),
+                lambda: hint(12, 128, 7168, 8), lambda: hint(8, 0, 7168, 8), lambda: hint(8, 128, 7168, 1.5)):
+        with pytest.raises(ValueError):
+            bad()
+    MB2 = 2 << 20
+    # one NVLink domain, BF16, top-8: dispatch slot 14336 + 0 + align32(64 + 36) = 14464 bytes, 8 x T slots;
+    # combine slot 14336 + 64 = 14400, min(8, 8) x T slots: dispatch is the larger
+    assert hint(8, 4096, 7168, 8) == -(-14464 * 8 * 4096 // MB2) * MB2
+    # FP8: 7168 + 224 * 4 + 128 = 8192 per dispatch slot: now combine (14400 x 8 x T) is the larger
+    assert hint(8, 4096, 7168, 8, True) == -(-14400 * 8 * 4096 // MB2) * MB2
+    # two nodes of 8 (hybrid): U = 8, S = 2; dispatch 14464 x (8*2*T + T + 2*(T + 1280))
+    T = 128
+    assert hint(16, T, 7168, 8) == -(-max(14464 * (16 * T + T + 2 * (T + 1280)),
+                                          14400 * (8 * 2 * T + 2 * T + 2 * (T + 1280))) // MB2) * MB2
+
+
+# ---------------------------------------------------------------------------------------------- symm source index
+def _symm_source_exchange(rank, world, num_max):
+    """The symm handle has no ``recv_src_idx``: the source global index comes from one all_to_all of bit-packed mask
+    columns (``R * ceil(num_max / 8)`` bytes each way), no all_gather; it equals the torch backend's (which reports
+    ``recv_src_idx``) on the same input."""
+    import torch.distributed as dist
+
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    ins = make_all_inputs(world, [5, 7, 2, 6][:world], HIDDEN, 8, 3, seed=21)
+    inp = ins[rank]
+    sym = moe_ep.ElasticBuffer(None, num_max_tokens_per_rank=num_max, backend="symm", provider="shm", timeout_s=30,
+                               num_bytes=SymmBackend.get_normal_size_hint(num_max, HIDDEN, 3, world))
+    tor = moe_ep.ElasticBuffer(None, num_max_tokens_per_rank=num_max, backend="torch", timeout_s=30)
+    calls = {"all_gather": 0, "a2a_bytes": 0}
+    real_gather, real_a2a = dist.all_gather, dist.all_to_all_single
+
+    def gather(*a, **k):
+        calls["all_gather"] += 1
+        return real_gather(*a, **k)
+
+    def a2a(out, inp_, *a, **k):
+        calls["a2a_bytes"] += inp_.numel() * inp_.element_size()
+        return real_a2a(out, inp_, *a, **k)
+
+    dist.all_gather, dist.all_to_all_single = gather, a2a
+    try:
+        hs = [sym.dispatch(inp.x, inp.topk_idx, inp.topk_weights, num_experts=8, do_cpu_sync=s)[3] for s in (True, False)]
+    finally:
+        dist.all_gather, dist.all_to_all_single = real_gather, real_a2a
+    ht = tor.dispatch(inp.x, inp.topk_idx, inp.topk_weights, num_experts=8)[3]
+    M = ht.num_recv_tokens
+    same = all(torch.equal(h.recv_src_metadata[:M, :2], ht.recv_src_metadata[:, :2]) for h in hs)
+    pad = bool((hs[1].recv_src_metadata[M:, :2] == -1).all())
+    return calls, same and pad
+
+
+@pytest.mark.parametrize("world,num_max", [(2, 8), (4, 13)])
+def test_symm_source_index_needs_no_all_gather(world, num_max):
+    for calls, same in launch(_symm_source_exchange, world, num_max, timeout_s=120):
+        assert same
+        assert calls["all_gather"] == 0, calls
+        assert calls["a2a_bytes"] == 2 * world * ((num_max + 7) // 8), calls  # two dispatches
