@@ -284,14 +284,17 @@ def check_combine(combined, x, idx, w, ctx) -> tuple:
     return err <= COMBINE_TOL, err
 
 
-def _ll_hint(args, world) -> int:
-    """num_rdma_bytes of our Buffer: ``--rdma-bytes`` or the exact low-latency size of the symm layout (the
-    nvshmem backend shares the kernels and the layout)."""
+def _ll_hint(args, world, backend: str = "nvshmem") -> int:
+    """num_rdma_bytes of our Buffer: ``--rdma-bytes`` or the exact low-latency size of the backend's layout (the
+    nvshmem backend adds a staging area to the symm layout)."""
     if args.rdma_bytes:
         return args.rdma_bytes
-    from moe_ep.backends.symm import SymmBackend
+    if backend == "nvshmem":
+        from moe_ep.backends.nvshmem import NvshmemBackend as Backend
+    else:
+        from moe_ep.backends.symm import SymmBackend as Backend
 
-    return SymmBackend.get_low_latency_size_hint(args.tokens, args.hidden, world, args.experts, args.topk)
+    return Backend.get_low_latency_size_hint(args.tokens, args.hidden, world, args.experts, args.topk)
 
 
 def _make_ours(name, args, ctx):
@@ -300,7 +303,7 @@ def _make_ours(name, args, ctx):
 
     buf, err = None, None
     try:
-        buf = moe_ep.Buffer(None, 0, _ll_hint(args, ctx.world), low_latency_mode=True, backend=name,
+        buf = moe_ep.Buffer(None, 0, _ll_hint(args, ctx.world, name), low_latency_mode=True, backend=name,
                             allow_nvlink_for_low_latency_mode=not args.pure_rdma, explicitly_destroy=True)
     except Exception as exc:  # noqa: BLE001 - a backend this moe_ep lacks, or missing NVSHMEM: one line, skipped
         err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
