@@ -24,7 +24,7 @@ Symmetric memory per rank (bytes, each term rounded up to 256; :func:`mega_moe_s
     T*H  +  4*T*H/128  +  8*T*K  +  4*T*K      inputs the caller fills (x, x_sf, topk_idx, topk_weights)
     + 4*R*L  +  4*L*R*T                          per-(source, local expert) counts and token index lists
     + 2*T*K*H                                    combine area (one BF16 row per (token, k))
-    + 4*(2R + 3)                                 signal words
+    + 4*(2R + 4)                                 signal words
 
 Activation ring (local memory, not symmetric): ``S * BLOCK_M * (H + H/32 + I + I/32)`` bytes, ``S`` =
 :func:`ring_slots` (the expert phase's programs, capped by the work items the shapes allow).
@@ -327,7 +327,7 @@ def _launch(buf: MegaMoEBuffer, y, q1, s1, q2, s2, stats, clamp, mode: str) -> N
                  RP=_pow2(R), LP=_pow2(L), GP=_pow2(H // 128), HAS_STATS=stats is not None,
                  HAS_CLAMP=clamp is not None, NATIVE_FP8=native_e4m3_supported(dev),
                  DISP_FULL=sig["DISP_FULL"], COMB_FULL=sig["COMB_FULL"], DISP_SEND_CNT=sig["DISP_SEND_CNT"],
-                 COMB_SEND_CNT=sig["COMB_SEND_CNT"], COMB_RECV_CNT=sig["COMB_RECV_CNT"])
+                 COMB_SEND_CNT=sig["COMB_SEND_CNT"], COMB_RECV_CNT=sig["COMB_RECV_CNT"], ROUTE_ERR=sig["ROUTE_ERR"])
     kw = dict(num_warps=4, enable_fp_fusion=False)
     reads = (buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, q1, s1, q2, s2)
     writes = (y, buf.ring, symm.status) + ((stats,) if stats is not None else ())

@@ -14,6 +14,7 @@ References, each rank for its own tokens:
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -111,6 +112,7 @@ def _local_weights(rank, world, num_experts, seed):
 
 def _mega_rank(rank: int, world: int, case: dict) -> dict:
     from moe_ep.gemm import fp8_mega_moe, get_symm_buffer_for_mega_moe
+    from moe_ep.testing.traps import host_reads_trapped
 
     E, k, ns, seed = case["E"], case["k"], case["n"], case["seed"]
     n = ns[rank]
@@ -123,8 +125,9 @@ def _mega_rank(rank: int, world: int, case: dict) -> dict:
     outs = []
     for mode in case.get("modes", ("phased",)):
         y = torch.full((n, HIDDEN), float("nan"), dtype=torch.bfloat16)  # poisoned: every row must be written
-        fp8_mega_moe(y, l1, l2, buf, cumulative_local_expert_recv_stats=stats, activation_clamp=case.get("clamp"),
-                     mode=mode)
+        with host_reads_trapped():  # nothing reads the device on the host (CUDA-graph safe)
+            fp8_mega_moe(y, l1, l2, buf, cumulative_local_expert_recv_stats=stats,
+                         activation_clamp=case.get("clamp"), mode=mode)
         outs.append(y)
     res = {"modes": list(case.get("modes", ("phased",))), "n": n,
            "same": [bool(torch.equal(o.view(torch.int16), outs[0].view(torch.int16))) for o in outs],
@@ -184,5 +187,141 @@ def _check(world, case, results):
 
 
 def test_phased_two_ranks_matches_references_and_layer():
-    case = dict(n=[6, 5], E=4, k=2, seed=3, layer=True, modes=("phased", "phased"))
+    # two phased calls (the second must find every counter reset) and the fused launch with a grid of one program
+    case = dict(n=[6, 5], E=4, k=2, seed=3, layer=True, modes=("phased", "phased", "fused"))
     _check(2, case, launch(_mega_rank, 2, case, timeout_s=300))
+
+
+def test_four_ranks_zero_token_rank_holes_and_fused():
+    # rank 1 has no tokens; -1 entries and a token with no expert; fused (grid 1) equals phased bitwise
+    case = dict(n=[5, 0, 7, 2], E=8, k=3, seed=11, layer=True, modes=("phased", "fused"))
+    _check(4, case, launch(_mega_rank, 4, case, timeout_s=300))
+
+
+@pytest.mark.parametrize("world,n,E,k,routing", [
+    (2, [7, 4], 4, 2, "one_rank"),  # every token's experts on rank 0: rank 1's experts are chosen by nobody
+    (4, [9, 3, 1, 6], 8, 2, "skewed"),  # most selections on expert 1 (several row blocks), the rest sparse
+])
+def test_imbalanced_routing(world, n, E, k, routing):
+    case = dict(n=n, E=E, k=k, seed=5 + world, routing=routing)
+    _check(world, case, launch(_mega_rank, world, case, timeout_s=300))
+
+
+def test_activation_clamp():
+    case = dict(n=[6, 4], E=4, k=2, seed=9, clamp=0.25)
+    _check(2, case, launch(_mega_rank, 2, case, timeout_s=300))
+
+
+# ---------------------------------------------------------------------------------------------- bad input, failures
+def _bad_inputs(rank: int, world: int) -> list:
+    from moe_ep.gemm import fp8_mega_moe, get_symm_buffer_for_mega_moe
+    from moe_ep.quant import per_block_quant_fp8
+
+    E, k, T = 4, 2, 4
+    (w13, w2), (l1, l2) = _local_weights(rank, world, E, 1)
+    buf = get_symm_buffer_for_mega_moe(None, E, T, k, HIDDEN, INTER, timeout_s=20)
+    x, idx, w = _routing(rank, 3, E, k, 1, "random")
+    _fill(buf, x, idx, w)
+    comb = buf.symm.buffer[buf.layout["comb"]:]
+    comb.fill_(0x5A)  # poison: a rank that wrote anything would change it
+    y = torch.empty(3, HIDDEN, dtype=torch.bfloat16)
+    other = per_block_quant_fp8(torch.randn(E // world, 2 * INTER, 2 * HIDDEN))  # built for another hidden
+    bad = {
+        "n > T": lambda: fp8_mega_moe(torch.empty(T + 1, HIDDEN, dtype=torch.bfloat16), l1, l2, buf),
+        "y dtype": lambda: fp8_mega_moe(y.float(), l1, l2, buf),
+        "y hidden": lambda: fp8_mega_moe(torch.empty(3, 2 * HIDDEN, dtype=torch.bfloat16), l1, l2, buf),
+        "weights for other sizes": lambda: fp8_mega_moe(y, other, l2, buf),
+        "weight dtype": lambda: fp8_mega_moe(y, (l1[0].float(), l1[1]), l2, buf),
+        "weight scales": lambda: fp8_mega_moe(y, (l1[0], l1[1][:, :1]), l2, buf),
+        "activation": lambda: fp8_mega_moe(y, l1, l2, buf, activation="gelu"),
+        "clamp": lambda: fp8_mega_moe(y, l1, l2, buf, activation_clamp=-1.0),
+        "stats": lambda: fp8_mega_moe(y, l1, l2, buf, torch.zeros(E // world, dtype=torch.int64)),
+        "buffer": lambda: fp8_mega_moe(y, l1, l2, object()),
+        "mode": lambda: fp8_mega_moe(y, l1, l2, buf, mode="eager"),
+        "mma_type": lambda: get_symm_buffer_for_mega_moe(None, E, T, k, HIDDEN, INTER, mma_type="fp8xfp4"),
+        "hidden % 128": lambda: get_symm_buffer_for_mega_moe(None, E, T, k, 200, INTER),
+        "experts % ranks": lambda: get_symm_buffer_for_mega_moe(None, 3, T, k, HIDDEN, INTER),
+        "ranks disagree": lambda: get_symm_buffer_for_mega_moe(None, E, T + rank, k, HIDDEN, INTER),
+    }
+    out = []
+    for name, call in bad.items():
+        try:
+            call()
+            out.append((name, "no error"))
+        except (ValueError, TypeError) as exc:
+            out.append((name, type(exc).__name__))
+    untouched = bool((comb == 0x5A).all()) and bool((buf.symm.signals == 0).all())
+    # the buffer is still fine: a good call afterwards works
+    fp8_mega_moe(y, l1, l2, buf)
+    emulated, dense = _references(x, idx, w, w13, w2)
+    return out, untouched, _errors(y, emulated, dense)["emulated"]
+
+
+def test_bad_input_raises_before_any_rank_writes():
+    for out, untouched, err in launch(_bad_inputs, 2, timeout_s=300):
+        assert all(kind in ("ValueError", "TypeError") for _, kind in out), out
+        assert untouched, "a refused call wrote into the symmetric buffer"
+        assert err < 1e-2, err
+
+
+def _missing_rank(rank: int, world: int):
+    from moe_ep import RankTimeoutError
+    from moe_ep.gemm import fp8_mega_moe, get_symm_buffer_for_mega_moe
+
+    E, k, n = 2 * world, 2, 3
+    _, (l1, l2) = _local_weights(rank, world, E, 2)
+    buf = get_symm_buffer_for_mega_moe(None, E, n, k, HIDDEN, INTER, timeout_s=1.0)
+    x, idx, w = _routing(rank, n, E, k, 2, "random")
+    _fill(buf, x, idx, w)
+    if rank == world - 1:
+        return "skipped the call"
+    y = torch.zeros(n, HIDDEN, dtype=torch.bfloat16)
+    start = time.monotonic()
+    try:
+        fp8_mega_moe(y, l1, l2, buf)
+        return "no error", "", 0.0, False
+    except RankTimeoutError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start, bool(torch.isnan(y.float()).all())
+
+
+def test_missing_rank_times_out_naming_it():
+    *alive, skipped = launch(_missing_rank, 3, timeout_s=120)
+    assert skipped == "skipped the call"
+    for kind, msg, secs, all_nan in alive:
+        assert kind == "RankTimeoutError" and "[2]" in msg, msg
+        assert secs < 10, f"one timeout per missing rank (timeout_s=1), not one per wait: {secs:.1f} s"
+        assert all_nan, "an output that missed a rank must be NaN, never plausible partial sums"
+
+
+def _routing_flags(rank: int, world: int, what: str):
+    from moe_ep.gemm import fp8_mega_moe, get_symm_buffer_for_mega_moe
+
+    E, k, n = 4, 2, 2
+    _, (l1, l2) = _local_weights(rank, world, E, 4)
+    buf = get_symm_buffer_for_mega_moe(None, E, n, k, HIDDEN, INTER, timeout_s=20)
+    x, idx, w = _routing(rank, n, E, k, 4, "random")
+    if rank == 0:
+        idx = torch.tensor([[E, 0], [1, 2]]) if what == "bad_expert" else torch.tensor([[0, 0], [0, 0]])
+    _fill(buf, x, idx, w)
+    y = torch.zeros(n, HIDDEN, dtype=torch.bfloat16)
+    try:
+        fp8_mega_moe(y, l1, l2, buf)
+        return "ok", "", bool(y.isfinite().all())
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc), bool(y.isfinite().all())
+
+
+@pytest.mark.parametrize("what", ["bad_expert", "repeated_expert"])
+def test_bad_routing_is_reported_by_the_device(what):
+    (kind0, msg0, _), (kind1, _, finite1) = launch(_routing_flags, 2, what, timeout_s=120)
+    assert kind0 == "RuntimeError", (kind0, msg0)
+    assert ("num_experts" if what == "bad_expert" else "repeated") in msg0, msg0
+    assert kind1 == "ok" and finite1, "the other rank's call is unaffected"
+
+
+def test_host_module_imports_without_triton():
+    import subprocess
+    import sys
+
+    code = "import sys, moe_ep, moe_ep.mega_moe; assert 'triton' not in sys.modules, 'triton loaded'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})

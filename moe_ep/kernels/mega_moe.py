@@ -34,11 +34,13 @@ expert phase, capped by the work items the shapes allow (``moe_ep.mega_moe.ring_
 local scratch: only the program that fills a slot reads it.
 
 Signals (int32 words of each rank's signal region, :func:`signal_layout`): ``DISP_FULL + s`` (set by source
-s, reset by the receiver), ``COMB_FULL + d`` (set by expert rank d, reset by the source), and three local
-``arrive_last`` counters. Every counter has one writer rank (the interpreter's atomics are not atomic across
-processes); a set and its reset are ordered by the protocol: a source starts its next call only after its
-combine saw ``COMB_FULL`` of every expert rank, which each expert rank releases after its last read of the
-source's ``x``, its index lists and counts, and after resetting ``DISP_FULL``.
+s, reset by the receiver), ``COMB_FULL + d`` (set by expert rank d, reset by the source), three local
+``arrive_last`` counters, and ``ROUTE_ERR`` (a routing error in this rank's input: an expert id ``>= E``, or
+an expert repeated past the index list's room; moved into the status word at the end of the combine).
+Every counter has one writer rank (the interpreter's atomics are not atomic across processes); a set and its
+reset are ordered by the protocol: a source starts its next call only after its combine saw ``COMB_FULL`` of
+every expert rank, which each expert rank releases after its last read of the source's ``x``, its index lists
+and counts, and after resetting ``DISP_FULL``.
 
 Every wait is :func:`moe_ep.kernels.signals.wait_ne` (bounded, reports the peer in the status word); after a
 timeout a program skips its work, does not publish (peers time out naming this rank), and the combined
@@ -52,19 +54,18 @@ import triton
 import triton.language as tl
 
 from .low_latency import _bf16_bits, _peer, _quant_groups
-from .signals import STATUS_BAD_EXPERT, arrive_last, report_error, signal_release, wait_ne
+from .signals import STATUS_BAD_EXPERT, STATUS_REPEATED_EXPERT, arrive_last, report_error, signal_release, wait_ne
 
-__all__ = ["mega_moe_kernel", "signal_layout", "STATUS_REPEATED_EXPERT"]
+__all__ = ["mega_moe_kernel", "signal_layout"]
 
 GROUP = tl.constexpr(128)
-STATUS_REPEATED_EXPERT = -3  # more selections of one expert by one rank than num_max_tokens_per_rank
 
 
 def signal_layout(world_size: int) -> dict:
     """Word offsets of the mega-MoE signal words, and how many there are."""
     R = world_size
     return {"DISP_FULL": 0, "COMB_FULL": R, "DISP_SEND_CNT": 2 * R, "COMB_SEND_CNT": 2 * R + 1,
-            "COMB_RECV_CNT": 2 * R + 2, "NUM_WORDS": 2 * R + 3}
+            "COMB_RECV_CNT": 2 * R + 2, "ROUTE_ERR": 2 * R + 3, "NUM_WORDS": 2 * R + 4}
 
 
 @triton.jit
@@ -74,7 +75,15 @@ def _bf16_round(v):
 
 
 @triton.jit
-def _dispatch_share(buffer_ptrs, status_ptr, rank, N, T, R, L, E, pid, nprog, idx_off, cnt_off, list_off,
+def _route_error(err_ptr, code):
+    """Note a routing error of this rank's input in its local ``ROUTE_ERR`` word (first wins). It is moved into the
+    status word only at the end of the combine: set earlier, it would cut this rank's waits short and keep it from
+    publishing, and its peers, whose calls are fine, would time out."""
+    tl.atomic_cas(err_ptr, 0, code, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _dispatch_share(buffer_ptrs, err_ptr, rank, N, T, R, L, E, pid, nprog, idx_off, cnt_off, list_off,
                     K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Phase 1 work of one program: index lists and counts of the experts ``pid, pid + nprog, ..``."""
     idx_base = _peer(buffer_ptrs, rank, idx_off, tl.int64)
@@ -95,8 +104,8 @@ def _dispatch_share(buffer_ptrs, status_ptr, rank, N, T, R, L, E, pid, nprog, id
             pos = run + tl.cumsum(hit, 0) - hit  # exclusive: earlier selections (token, then k order)
             tl.store(lst + pos, sel, mask=(hit != 0) & (pos < T))
             run += tl.sum(hit, 0)
-        if run > T:  # one token named expert e twice (or more): more selections than the list holds
-            report_error(status_ptr, -3)  # STATUS_REPEATED_EXPERT
+        if run > T:  # tokens named expert e twice (or more): more selections than the list holds
+            _route_error(err_ptr, STATUS_REPEATED_EXPERT)
         tl.store(dst + cnt_off // 4 + rank * L + le, tl.minimum(run, T))
 
 
@@ -226,7 +235,7 @@ def _expert_share(buffer_ptrs, signal_ptrs, status_ptr, w1_ptr, w1s_ptr, w2_ptr,
 
 
 @triton.jit
-def _combine_share(buffer_ptrs, signal_ptrs, status_ptr, y_ptr, rank, N, R, E, pid, nprog, timeout_ns,
+def _combine_share(buffer_ptrs, signal_ptrs, status_ptr, err_ptr, y_ptr, rank, N, R, E, pid, nprog, timeout_ns,
                    idx_off, w_off, comb_off, H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                    COMB_FULL: tl.constexpr):
     """Phase 3 work of one program: token blocks ``pid, pid + nprog, ..``."""
@@ -246,9 +255,11 @@ def _combine_share(buffer_ptrs, signal_ptrs, status_ptr, y_ptr, rank, N, R, E, p
             e_k = tl.load(idx_base + offs_t * K + k, mask=t_ok, other=-1)
             bad = bad | (t_ok & (e_k >= E)).to(tl.int32)
         if tl.max(bad, 0) > 0:
-            report_error(status_ptr, STATUS_BAD_EXPERT)
-        # NaN, never plausible numbers, once any wait of this rank timed out or the routing was bad.
-        ok = (offs_t * 0 + tl.load(status_ptr, volatile=True)) == 0
+            _route_error(err_ptr, STATUS_BAD_EXPERT)
+        # NaN, never plausible numbers: every row once a wait of this rank timed out or selections were dropped
+        # (ROUTE_ERR: a repeated expert), the rows of tokens with an expert id out of range.
+        ok = ((offs_t * 0 + tl.load(status_ptr, volatile=True)) == 0) & (bad == 0)
+        ok = ok & ((offs_t * 0 + tl.load(err_ptr, volatile=True)) != STATUS_REPEATED_EXPERT)
         for h0 in range(0, H, GROUP):
             acc = tl.zeros([BLOCK_T, GROUP], dtype=tl.float32)
             for k in tl.static_range(K):
@@ -278,13 +289,13 @@ def mega_moe_kernel(
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, RP: tl.constexpr, LP: tl.constexpr, GP: tl.constexpr,
     HAS_STATS: tl.constexpr, HAS_CLAMP: tl.constexpr, NATIVE_FP8: tl.constexpr,
     DISP_FULL: tl.constexpr, COMB_FULL: tl.constexpr, DISP_SEND_CNT: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
-    COMB_RECV_CNT: tl.constexpr,
+    COMB_RECV_CNT: tl.constexpr, ROUTE_ERR: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32)
     if (PHASE == 0) | (PHASE == 1):
-        _dispatch_share(buffer_ptrs, status_ptr, rank, N, T, R, L, E, pid, nprog, idx_off, cnt_off, list_off,
+        _dispatch_share(buffer_ptrs, my_sig + ROUTE_ERR, rank, N, T, R, L, E, pid, nprog, idx_off, cnt_off, list_off,
                         K, KP, BLOCK_T)
         # Phase 1 waits on nothing: it always publishes (a peer that waited in vain would only name this rank).
         tl.debug_barrier()
@@ -300,9 +311,12 @@ def mega_moe_kernel(
             if tl.load(status_ptr, volatile=True) == 0:
                 _publish(signal_ptrs, rank, R, COMB_FULL)
     if (PHASE == 0) | (PHASE == 3):
-        _combine_share(buffer_ptrs, signal_ptrs, status_ptr, y_ptr, rank, N, R, E, pid, nprog, timeout_ns,
+        _combine_share(buffer_ptrs, signal_ptrs, status_ptr, my_sig + ROUTE_ERR, y_ptr, rank, N, R, E, pid, nprog, timeout_ns,
                        idx_off, w_off, comb_off, H, K, BLOCK_T, COMB_FULL)
         tl.debug_barrier()
         if arrive_last(my_sig + COMB_RECV_CNT, nprog):
             for d in range(R):
                 tl.atomic_xchg(my_sig + COMB_FULL + d, 0, sem="relaxed", scope="sys")
+            err = tl.atomic_xchg(my_sig + ROUTE_ERR, 0, sem="relaxed", scope="gpu")
+            if err != 0:
+                report_error(status_ptr, err)
