@@ -310,7 +310,7 @@ def _resident_programs(kernel, args, const, kw, device: torch.device) -> int:
 def _launch(buf: MegaMoEBuffer, y, q1, s1, q2, s2, stats, clamp, mode: str) -> None:
     from . import events
     from .kernels.fp8_cast import native_e4m3_supported
-    from .kernels.mega_moe import mega_moe_kernel, signal_layout
+    from .kernels.mega_moe import launch_warps, mega_moe_kernel, signal_layout
     from .kernels.pdl import INTERPRET
 
     symm, dev, lay = buf.symm, buf.device, buf.layout
@@ -328,7 +328,7 @@ def _launch(buf: MegaMoEBuffer, y, q1, s1, q2, s2, stats, clamp, mode: str) -> N
                  HAS_CLAMP=clamp is not None, NATIVE_FP8=native_e4m3_supported(dev),
                  DISP_FULL=sig["DISP_FULL"], COMB_FULL=sig["COMB_FULL"], DISP_SEND_CNT=sig["DISP_SEND_CNT"],
                  COMB_SEND_CNT=sig["COMB_SEND_CNT"], COMB_RECV_CNT=sig["COMB_RECV_CNT"], ROUTE_ERR=sig["ROUTE_ERR"])
-    kw = dict(num_warps=4, enable_fp_fusion=False)
+    kw = dict(num_warps=launch_warps(0), enable_fp_fusion=False)
     reads = (buf.x, buf.x_sf, buf.topk_idx, buf.topk_weights, q1, s1, q2, s2)
     writes = (y, buf.ring, symm.status) + ((stats,) if stats is not None else ())
     if mode == "auto":
@@ -352,7 +352,6 @@ def _launch(buf: MegaMoEBuffer, y, q1, s1, q2, s2, stats, clamp, mode: str) -> N
         return
     sends = min(E, CPU_PROGRAMS) if interp else E
     combines = min(CPU_PROGRAMS, -(-n // block_t)) if interp else -(-n // block_t)
-    mega_moe_kernel[(sends,)](*args, PHASE=1, **const, **kw)
-    mega_moe_kernel[(buf.num_slots,)](*args, PHASE=2, **const, **kw)
-    mega_moe_kernel[(max(1, combines),)](*args, PHASE=3, **const, **kw)
+    for phase, grid in ((1, sends), (2, buf.num_slots), (3, max(1, combines))):
+        mega_moe_kernel[(grid,)](*args, PHASE=phase, **const, num_warps=launch_warps(phase), enable_fp_fusion=False)
     events.launch(reads=reads, writes=writes, what="fp8_mega_moe (phased)")

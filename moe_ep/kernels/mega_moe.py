@@ -56,9 +56,12 @@ import triton.language as tl
 from .low_latency import _bf16_bits, _peer, _quant_groups
 from .signals import STATUS_BAD_EXPERT, STATUS_REPEATED_EXPERT, arrive_last, report_error, signal_release, wait_ne
 
-__all__ = ["mega_moe_kernel", "signal_layout"]
+__all__ = ["launch_warps", "mega_moe_kernel", "signal_layout", "sm90_cases"]
 
 GROUP = tl.constexpr(128)
+# NOTES: the status codes as constexpr instances (a plain int global runs in the interpreter, not compiled).
+BAD_EXPERT = tl.constexpr(STATUS_BAD_EXPERT)
+REPEATED_EXPERT = tl.constexpr(STATUS_REPEATED_EXPERT)
 
 
 def signal_layout(world_size: int) -> dict:
@@ -105,7 +108,7 @@ def _dispatch_share(buffer_ptrs, err_ptr, rank, N, T, R, L, E, pid, nprog, idx_o
             tl.store(lst + pos, sel, mask=(hit != 0) & (pos < T))
             run += tl.sum(hit, 0)
         if run > T:  # tokens named expert e twice (or more): more selections than the list holds
-            _route_error(err_ptr, STATUS_REPEATED_EXPERT)
+            _route_error(err_ptr, REPEATED_EXPERT)
         tl.store(dst + cnt_off // 4 + rank * L + le, tl.minimum(run, T))
 
 
@@ -255,11 +258,11 @@ def _combine_share(buffer_ptrs, signal_ptrs, status_ptr, err_ptr, y_ptr, rank, N
             e_k = tl.load(idx_base + offs_t * K + k, mask=t_ok, other=-1)
             bad = bad | (t_ok & (e_k >= E)).to(tl.int32)
         if tl.max(bad, 0) > 0:
-            _route_error(err_ptr, STATUS_BAD_EXPERT)
+            _route_error(err_ptr, BAD_EXPERT)
         # NaN, never plausible numbers: every row once a wait of this rank timed out or selections were dropped
         # (ROUTE_ERR: a repeated expert), the rows of tokens with an expert id out of range.
         ok = ((offs_t * 0 + tl.load(status_ptr, volatile=True)) == 0) & (bad == 0)
-        ok = ok & ((offs_t * 0 + tl.load(err_ptr, volatile=True)) != STATUS_REPEATED_EXPERT)
+        ok = ok & ((offs_t * 0 + tl.load(err_ptr, volatile=True)) != REPEATED_EXPERT)
         for h0 in range(0, H, GROUP):
             acc = tl.zeros([BLOCK_T, GROUP], dtype=tl.float32)
             for k in tl.static_range(K):
@@ -320,3 +323,36 @@ def mega_moe_kernel(
             err = tl.atomic_xchg(my_sig + ROUTE_ERR, 0, sem="relaxed", scope="gpu")
             if err != 0:
                 report_error(status_ptr, err)
+
+
+def sm90_cases() -> list[dict]:
+    """The kernel specialised as the launcher would for DeepSeek-V3 expert shapes on 8 ranks (hidden 7168,
+    intermediate 2048, 256 experts, top-8, 64-row items), each phase and the fused one, for sm90 compile checks and
+    reports: dicts with ``name, config, kernel, signature, constexprs, num_warps, num_stages, attrs, options``."""
+    R, H, INTER_, K, L = 8, 7168, 2048, 8, 32
+    lay = signal_layout(R)
+    names = mega_moe_kernel.arg_names
+    ptrs = {"buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32", "w1_ptr": "*fp8e4nv",
+            "w1s_ptr": "*fp32", "w2_ptr": "*fp8e4nv", "w2s_ptr": "*fp32", "ring_ptr": "*u8", "y_ptr": "*i16",
+            "stats_ptr": "*i32"}
+    scalars = {n: "i32" for n in ("rank", "N", "T", "R", "L", "E", "x_off", "xsf_off", "idx_off", "w_off", "cnt_off",
+                                  "list_off", "comb_off")}
+    scalars.update(timeout_ns="i64", clamp="fp32")
+    cases = []
+    for phase in (0, 1, 2, 3):
+        const = dict(PHASE=phase, H=H, INTER=INTER_, K=K, KP=8, BLOCK_M=64, BLOCK_T=16, RP=R, LP=L, GP=64,
+                     HAS_STATS=True, HAS_CLAMP=False, NATIVE_FP8=True,
+                     **{k: lay[k] for k in ("DISP_FULL", "COMB_FULL", "DISP_SEND_CNT", "COMB_SEND_CNT", "COMB_RECV_CNT",
+                                            "ROUTE_ERR")})
+        sig = {**ptrs, **scalars, **{k: "constexpr" for k in const}}
+        cases.append({"name": "mega_moe", "config": f"PHASE={phase} H={H} I={INTER_} K={K} 64-row items",
+                      "kernel": mega_moe_kernel, "signature": {n: sig[n] for n in names}, "constexprs": const,
+                      "num_warps": launch_warps(phase), "num_stages": 1,
+                      "attrs": {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs},
+                      "options": {"enable_fp_fusion": False}})
+    return cases
+
+
+def launch_warps(phase: int) -> int:
+    """Warps per program: 8 where the GEMMs run (two 64x128 float32 accumulators), 4 for the sends and the combine."""
+    return 8 if phase in (0, 2) else 4
