@@ -299,12 +299,16 @@ def _resident_programs(kernel, args, const, kw, device: torch.device) -> int:
     import triton
 
     compiled = kernel.warmup(*args, grid=(1,), PHASE=0, **const, **kw)
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:  # registers are known once the binary is loaded (lazy in recent Triton)
+        init()
     props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
-    threads = 32 * kw["num_warps"]
-    by_regs = 65536 // max(1, compiled.n_regs * threads)
-    by_smem = props["max_shared_mem"] // max(1, compiled.metadata.shared) if compiled.metadata.shared else by_regs
+    # Registers are allocated per warp in units of 256; a block also reserves 1 KB of shared memory.
+    regs_per_warp = -(-max(int(compiled.n_regs), 1) * 32 // 256) * 256
+    by_regs = (props.get("max_num_regs", 65536) // regs_per_warp) // kw["num_warps"]
+    by_smem = props["max_shared_mem"] // (int(compiled.metadata.shared) + 1024)
     by_warps = 64 // kw["num_warps"]
-    return min(by_regs, by_smem, by_warps) * props["multiprocessor_count"]
+    return max(0, min(by_regs, by_smem, by_warps)) * props["multiprocessor_count"]
 
 
 def _launch(buf: MegaMoEBuffer, y, q1, s1, q2, s2, stats, clamp, mode: str) -> None:
