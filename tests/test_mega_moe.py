@@ -194,7 +194,7 @@ def test_phased_two_ranks_matches_references_and_layer():
 
 def test_four_ranks_zero_token_rank_holes_and_fused():
     # rank 1 has no tokens; -1 entries and a token with no expert; fused (grid 1) equals phased bitwise
-    case = dict(n=[5, 0, 7, 2], E=8, k=3, seed=11, layer=True, modes=("phased", "fused"))
+    case = dict(n=[5, 0, 7, 2], E=8, k=3, seed=11, modes=("phased", "fused"))
     _check(4, case, launch(_mega_rank, 4, case, timeout_s=300))
 
 
