@@ -32,6 +32,7 @@ perf/RESULTS.md for what has been measured).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -39,6 +40,9 @@ import triton
 from .fp8 import FP8_DTYPE, ceil_div, tma_aligned_size
 from .kernels.grouped_gemm import OUT_BF16, OUT_BF16_BITS, OUT_FP32, grouped_fp8_gemm_kernel
 from .kernels.pdl import INTERPRET, pdl_launch_kwargs
+
+if TYPE_CHECKING:  # resolved lazily by __getattr__ below (moe_ep.mega_moe imports this module)
+    from .mega_moe import fp8_mega_moe, get_symm_buffer_for_mega_moe, transform_weights_for_mega_moe
 
 __all__ = [
     "GemmConfig",
@@ -51,6 +55,9 @@ __all__ = [
     "m_grouped_fp8_gemm_nt_masked",
     "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
     "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
+    "fp8_mega_moe",
+    "get_symm_buffer_for_mega_moe",
+    "transform_weights_for_mega_moe",
 ]
 
 BLOCK_K = 128
@@ -291,3 +298,14 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor, 
 # DeepGEMM v1 names.
 m_grouped_gemm_fp8_fp8_bf16_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
 m_grouped_gemm_fp8_fp8_bf16_nt_masked = m_grouped_fp8_gemm_nt_masked
+
+
+# DeepGEMM's mega-MoE names (moe_ep/mega_moe.py imports this module, so they are resolved on first use).
+_MEGA_MOE_NAMES = ("fp8_mega_moe", "get_symm_buffer_for_mega_moe", "transform_weights_for_mega_moe")
+
+
+def __getattr__(name):
+    if name in _MEGA_MOE_NAMES:
+        from . import mega_moe
+        return getattr(mega_moe, name)
+    raise AttributeError(f"module 'moe_ep.gemm' has no attribute {name!r}")

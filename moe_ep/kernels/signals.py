@@ -33,7 +33,7 @@ from .pdl import INTERPRET
 
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
            "STATUS_MASK", "STATUS_TRAP", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
-           "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_MESSAGES"]
+           "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT", "STATUS_MESSAGES"]
 
 MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
 MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
@@ -43,9 +43,12 @@ STATUS_TRAP = tl.constexpr(2)  # status word: 1 = trap the kernel on a timeout o
 HB_CAP = tl.constexpr(4)  # a beating (alive but waiting) peer is masked after HB_CAP timeouts all the same
 STATUS_OVERFLOW = -1
 STATUS_BAD_EXPERT = -2
+STATUS_REPEATED_EXPERT = -3
 STATUS_MESSAGES = {
     STATUS_OVERFLOW: "a dispatch received more rows than num_worst_tokens (the extra rows were dropped)",
     STATUS_BAD_EXPERT: "topk_idx held an expert id >= num_experts (input checks were off)",
+    STATUS_REPEATED_EXPERT: "topk_idx repeated an expert within tokens more often than the buffer holds (mega MoE: "
+                            "at most num_max_tokens_per_rank selections of one expert per rank; those rows were dropped)",
 }
 
 
