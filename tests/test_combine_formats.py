@@ -201,6 +201,9 @@ DIV16 = ("comb_off", "stride_xl", "stride_xr", "T", "W")
 def variant(mod, name, fp_fusion=True, **const):
     kern = getattr(mod, name)
     names = kern.arg_names
+    for prm in kern.params:  # constexprs with a default (TRANSPORT, CH, ...) take it
+        if prm.is_constexpr and prm.has_default and prm.name not in const:
+            const[prm.name] = prm.default
     sig = {n: "constexpr" if n in const else PTRS.get(n, "i64" if n in I64 else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n] != "constexpr" and (sig[n].startswith("*") or n in DIV16)}
