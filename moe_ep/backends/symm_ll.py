@@ -82,7 +82,8 @@ def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _
     #   cnt_off   [R, L] int32                  count[s][e]: tokens of source s for local expert e   4 * E
     #   msg_off   [R, T, msg] uint8             message of source s's token t (slot fixed by t)       R * T * msg
     #             msg = payload | header, payload = BF16 2H, or FP8 H + scales 4 * H/128 (carved for BF16),
-    #             header (at hdr = align16(2H)) = top-k experts K int32 | positions K int32, msg 16-aligned
+    #             header (at align16(payload): _hdr) = top-k experts + 1 (0 = none) K int32 | positions K int32,
+    #             msg 16-aligned; payload and header are contiguous (one put per message on the nvshmem transport)
     #   comb_off  [T, K, H] bf16                combine: expert output for (own token t, selection k)  2 * T * K * H
     #
     # Regions start 256-byte aligned. DeepSeek-V3 decode (T=128, H=7168, E=256, K=8) at EP8:
@@ -103,6 +104,11 @@ def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _
     comb_stage = _align(4 * E, _ALIGN)
     stage_bytes = _align(comb_stage + L * R * T * 2 * hidden, _ALIGN)
     return _Layout(msg, hdr, cnt_off, msg_off, comb_off, slot_bytes, stage_bytes, comb_stage)
+
+
+def _hdr(hidden: int, use_fp8: bool) -> int:
+    """Header offset inside a message: right after the payload (FP8: H bytes + H/128 float32 scales; BF16: 2H)."""
+    return _align(hidden + 4 * (hidden // GROUP) if use_fp8 else 2 * hidden, 16)
 
 
 def ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
@@ -190,6 +196,7 @@ class SymmLowLatency:
         self._dispatch_slot = 0
         self._combine_slot = 0
         self._combine_buffers: dict = {}
+        self._msg_areas: dict = {}  # message areas dispatched into so far: (byte offset, T, msg bytes) per slot
 
     @property
     def shrink(self) -> bool:
@@ -309,6 +316,10 @@ class SymmLowLatency:
         words = self.symm.signals[:NUM_SLOTS * sig["SLOT_WORDS"]].view(NUM_SLOTS, sig["SLOT_WORDS"])
         for name in ("DISP_FULL", "DISP_BUSY", "COMB_FULL", "COMB_BUSY"):
             words[:, sig[name]:sig[name] + 2 * R:2] *= keep  # one 64-bit word per rank: the low halves
+        # A masked source's messages may sit unread here (headers a receive never cleared): zero its rows, so a later
+        # call never reads a stale header as a token that came.
+        for off, T, msg in self._msg_areas.values():
+            self.symm.buffer[off:off + R * T * msg].view(R, T * msg).mul_(keep.to(torch.uint8)[:, None])
         self.mask.zero_()
         self._api = [0] * R
 
@@ -374,13 +385,14 @@ class SymmLowLatency:
         grid = (num_token_progs + triton.cdiv(E, block_e),)
         base = self._slot_base(slot, lay)
         s = self.sig
+        self._msg_areas[slot] = (base + lay.msg_off, T, lay.msg)
         self._write_signature(slot, "DISP_SIG", (hidden, T, E * 256 + K,
                                                  1 | int(use_fp8) << 1 | int(round_scale) << 2 | int(use_ue8m0) << 3))
         _ll_dispatch_send_kernel[grid](
             x_arg, topk, symm.buffer_ptrs, symm.signal_ptrs, symm.status,
             symm.rank, n, T, L, E, R, num_token_progs, symm.timeout_ns,
             base + lay.cnt_off, base + lay.msg_off, slot * s["SLOT_WORDS"],
-            H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=lay.hdr, BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_E=block_e,
+            H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=_hdr(hidden, use_fp8), BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_E=block_e,
             GC=gc, HC=hc, IS_FP8=use_fp8, ROUND_SCALE=round_scale, USE_UE8M0=use_ue8m0,
             NATIVE_FP8=use_fp8 and native_e4m3_supported(dev),
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"],
@@ -430,7 +442,8 @@ class SymmLowLatency:
             h.slot_row, h.recv_tokens,
             symm.rank, T, L, R, symm.timeout_ns,
             base + lay.cnt_off, base + lay.msg_off, state.slot * s["SLOT_WORDS"],
-            H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=lay.hdr, SW=sw, SWP=_pow2(sw), BLOCK_T=block_t, HC=hc,
+            H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=_hdr(hidden, state.use_fp8), SW=sw, SWP=_pow2(sw),
+            BLOCK_T=block_t, HC=hc,
             RP=_pow2(R), LP=_pow2(L), IS_FP8=state.use_fp8, HAS_STATS=stats is not None,
             HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"],

@@ -270,7 +270,9 @@ def _ll_dispatch_send_kernel(
             acc += tl.sum(hit.to(tl.int32), axis=1)
         pos = tl.reshape(acc, [BLOCK_T, KP])
 
-        # Step 4: header (top-k experts, positions) to every rank, for every token < N.
+        # Step 4: header (top-k experts + 1, 0 = none; positions) to every rank that holds any of the token's experts
+        # (the receiver reads the headers of all its sources' tokens and clears the expert words after reading:
+        # a token that did not come is an all-zero header).
         row = (rank * T + offs_t).to(tl.int64)
         hdr = (msg_off + row * MSG + HDR) // 4
         # NOTES: fold the scalar ``ok`` into 1D masks before broadcasting (the interpreter refuses
@@ -279,10 +281,14 @@ def _ll_dispatch_send_kernel(
         # NVSHMEM: staged once, in this rank's own slot (rank, t) (the same offset as on every peer), see step 5b.
         for d in range(R):
             if (TRANSPORT == PEER) | (d == rank):
+                if TRANSPORT == PEER:
+                    to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
+                else:
+                    to_d = tl.max((dst >= 0).to(tl.int32), axis=1) > 0
                 base = _peer(buffer_ptrs, d, 0, tl.int32)
                 p = base + hdr[:, None] + kk[None, :]
-                w_mask_d = w_mask & _live_like(status_ptr, rank, d, offs_t)[:, None]
-                tl.store(p, idx, mask=w_mask_d)
+                w_mask_d = w_mask & (to_d & _live_like(status_ptr, rank, d, offs_t))[:, None]
+                tl.store(p, idx + 1, mask=w_mask_d)
                 tl.store(p + K, pos, mask=w_mask_d)
 
         # Step 5: payload, once per destination rank that holds any of the token's experts.
@@ -341,16 +347,9 @@ def _ll_dispatch_send_kernel(
                     base16 = _peer(buffer_ptrs, d, 0, tl.int16)
                     tl.store(base16 + (row_b // 2)[:, None] + offs_h[None, :], v, mask=m[:, None] & h_ok[None, :])
         if TRANSPORT == NVSHMEM:
-            # Step 5b: the staged message of each token to every other live rank: the payload where the token has
-            # an expert there, the header everywhere (the receiver reads the headers of all N tokens).
+            # Step 5b: the staged message of each token (payload, then the header at HDR: one put) to every other
+            # live rank that holds any of its experts.
             tl.debug_barrier()
-            if IS_FP8:
-                if USE_UE8M0:
-                    pay = H + 4 * ((H // GROUP + 3) // 4)
-                else:
-                    pay = H + 4 * (H // GROUP)
-            else:
-                pay = 2 * H
             for i in range(BLOCK_T):
                 t = pid * BLOCK_T + i
                 if (t < N) & (tl.load(status_ptr, volatile=True) == 0):
@@ -359,8 +358,7 @@ def _ll_dispatch_send_kernel(
                     for d in range(R):
                         if (d != rank) & _live(status_ptr, rank, d):
                             if tl.max(((idx_i >= 0) & (idx_i // L == d)).to(tl.int32), axis=0) > 0:
-                                xfer(buffer_ptrs, rank, d, row_i, row_i, pay, CH)
-                            xfer(buffer_ptrs, rank, d, row_i + HDR, row_i + HDR, 8 * K, CH)
+                                xfer(buffer_ptrs, rank, d, row_i, row_i, HDR + 8 * K, CH)
     else:
         # Step 2': count programs: this rank's tokens per expert, into each owner's count table [R, L].
         offs_e = (pid - num_token_progs) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -475,8 +473,10 @@ def _ll_dispatch_recv_kernel(
     row_b = msg_off + (s * T + offs_t).to(tl.int64) * MSG
     hdr = (row_b + HDR) // 4
     tk_mask = t_ok[:, None] & k_ok[None, :]
-    idx = tl.load(buf32 + hdr[:, None] + kk[None, :], mask=tk_mask, other=-1)
+    idx = tl.load(buf32 + hdr[:, None] + kk[None, :], mask=tk_mask, other=0) - 1  # (expert + 1, 0 = none)
     pos = tl.load(buf32 + hdr[:, None] + K + kk[None, :], mask=tk_mask, other=0)
+    # cleared once read: the next call's sender writes only the headers of tokens it sends here
+    tl.store(buf32 + hdr[:, None] + kk[None, :], tl.zeros([BLOCK_T, KP], dtype=tl.int32), mask=tk_mask)
     lo = rank * L
     is_local = (idx >= lo) & (idx < lo + L)
     le = tl.where(is_local, idx - lo, 0)
