@@ -6,7 +6,10 @@ its own ``ptxas -v`` log (spill stores and loads, registers) can be captured. Th
 (``cuobjdump --dump-resource-usage``) gives the registers per thread (checked equal to the log) and the static
 shared memory; the compiled metadata the dynamic shared memory a launch asks for. The PTX is scanned for
 the MMA instruction kind, TMA (``cp.async.bulk.tensor``), the widest global load and store, and the PDL
-instructions (``griddepcontrol``).
+instructions (``griddepcontrol``). Kernels linked with NVSHMEM's device bitcode (``options={"extern_libs":
+{"libnvshmem_device": ...}}``, :func:`moe_ep.nvshmem.extern_libs`) also get the NVSHMEM scan of
+:func:`moe_ep.testing.nvshmem_ptx.scan_nvshmem_ptx`: the IBGDA doorbell, the NVSHMEM calls and their scope, and
+any thread-scoped transfer (there must be none).
 
 Resident warps per SM follow the CUDA occupancy rules for H100 (:data:`H100`): registers are allocated per
 warp in units of 256; a block takes its dynamic shared memory plus the static size or, if larger, the 1 KB
@@ -15,6 +18,7 @@ the runtime reserves per block; at most 64 warps and 32 blocks per SM.
     python perf/sm90_report.py                         # the table (markdown) for every case
     python perf/sm90_report.py --filter quant          # only cases whose name, kernel or config has "quant"
     python perf/sm90_report.py --json perf/out/sm90.json
+    python perf/sm90_report.py --nvshmem --filter NVSHMEM   # the NVSHMEM-transport rows (IBGDA doorbell, call scopes)
 
 Must run without ``TRITON_INTERPRET`` (the flag is read when ``@triton.jit`` functions are defined): run as a
 script it re-executes itself without the variable; imported with it set, it raises.
@@ -194,11 +198,13 @@ def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, nu
     Arguments:
         kernel: a ``@triton.jit`` function; signature: every argument name -> Triton type (``"*bf16"``,
             ``"i32"``, ``"constexpr"``); constexprs: name -> value; attrs: ``{(arg index,): [["tt.divisibility",
-            16]]}``; options: extra compile options (``enable_fp_fusion`` ...).
+            16]]}``; options: extra compile options (``enable_fp_fusion``, ``extern_libs`` ...).
 
     Returns:
         ``kernel, num_warps, num_stages, regs, spill_stores, spill_loads, stack, local, shared_dynamic,
-        shared_static, shared, resident_warps, mma, tma, ld_bytes, st_bytes, pdl, compile_s``.
+        shared_static, shared, resident_warps, mma, tma, ld_bytes, st_bytes, pdl, compile_s``; plus ``nvshmem``
+        (:func:`moe_ep.testing.nvshmem_ptx.scan_nvshmem_ptx` of the PTX and TTIR) when ``options["extern_libs"]``
+        links ``libnvshmem_device``.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -220,7 +226,7 @@ def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, nu
     dynamic, static = int(ck.metadata.shared), cubin.get("SHARED", 0)
     footprint = dynamic + max(static, H100["smem_reserved_per_block"])
     regs = cubin["REG"]
-    return {
+    row = {
         "kernel": kernel.__name__, "num_warps": num_warps, "num_stages": num_stages, "regs": regs,
         "spill_stores": log["spill_stores"], "spill_loads": log["spill_loads"],
         "stack": max(log["stack"], cubin.get("STACK", 0)), "local": cubin.get("LOCAL", 0),
@@ -229,6 +235,11 @@ def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, nu
         "tma": "cp.async.bulk.tensor" in ptx, "ld_bytes": _widest(ptx, "ld"), "st_bytes": _widest(ptx, "st"),
         "pdl": _pdl(ptx), "compile_s": round(compile_s, 2),
     }
+    if "libnvshmem_device" in dict(opts.get("extern_libs") or {}):
+        from moe_ep.testing.nvshmem_ptx import scan_nvshmem_ptx
+
+        row["nvshmem"] = scan_nvshmem_ptx(ptx, ck.asm.get("ttir"))
+    return row
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -475,6 +486,40 @@ def _low_latency_cases() -> list[Case]:
     return cases
 
 
+def _nvshmem_cases() -> list[Case]:
+    """The low-latency kernels with ``TRANSPORT`` = NVSHMEM (the ``nvshmem`` backend), linked with NVSHMEM's sm_90
+    device bitcode: DeepSeek-V3 decode shapes as in :func:`_low_latency_cases`, one configuration per kernel (each
+    links the ~50 MB bitcode: 20-60 s to compile). Rows named ``nvshmem ...``. None, with one line on stderr, when no
+    bitcode is installed (``pip install 'moe-ep[nvshmem]'``)."""
+    from moe_ep import nvshmem
+    from moe_ep.kernels import logfmt
+    from moe_ep.kernels.transport import NVSHMEM
+
+    try:
+        options = {"extern_libs": nvshmem.extern_libs(TARGET_CC)}
+    except FileNotFoundError as exc:
+        print(f"sm90_report: no NVSHMEM rows ({str(exc).split('. Searched')[0]})", file=sys.stderr)
+        return []
+    H = 7168
+    picked = {("ll_dispatch_send", "FP8 H="), ("ll_dispatch_recv", "FP8 H="), ("ll_combine_send_fmt", "FP8 wire, BF16 x"),
+              ("ll_combine_recv_fmt", "FP8 wire H=")}
+    cases = []
+    for c in _low_latency_cases():
+        if not any(c.name == n and c.config.startswith(p) for n, p in picked):
+            continue
+        const = {**c.constexprs, "TRANSPORT": NVSHMEM.value}
+        if "ROW_BYTES" in const:
+            const["ROW_BYTES"] = logfmt.row_bytes(const["FMT"], H)
+        base = dataclasses.replace(c, name=f"nvshmem {c.name}", config=f"{c.config} NVSHMEM", constexprs=const,
+                                   options={**(c.options or {}), **options})
+        cases.append(base)
+        if c.name == "ll_combine_send_fmt":  # the default combine: BF16 on the wire
+            bf16 = {**const, "FMT": logfmt.FMT_BF16, "NATIVE_FP8": False, "ROW_BYTES": logfmt.row_bytes(logfmt.FMT_BF16, H)}
+            cases.append(dataclasses.replace(base, config=c.config.replace("FP8 wire", "BF16 wire") + " NVSHMEM",
+                                             constexprs=bf16))
+    return cases
+
+
 def _hook_cases() -> list[Case]:
     """HOOK (grouped GEMM): cases from ``moe_ep.kernels.grouped_gemm.sm90_cases()`` when that module exists.
 
@@ -503,6 +548,8 @@ CASES: list[Case] = _all_cases()
 COLUMNS = [("kernel", "kernel"), ("config", "config"), ("num_warps", "warps"), ("regs", "regs/thread"),
            ("spills", "spill st+ld (B)"), ("shared", "smem dyn+static (B)"), ("resident_warps", "warps/SM"), ("mma", "MMA"),
            ("tma", "TMA"), ("ld", "widest ld"), ("st", "widest st"), ("pdl", "PDL")]
+# added when a row links NVSHMEM (--nvshmem)
+NVSHMEM_COLUMNS = [("ibgda", "IBGDA doorbell"), ("nvshmem", "NVSHMEM calls (scope)")]
 
 
 def _cell(row: dict, key: str) -> str:
@@ -518,13 +565,31 @@ def _cell(row: dict, key: str) -> str:
         return "yes" if row["tma"] else "-"
     if key == "resident_warps":
         return f"{row['resident_warps']}/{H100['max_warps_per_sm']}"
+    if key in ("ibgda", "nvshmem"):
+        return _nvshmem_cell(row.get("nvshmem"), key)
     return str(row[key])
 
 
+def _nvshmem_cell(scan: Optional[dict], key: str) -> str:
+    """The NVSHMEM columns: ``-`` for kernels that do not link NVSHMEM."""
+    if scan is None:
+        return "-"
+    if key == "ibgda":
+        if scan["ibgda_doorbell"] and scan["ibgda_state"]:
+            return f"yes ({scan['doorbell_stores']} st.mmio)"
+        return "NO"
+    calls = ", ".join(f"{n.replace('nvshmemx_', '').replace('nvshmem_', '')}: {s}"
+                      for n, s in scan["entry_points"].items()) or "none"
+    if scan["thread_scoped"]:
+        calls += "; THREAD-SCOPED: " + ", ".join(scan["thread_scoped"])
+    return calls
+
+
 def format_table(rows: list[dict]) -> str:
-    """The rows as one markdown table."""
-    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(_cell(r, k) for k, _ in COLUMNS) + " |" for r in rows]
+    """The rows as one markdown table (with the NVSHMEM columns when a row links NVSHMEM)."""
+    cols = COLUMNS + (NVSHMEM_COLUMNS if any("nvshmem" in r for r in rows) else [])
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(_cell(r, k) for k, _ in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -559,8 +624,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="also write the rows (and triton version, date, commit) to this JSON file")
     ap.add_argument("--filter", default="", help="only cases whose name, kernel or config contains this substring")
+    ap.add_argument("--nvshmem", action="store_true",
+                    help="also the low-latency kernels with the NVSHMEM transport, linked with NVSHMEM's sm_90 bitcode "
+                         "(rows 'nvshmem ...'; 20-60 s each; none without the bitcode)")
     args = ap.parse_args(argv)
-    sel = [c for c in CASES if args.filter in f"{c.name} {getattr(c.kernel, '__name__', '')} {c.config}"]
+    cases = CASES + (_nvshmem_cases() if args.nvshmem else [])
+    sel = [c for c in cases if args.filter in f"{c.name} {getattr(c.kernel, '__name__', '')} {c.config}"]
     if not sel:
         raise SystemExit(f"no case matches --filter {args.filter!r}")
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -436,3 +436,223 @@ def test_pin_is_the_same_everywhere():
     setup_sh = (root / "scripts" / "setup.sh").read_text()
     assert f'pipq "{pin}"' in setup_sh and "missing nvidia.nvshmem" in setup_sh and "x86_64" in setup_sh
     assert pin in nvshmem.INSTALL_HINT
+
+
+# ---------------------------------------------------------------------------------------------- PTX scan
+from moe_ep.testing.nvshmem_ptx import entry_scope, scan_nvshmem_ptx  # noqa: E402
+
+
+@pytest.mark.parametrize("name,scope", [
+    ("nvshmemx_putmem_signal_nbi_block", "block"), ("nvshmemx_putmem_nbi_warp", "warp"),
+    ("nvshmemx_putmem_warpgroup", "warpgroup"), ("nvshmem_putmem_signal_nbi", "thread"), ("nvshmem_quiet", "ordering"),
+    ("nvshmem_fence", "ordering"), ("nvshmemx_quiet", "ordering"), ("nvshmem_uint64_atomic_add", "thread"),
+    ("nvshmemx_barrier_all_block", "block"),
+])
+def test_entry_scope(name, scope):
+    assert entry_scope(name) == scope
+
+
+_FAKE_PTX = """
+.visible .const .align 8 .b8 nvshmemi_device_state_d[848];
+.visible .const .align 8 .b8 nvshmemi_ibgda_device_state_d[8384];
+.visible .const .align 4 .b8 nvshmemi_device_lib_version_d[12] = {3, 0, 0, 0, 8};
+.func _Z37nvshmemi_transfer_put_signal_dispatchIL13threadgroup_t{TG}EEvPvS1_mS1_m14nvshmemi_amo_tibi(
+.func _Z23nvshmemi_transfer_quietIL13threadgroup_t0EEvbiPii
+.func _Z28nvshmemi_transfer_region_endIL13threadgroup_t0EEvPK22nvshmemi_region_info_t
+.visible .entry kern(
+	st.mmio.relaxed.sys.global.b64 	[%rd1], %rd2;
+	call.uni _Z37nvshmemi_transfer_put_signal_dispatchIL13threadgroup_t{TG}EEvPvS1_mS1_m14nvshmemi_amo_tibi, (%rd3);
+$L__BB0_65:                             // %{NAME}.exit
+	call.uni (retval0), nvshmem_uint64_atomic_fetch_add, (param0);
+"""
+
+
+def test_scan_synthetic_block_and_thread():
+    good = scan_nvshmem_ptx(_FAKE_PTX.replace("{TG}", "3").replace("{NAME}", "nvshmemx_putmem_signal_nbi_block")
+                            .replace("nvshmem_uint64_atomic_fetch_add", "nvshmem_quiet"))
+    assert good["links_nvshmem"] and good["ibgda_doorbell"] and good["doorbell_stores"] == 1 and good["ibgda_state"]
+    assert good["device_lib_version"] == "3.8.0"
+    assert good["entry_points"] == {"nvshmem_quiet": "ordering", "nvshmemx_putmem_signal_nbi_block": "block"}
+    assert good["ordering"] == ["nvshmem_quiet"]
+    # quiet / region_end instantiated for one thread are NVSHMEM's own bookkeeping, not transfers
+    assert good["internal"]["nvshmemi_transfer_put_signal_dispatch"] == ["block"]
+    assert good["internal"]["nvshmemi_transfer_quiet"] == ["thread"] and good["thread_scoped"] == []
+    bad = scan_nvshmem_ptx(_FAKE_PTX.replace("{TG}", "0").replace("{NAME}", "nvshmem_putmem_signal_nbi"))
+    assert bad["thread_scoped"] == ["nvshmem_putmem_signal_nbi", "nvshmem_uint64_atomic_fetch_add",
+                                    "nvshmemi_transfer_put_signal_dispatch<thread>"]
+    warp = scan_nvshmem_ptx(_FAKE_PTX.replace("{TG}", "1").replace("{NAME}", "nvshmemx_putmem_signal_nbi_warp")
+                            .replace("nvshmem_uint64_atomic_fetch_add", "nvshmem_fence"))
+    assert warp["thread_scoped"] == [] and warp["internal"]["nvshmemi_transfer_put_signal_dispatch"] == ["warp"]
+
+
+def test_scan_ttir_gives_exact_entry_points():
+    ttir = ('%3 = tt.extern_elementwise %0 {libname = "libnvshmem_device", pure = false, symbol = '
+            '"nvshmemx_putmem_nbi_block"}\n%4 = tt.extern_elementwise {symbol = "nvshmem_quiet"}\n'
+            '%5 = tt.extern_elementwise %1 {symbol = "__nv_expf"}')
+    r = scan_nvshmem_ptx("no nvshmem here", ttir)
+    assert r["entry_source"] == "ttir"
+    assert r["entry_points"] == {"nvshmem_quiet": "ordering", "nvshmemx_putmem_nbi_block": "block"}
+    assert not r["ibgda_doorbell"] and r["device_lib_version"] is None
+
+
+def test_scan_plain_kernel():
+    r = scan_nvshmem_ptx(".visible .entry k(\n\tst.global.b32 [%rd1], %r1;\n\tst.release.sys.global.b32 [%rd2], %r2;\n")
+    assert not r["links_nvshmem"] and not r["ibgda_doorbell"] and r["entry_points"] == {} and r["thread_scoped"] == []
+
+
+# The kernels declare the NVSHMEM entry points themselves (torch's pattern: impure externs, int64 addresses,
+# a uint64 signal value, int32 signal op and PE). @triton.jit needs a source file: the script writes this one.
+TINY_KERNELS = r'''
+import triton
+import triton.language as tl
+from triton.language import core
+
+I64, U64, I32 = core.dtype("int64"), core.dtype("uint64"), core.dtype("int32")
+SIG = (I64, I64, I64, I64, U64, I32, I32)  # dest, source, bytes, signal address, signal value, signal op, pe
+
+
+@core.extern
+def put_signal_block(dest, source, nbytes, sig, value, op, pe, _semantic=None):
+    return core.extern_elementwise("", "", [dest, source, nbytes, sig, value, op, pe],
+                                   {SIG: ("nvshmemx_putmem_signal_nbi_block", I32)}, is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def put_signal_thread(dest, source, nbytes, sig, value, op, pe, _semantic=None):
+    return core.extern_elementwise("", "", [dest, source, nbytes, sig, value, op, pe],
+                                   {SIG: ("nvshmem_putmem_signal_nbi", I32)}, is_pure=False, _semantic=_semantic)
+
+
+@triton.jit
+def tiny_block(dest, source, sig, nbytes, pe):
+    put_signal_block(dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), sig.to(tl.int64),
+                     tl.full((), 1, tl.uint64), tl.full((), 0, tl.int32), pe)
+
+
+@triton.jit
+def tiny_thread(dest, source, sig, nbytes, pe):
+    put_signal_thread(dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), sig.to(tl.int64),
+                      tl.full((), 1, tl.uint64), tl.full((), 0, tl.int32), pe)
+'''
+
+TINY = r'''
+import importlib, json, os, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from moe_ep.nvshmem import extern_libs
+
+cases = json.loads(sys.argv[1])
+with open(os.path.join(cases["out"], "tiny_nvshmem_kernels.py"), "w") as f:
+    f.write(cases["source"])
+sys.path.insert(0, cases["out"])
+mod = importlib.import_module("tiny_nvshmem_kernels")
+out = {}
+for name in cases["kernels"]:
+    sig = {"dest": "*u8", "source": "*u8", "sig": "*u64", "nbytes": "i64", "pe": "i32"}
+    ck = triton.compile(ASTSource(getattr(mod, name), sig, {}), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 4, "extern_libs": extern_libs(90)})
+    paths = {}
+    for kind in ("ptx", "ttir"):
+        paths[kind] = os.path.join(cases["out"], f"{name}.{kind}")
+        with open(paths[kind], "w") as f:
+            f.write(ck.asm[kind])
+    out[name] = paths
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    try:
+        nvshmem.find_device_bitcode(90)
+    except FileNotFoundError:
+        pytest.skip("no NVSHMEM device bitcode (pip install 'moe-ep[nvshmem]')")
+    from moe_ep.testing.sm90 import compile_in_subprocess
+
+    out = tmp_path_factory.mktemp("nvshmem_ptx")
+    paths = compile_in_subprocess(TINY, {"kernels": ["tiny_block", "tiny_thread"], "out": str(out), "source": TINY_KERNELS},
+                                  "a tiny NVSHMEM kernel", timeout_s=600.0)
+    read = lambda p: open(p).read()  # noqa: E731
+    return {k: (read(v["ptx"]), read(v["ttir"])) for k, v in paths.items()}
+
+
+def test_sm90_block_put_signal_rings_the_ibgda_doorbell(tiny):
+    ptx, ttir = tiny["tiny_block"]
+    for r in (scan_nvshmem_ptx(ptx, ttir), scan_nvshmem_ptx(ptx)):   # exact (TTIR) and PTX-only entry points
+        assert r["ibgda_doorbell"] and r["doorbell_stores"] > 0, "no st.mmio doorbell: not the IBGDA path"
+        assert r["ibgda_state"]
+        assert r["entry_points"] == {"nvshmemx_putmem_signal_nbi_block": "block"}
+        assert r["internal"]["nvshmemi_transfer_put_signal_dispatch"] == ["block"]
+        assert r["thread_scoped"] == []
+    assert scan_nvshmem_ptx(ptx)["device_lib_version"] == nvshmem.WHEEL_VERSION or nvshmem._wheel_lib_dir() is None \
+        or os.environ.get("NVSHMEM_LIB_DIR")
+
+
+def test_sm90_thread_scoped_put_signal_is_flagged(tiny):
+    ptx, ttir = tiny["tiny_thread"]
+    with_ttir, ptx_only = scan_nvshmem_ptx(ptx, ttir), scan_nvshmem_ptx(ptx)
+    assert with_ttir["entry_points"] == {"nvshmem_putmem_signal_nbi": "thread"}
+    assert "nvshmem_putmem_signal_nbi" in with_ttir["thread_scoped"]
+    # from the PTX alone: NVSHMEM's put-with-signal routine instantiated for a single thread
+    assert "nvshmemi_transfer_put_signal_dispatch<thread>" in ptx_only["thread_scoped"]
+
+
+# ---------------------------------------------------------------------------------------------- report rows
+REPORT = r'''
+import contextlib, importlib.util, io, json, os, sys
+import moe_ep
+path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__))), "perf", "sm90_report.py")
+spec = importlib.util.spec_from_file_location("sm90_report", path)
+mod = importlib.util.module_from_spec(spec)
+sys.modules["sm90_report"] = mod
+spec.loader.exec_module(mod)
+table = io.StringIO()
+with contextlib.redirect_stdout(table):
+    rows = mod.main(json.loads(sys.argv[1]))
+print(json.dumps({"rows": rows, "table": table.getvalue()}))
+'''
+
+
+@pytest.mark.slow
+def test_sm90_report_nvshmem_rows():
+    """perf/sm90_report.py --nvshmem: the low-latency kernels with TRANSPORT = NVSHMEM link the sm_90 bitcode, take
+    the IBGDA path (doorbell), call only the block-scoped / PE-wide entry points the device module declares, and no
+    thread-scoped transfer. About 40 s per row on two cores."""
+    try:
+        nvshmem.find_device_bitcode(90)
+    except FileNotFoundError:
+        pytest.skip("no NVSHMEM device bitcode (pip install 'moe-ep[nvshmem]')")
+    from moe_ep.testing.sm90 import compile_in_subprocess
+
+    out = compile_in_subprocess(REPORT, ["--nvshmem", "--filter", "NVSHMEM"], "the NVSHMEM report rows", timeout_s=1200.0)
+    rows = out["rows"]
+    failed = [f"{r['kernel']} [{r['config']}]: {r['error']}" for r in rows if "error" in r]
+    assert not failed, "\n".join(failed)
+    assert {r["kernel"] for r in rows} == {"_ll_dispatch_send_kernel", "_ll_dispatch_recv_kernel",
+                                           "_ll_combine_send_fmt_kernel", "_ll_combine_recv_fmt_kernel"}
+    allowed = set(_device_calls())
+    for r in rows:
+        scan = r["nvshmem"]
+        assert scan["ibgda_doorbell"] and scan["ibgda_state"], r
+        assert scan["entry_source"] == "ttir" and scan["entry_points"], r
+        assert set(scan["entry_points"]) <= allowed, (r["kernel"], scan["entry_points"])
+        assert set(scan["entry_points"].values()) <= {"block", "warp", "ordering"}, scan["entry_points"]
+        assert scan["thread_scoped"] == [], (r["kernel"], scan["thread_scoped"])
+        assert 0 < r["regs"] <= 255 and r["resident_warps"] >= r["num_warps"], r
+    senders = [r for r in rows if "send" in r["kernel"]]
+    assert all("nvshmem_quiet" in r["nvshmem"]["ordering"] for r in senders)   # puts complete before the signal
+    assert "IBGDA doorbell" in out["table"] and "THREAD-SCOPED" not in out["table"]
+
+
+def _device_calls():
+    """The entry points moe_ep.kernels.nvshmem_device declares (read from its source: importing it here would
+    define its @triton.jit functions under this process's interpreter setting)."""
+    import ast
+    import pathlib
+
+    src = (pathlib.Path(nvshmem.__file__).parent / "kernels" / "nvshmem_device.py").read_text()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEVICE_CALLS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("moe_ep/kernels/nvshmem_device.py has no DEVICE_CALLS")
