@@ -500,10 +500,17 @@ def _nvshmem_cases() -> list[Case]:
     except FileNotFoundError as exc:
         print(f"sm90_report: no NVSHMEM rows ({str(exc).split('. Searched')[0]})", file=sys.stderr)
         return []
-    H = 7168
-    picked = {("ll_dispatch_send", "FP8 H="), ("ll_dispatch_recv", "FP8 H="), ("ll_combine_send_fmt", "FP8 wire, BF16 x"),
-              ("ll_combine_recv_fmt", "FP8 wire H=")}
-    cases = []
+    from moe_ep.kernels import low_latency as k
+
+    H, R = 7168, 8
+    # The receives call no NVSHMEM function with this transport (the release is _ll_release_kernel): only the senders
+    # and the release link the bitcode, launched with maxnreg=255 as SymmLowLatency does (the bitcode caps at 128).
+    options = {**options, "maxnreg": 255}
+    picked = {("ll_dispatch_send", "FP8 H="), ("ll_dispatch_send", "BF16 H="), ("ll_combine_send_fmt", "FP8 wire, BF16 x")}
+    sig = k.signal_layout(R)
+    cases = [_case("ll_release", f"EP{R} NVSHMEM", k._ll_release_kernel,
+                   {"signal_ptrs": "*i64", "status_ptr": "*i32"}, {"rank": 3, "R": R, "sig_off": sig["SLOT_WORDS"]},
+                   {"WORD": sig["DISP_BUSY"]}, num_warps=4, options=options)]
     for c in _low_latency_cases():
         if not any(c.name == n and c.config.startswith(p) for n, p in picked):
             continue

@@ -97,8 +97,13 @@ class NvshmemBackend(SymmBackend):
                 from .. import nvshmem as host
 
                 host.check_available(device, internode=True)
-                ll_buf = host.create_nvshmem_heap(group, num_rdma_bytes, num_signals, timeout_s)
                 host.register_kernels(*_kernels())
+                ll_buf = host.create_nvshmem_heap(group, num_rdma_bytes, num_signals, timeout_s, device=device)
+                if ll_buf.pe_list != list(range(world_size)):
+                    ll_buf.close()
+                    raise ValueError("backend 'nvshmem' needs a group whose rank r is global rank r (the kernels pass "
+                                     f"group ranks as NVSHMEM PEs, which are global ranks; this group's are "
+                                     f"{ll_buf.pe_list}): build the Buffer over the default group")
             else:
                 require_triton_device('moe_ep backend="nvshmem"')
                 if device.type != "cpu":
@@ -128,5 +133,4 @@ class NvshmemBackend(SymmBackend):
 
 def _kernels() -> tuple:
     from ..kernels import low_latency as ll
-    return (ll._ll_dispatch_send_kernel, ll._ll_dispatch_recv_kernel, ll._ll_combine_send_fmt_kernel,
-            ll._ll_combine_recv_fmt_kernel)
+    return (ll._ll_dispatch_send_kernel, ll._ll_combine_send_fmt_kernel, ll._ll_release_kernel)

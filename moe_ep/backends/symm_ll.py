@@ -39,6 +39,7 @@ from ..kernels.low_latency import (
     _ll_combine_send_fmt_kernel,
     _ll_dispatch_recv_kernel,
     _ll_dispatch_send_kernel,
+    _ll_release_kernel,
     signal_layout,
 )
 from ..kernels.pdl import INTERPRET
@@ -279,6 +280,18 @@ class SymmLowLatency:
     def _interpreted(self, device: torch.device) -> bool:
         return INTERPRET or device.type != "cuda"
 
+    def _release(self, slot: int, word: str, device: torch.device) -> None:
+        """nvshmem transport: free this rank's area on every live peer after a receive (``_ll_release_kernel``)."""
+        if self.transport:
+            symm = self.symm
+            _ll_release_kernel[(1,)](symm.signal_ptrs, symm.status, symm.rank, symm.world_size,
+                                     slot * self.sig["SLOT_WORDS"], WORD=self.sig[word], **self._nvshmem_launch(device))
+
+    def _nvshmem_launch(self, device: torch.device) -> dict:
+        """Launch options of kernels that call NVSHMEM: ptxas caps a kernel linked with NVSHMEM's bitcode at 128
+        registers unless told otherwise (255 lifts it; the send kernels need ~130-200)."""
+        return {} if self._interpreted(device) or not self.transport else {"maxnreg": 255}
+
     def _copy_chunk(self, device: torch.device) -> int:
         """int32 words per step of the nvshmem transport's block copies to mapped peers."""
         return 4096 if self._interpreted(device) else 1024
@@ -397,7 +410,7 @@ class SymmLowLatency:
             NATIVE_FP8=use_fp8 and native_e4m3_supported(dev),
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"],
             stage_off=self._stage_base(lay), TRANSPORT=self.transport, CH=self._copy_chunk(dev),
-            num_warps=warps)
+            num_warps=warps, **self._nvshmem_launch(dev))
         symm.check_status("low_latency_dispatch (send)")
         self._dispatch_slot ^= 1
         return _DispatchState(result, x_c, topk, slot, lay, use_fp8)
@@ -448,6 +461,7 @@ class SymmLowLatency:
             HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"],
             TRANSPORT=self.transport, num_warps=warps)
+        self._release(state.slot, "DISP_BUSY", dev)
         self._check_status_naming_fields("low_latency_dispatch (receive)", state.slot, "DISP_SIG")
         state.recv_done = True
         return res
@@ -512,7 +526,7 @@ class SymmLowLatency:
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_SEND_CNT=s["COMB_SEND_CNT"],
             FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev),
             stage_off=self._stage_base(lay) + lay.comb_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
-            ROW_BYTES=row_bytes(fmt, hidden), num_warps=warps)
+            ROW_BYTES=row_bytes(fmt, hidden), num_warps=warps, **self._nvshmem_launch(dev))
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1
         return _CombineState(out, topk_idx.contiguous(), topk_weights.contiguous(), handle, slot, lay, fmt=fmt)
@@ -551,6 +565,7 @@ class SymmLowLatency:
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
             FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, TRANSPORT=self.transport, num_warps=warps,
             enable_fp_fusion=False)
+        self._release(state.slot, "COMB_BUSY", dev)
         self._check_status_naming_fields("low_latency_combine (receive)", state.slot, "COMB_SIG")
         state.recv_done = True
         return state.out

@@ -54,6 +54,7 @@ from .signals import (
     now_ns,
     peer_masked,
     report_error,
+    signal_release,
     wait_ne,
     wait_ne_masked,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "_ll_combine_recv_kernel",
     "_ll_combine_send_fmt_kernel",
     "_ll_combine_recv_fmt_kernel",
+    "_ll_release_kernel",
 ]
 # The BF16 kernels keep their signatures (callers and compile checks pin them); the ``*_fmt_kernel`` variants take
 # the combine format as constexprs (FMT, IN_F16 / OUT_F16, NATIVE_FP8); both are thin wrappers over one body.
@@ -526,9 +528,20 @@ def _ll_dispatch_recv_kernel(
             tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
                 _clear_signature(my_sig, _disp_sig_word(R), sp)  # before BUSY is released: the next call's copy comes after
-        for sp in range(R):
-            if _live(status_ptr, rank, sp):
-                release_remote(signal_ptrs, rank, sp, sig_off, DISP_BUSY + 2 * rank, 0, _scratch_word(R), TRANSPORT)
+        if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
+            for sp in range(R):
+                if _live(status_ptr, rank, sp):
+                    signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + 2 * rank, 0)
+
+
+@triton.jit
+def _ll_release_kernel(signal_ptrs, status_ptr, rank, R, sig_off, WORD: tl.constexpr):
+    """(``NVSHMEM`` transport) launched right after a receive: frees this rank's area on every live peer (the peer's
+    busy word ``WORD + 2 rank`` = 0). A launch of its own, so that the receive kernels call no NVSHMEM function:
+    linking one caps a kernel at 128 registers and the receives need more (their ``PEER`` builds release inline)."""
+    for sp in range(R):
+        if _live(status_ptr, rank, sp):
+            release_remote(signal_ptrs, rank, sp, sig_off, WORD + 2 * rank, 0, _scratch_word(R), NVSHMEM)
 
 
 @triton.jit
@@ -758,9 +771,10 @@ def _comb_recv_body_ll(
             tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:
                 _clear_signature(my_sig, _comb_sig_word(R), d)
-        for d in range(R):
-            if _live(status_ptr, rank, d):
-                release_remote(signal_ptrs, rank, d, sig_off, COMB_BUSY + 2 * rank, 0, _scratch_word(R), TRANSPORT)
+        if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
+            for d in range(R):
+                if _live(status_ptr, rank, d):
+                    signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + 2 * rank, 0)
 
 
 @triton.jit
