@@ -481,6 +481,7 @@ def _low_latency_cases() -> list[Case]:
             options={"enable_fp_fusion": False}))
     shipped = {c.kernel.__name__ for c in cases}
     jitted = {n for n, v in vars(k).items() if n.startswith("_ll_") and isinstance(v, triton.runtime.JITFunction)}
+    jitted.discard("_ll_release_kernel")  # NVSHMEM transport only: a row of _nvshmem_cases
     if jitted != shipped:
         raise RuntimeError(f"low_latency.py kernels without a case here: {sorted(jitted - shipped)}")
     return cases

@@ -28,6 +28,8 @@ def _buffer(backend, world, ll=True, n=T):
         nvl = SymmBackend.get_normal_size_hint(n, H, K, world)
         rdma = moe_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
         kw = dict(provider="shm")
+    if backend == "nvshmem":  # low-latency only
+        rdma = moe_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
     return moe_ep.Buffer(None, nvl, rdma, ll, 24, True, False, False, True, False, backend=backend, timeout_s=30,
                          **kw)
 
@@ -71,7 +73,7 @@ def _positional(rank, world, backend):
     return wait_d.tolist(), wait_c.tolist()
 
 
-@pytest.mark.parametrize("backend", ["torch", "symm"])
+@pytest.mark.parametrize("backend", ["torch", "symm", "nvshmem"])
 def test_positional_low_latency_calls_and_wait_stats(backend):
     res = launch(_positional, 2, backend, timeout_s=120)
     (wd0, wc0), (wd1, wc1) = res

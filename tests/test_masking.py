@@ -63,6 +63,9 @@ def _rank(rank, world, backend):
 
     kw = dict(provider="shm", num_rdma_bytes=SymmBackend.get_low_latency_size_hint(T, H, world, E, K)) \
         if backend == "symm" else {}
+    if backend == "nvshmem":  # every peer remote (emulated NVSHMEM puts), but 0 and 1 share a node
+        from moe_ep.backends.nvshmem import NvshmemBackend
+        kw = dict(ranks_per_node=2, num_rdma_bytes=NvshmemBackend.get_low_latency_size_hint(T, H, world, E, K))
     buf = moe_ep.Buffer(None, low_latency_mode=True, enable_shrink=True, backend=backend, timeout_s=20, **kw)
     everyone = list(range(world))
     checks = []
@@ -97,9 +100,9 @@ def _rank(rank, world, backend):
     return checks
 
 
-@pytest.mark.parametrize("backend", ["torch", "symm"])
+@pytest.mark.parametrize("backend", ["torch", "symm", "nvshmem"])
 def test_mask_api_live_ranks(backend):
-    if backend == "symm" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend != "torch" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU ranks run the symm kernels in the Triton interpreter")
     res = launch(_rank, WORLD, backend, timeout_s=300)
     for r, checks in enumerate(res):
