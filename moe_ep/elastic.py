@@ -41,7 +41,7 @@ allocation or rendezvous). Construct before capturing, or wrap a Buffer made bef
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -118,6 +118,15 @@ class EPHandle:
         self._slot: Optional[torch.Tensor] = None  # [M, K] row of the expanded layout per selection, -1 none
         self._exp_src: Optional[torch.Tensor] = None  # [num_expanded] received row of each expanded row, -1 pad
         self._exp_k: Optional[torch.Tensor] = None  # [num_expanded] top-k slot of each expanded row
+        # expanded combine plan (ElasticBuffer._combine_plan / _sum_expanded): _comb_src [M, min(K, L)] the
+        # expanded rows of each received row's selections, k ascending, packed to the left (-1 after them);
+        # with host-known counts (a CPU-synced handle) also _comb_order (received rows by selection count,
+        # descending), _comb_sorted_src (_comb_src in that order) and _comb_rows[j] (rows with more than j
+        # selections); None otherwise
+        self._comb_src: Optional[torch.Tensor] = None
+        self._comb_order: Optional[torch.Tensor] = None
+        self._comb_sorted_src: Optional[torch.Tensor] = None
+        self._comb_rows: Optional[List[int]] = None
         self._hidden = 0
 
 
@@ -412,41 +421,55 @@ class ElasticBuffer:
         return ((got.unsqueeze(-1) >> shifts) & 1).view(R, nbytes * 8)[:, :num_max] > 0
 
     @staticmethod
-    def _expand_plan(recv_topk_idx: torch.Tensor, num_local: int, alignment: int, num_expanded: Optional[int],
-                     build: bool = True):
-        """Where each (row, k) selection lands in the expanded layout, device ops only (unless
-        ``num_expanded`` is ``None``: then the exact size is read once on the host)."""
-        M, K = recv_topk_idx.shape
-        device = recv_topk_idx.device
+    def _expert_counts(recv_topk_idx: torch.Tensor, num_local: int, alignment: int):
+        """``(key, counts, aligned)``: each selection's local expert (``num_local`` for a hole), flattened in
+        (row, k) order, and the real and aligned per-expert counts. Device ops only."""
         flat = recv_topk_idx.reshape(-1)
-        valid = flat >= 0
-        key = torch.where(valid, flat, num_local)
-        counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device).scatter_add_(
+        key = torch.where(flat >= 0, flat, num_local)
+        counts = torch.zeros(num_local + 1, dtype=torch.int64, device=flat.device).scatter_add_(
             0, key, torch.ones_like(key))[:num_local]
         aligned = (counts + alignment - 1) // alignment * alignment
-        ends = aligned.cumsum(0)
-        starts = ends - aligned
-        if not build:  # per-expert counts only
-            return None, None, None, None, counts, aligned, 0
-        if num_expanded is None:
-            num_expanded = int(ends[-1]) if num_local else 0
-        # Rank of each selection inside its expert in (row, k) order = source global order (rows are sorted
-        # by it and a row holds an expert at most once): a stable sort by expert.
-        order = torch.sort(key, stable=True).indices
-        first = torch.cat([counts.cumsum(0) - counts, counts.new_zeros(1)])
-        rank_sorted = torch.arange(flat.numel(), device=device) - first[key[order]]
-        rank_in_expert = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
-        slot = torch.where(valid, starts[key.clamp(max=max(num_local - 1, 0))] + rank_in_expert, -1)
-        target = torch.where(valid, slot, num_expanded)
-        exp_src = torch.full((num_expanded + 1,), -1, dtype=torch.int64, device=device)
-        exp_src.scatter_(0, target, torch.arange(M, device=device).repeat_interleave(K))
-        exp_k = torch.zeros(num_expanded + 1, dtype=torch.int64, device=device)
-        exp_k.scatter_(0, target, torch.arange(K, device=device).repeat(M))
-        m_idx = torch.full((num_expanded + 1,), -1, dtype=torch.int32, device=device)
-        m_idx.scatter_(0, target, torch.where(valid, flat, -1).to(torch.int32))
-        exp_src, exp_k, m_idx = exp_src[:num_expanded], exp_k[:num_expanded], m_idx[:num_expanded]
-        exp_k = torch.where(exp_src >= 0, exp_k, 0)
-        return slot.view(M, K), exp_src, exp_k, m_idx, counts, aligned, num_expanded
+        return key, counts, aligned
+
+    @staticmethod
+    def _expand_plan(key: torch.Tensor, counts: torch.Tensor, aligned: torch.Tensor, num_topk: int,
+                     num_expanded: int):
+        """Where each (row, k) selection lands in the expanded layout, device ops only: ``(slot [M*K] (-1 on a
+        hole), exp_src, exp_k, m_indices)`` (the last three ``[num_expanded]``; -1 / 0 / -1 on padding)."""
+        device = key.device
+        num_local = counts.shape[0]
+        # A stable sort by expert lists each expert's selections in (row, k) order = source global order (rows
+        # are sorted by it and a row holds an expert at most once); holes (key num_local) come last. The i-th
+        # sorted selection of expert e lands on expanded row starts[e] + (i - first[e]).
+        sorted_key, order = torch.sort(key, stable=True)
+        shift = torch.cat([(aligned.cumsum(0) - aligned) - (counts.cumsum(0) - counts), counts.new_zeros(1)])
+        is_sel = sorted_key < num_local
+        pos = torch.where(is_sel, torch.arange(key.numel(), device=device) + shift[sorted_key], -1)
+        slot = torch.empty_like(pos).scatter_(0, order, pos)
+        target = torch.where(is_sel, pos, num_expanded)  # holes go to a dropped extra row
+        exp_flat = torch.full((num_expanded + 1,), -1, dtype=torch.int64, device=device).scatter_(
+            0, target, order)[:num_expanded]
+        m_idx = torch.full((num_expanded + 1,), -1, dtype=torch.int32, device=device).scatter_(
+            0, target, sorted_key.to(torch.int32))[:num_expanded]
+        is_row = exp_flat >= 0
+        exp_src = torch.where(is_row, exp_flat // num_topk, -1)
+        exp_k = torch.where(is_row, exp_flat % num_topk, 0)
+        return slot, exp_src, exp_k, m_idx
+
+    @staticmethod
+    def _combine_plan(slot: torch.Tensor, per_row: torch.Tensor, passes: int, pass_rows: Optional[List[int]]):
+        """The expanded combine's gather plan: the handle's ``(_comb_src, _comb_order, _comb_sorted_src,
+        _comb_rows)``. ``slot`` `[M, K]`, ``per_row`` `[M]` selections per received row, ``passes`` =
+        min(K, local experts), ``pass_rows[j]`` = rows with more than ``j`` selections (host ints) or ``None``
+        when not known on the host. Device ops only."""
+        # each row's selections, k ascending, packed to the left: a stable sort that moves the holes right
+        cols = torch.sort((slot < 0).to(torch.uint8), dim=1, stable=True).indices[:, :passes]
+        src = slot.gather(1, cols).contiguous()
+        if pass_rows is None:
+            return src, None, None, None
+        # rows by selection count, descending: the rows with a (j+1)-th selection are the first pass_rows[j]
+        order = torch.sort(per_row, descending=True, stable=True).indices
+        return src, order, src.index_select(0, order), pass_rows
 
     @staticmethod
     def _gather_rows(t: torch.Tensor, src: torch.Tensor, zero: bool) -> torch.Tensor:
@@ -556,17 +579,30 @@ class ElasticBuffer:
         recv_data, recv_scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         M = recv_data.shape[0]
         psum_rank, src_global, src_rank = self._source_metadata(bh, M, num_max, in_rank, data.device)
-        worst_expanded = _align(M * min(K, num_local) + num_local * (alignment - 1), alignment)
-        plan = self._expand_plan(recv_idx, num_local, alignment, None if do_cpu_sync else worst_expanded, do_expand)
-        slot, exp_src, exp_k, m_idx, counts, aligned, num_expanded = plan
+        passes = min(K, num_local)  # a row holds an expert at most once: at most this many selections a row
+        key, counts, aligned = self._expert_counts(recv_idx, num_local, alignment)
+        per_row = (recv_idx >= 0).sum(1) if do_expand else None
+        per_expert_list, pass_rows = None, None
+        num_expanded = _align(M * passes + num_local * (alignment - 1), alignment)  # worst case
+        if do_cpu_sync:  # the one host read of a CPU-synced dispatch: aligned counts (+ rows per combine pass)
+            parts = [aligned]
+            if do_expand:
+                parts.append((per_row.unsqueeze(1) > torch.arange(passes, device=data.device)).sum(0))
+            host = torch.cat(parts).tolist()
+            per_expert_list, pass_rows = host[:num_local], host[num_local:]
+            num_expanded = sum(per_expert_list)
         if do_expand:
+            slot, exp_src, exp_k, m_idx = self._expand_plan(key, counts, aligned, K, num_expanded)
+            slot = slot.view(M, K)
+            comb = self._combine_plan(slot, per_row, passes, pass_rows)
             psum_expert = ((aligned.cumsum(0) - aligned) + counts).to(torch.int32)
             rows_of = slot
         else:
+            slot = exp_src = exp_k = m_idx = None
+            comb = (None, None, None, None)
             psum_expert = aligned.cumsum(0).to(torch.int32)
             rows_of = torch.where(recv_idx >= 0, torch.arange(M, device=data.device).unsqueeze(1), -1)
             num_expanded = 0
-        per_expert_list = aligned.tolist() if do_cpu_sync else None
         metadata = torch.cat([src_global.unsqueeze(1), src_rank.unsqueeze(1), rows_of], dim=1)
         h = EPHandle(do_expand, num_experts, alignment, num_max, num_sms,
                      topk_idx.clone() if do_handle_copy else topk_idx, M, num_expanded, per_expert_list,
@@ -575,6 +611,7 @@ class ElasticBuffer:
         h.m_indices = m_idx if do_expand else None
         h._owner, h._buffer_handle, h._hidden = id(self), bh, hidden
         h._slot, h._exp_src, h._exp_k = slot, exp_src, exp_k
+        h._comb_src, h._comb_order, h._comb_sorted_src, h._comb_rows = comb
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats.add_(counts.to(torch.int32))
         out_w = recv_w if topk_weights is not None else None
@@ -652,6 +689,44 @@ class ElasticBuffer:
         return recv_x, recv_idx, recv_w, h, event
 
     # ------------------------------------------------------------------------------------------ combine
+    @staticmethod
+    def _sum_expanded(x: torch.Tensor, h: EPHandle) -> torch.Tensor:
+        """BF16 `[M, H]`: per received row, the float32 sum ``0 + x[s_1] + x[s_2] + ...`` over its selections'
+        expanded rows, k ascending, holes skipped, rounded once to BF16. Deterministic, no host read.
+
+        Pass j adds every row's (j+1)-th selection. With host-known counts (a CPU-synced handle) pass j >= 1
+        gathers only the ``_comb_rows[j]`` rows that have one and adds them with ``index_add_`` on distinct rows
+        (one float32 add per element, so the order is still k ascending): rows gathered = real selections.
+        Without them (worst-case sizes) each of the min(K, L) passes covers all rows and a hole adds +0.0,
+        which changes nothing (a sum that starts at +0.0 is never -0.0). Starting from the first term instead
+        of +0.0 can only differ in the sign of a zero; the final ``+ 0.0`` makes that +0.0 too."""
+        src, order, sorted_src, pass_rows = h._comb_src, h._comb_order, h._comb_sorted_src, h._comb_rows
+        M, H = src.shape[0], h._hidden
+        if src.shape[1] == 0:
+            return torch.zeros(M, H, dtype=torch.bfloat16, device=x.device)
+
+        exact = pass_rows is not None
+        acc = torch.empty(M, H, dtype=torch.float32, device=x.device)
+        first = src[:, 0]
+        acc.copy_(x.index_select(0, first.clamp(min=0)))
+        if not exact or pass_rows[0] < M:
+            acc.masked_fill_((first < 0).unsqueeze(1), 0.0)
+        most = M if not exact else pass_rows[1] if src.shape[1] > 1 else 0
+        gathered = torch.empty(most, H, dtype=x.dtype, device=x.device)  # reused by every pass
+        term = torch.empty(most, H, dtype=torch.float32, device=x.device)
+        for j in range(1, src.shape[1]):  # fixed order: deterministic
+            n = pass_rows[j] if exact else M
+            if n == 0:
+                break
+            col = sorted_src[:n, j] if exact else src[:, j]
+            torch.index_select(x, 0, col.clamp(min=0), out=gathered[:n])
+            term[:n].copy_(gathered[:n])
+            if exact:
+                acc.index_add_(0, order[:n], term[:n])
+            else:
+                acc.add_(term.masked_fill_((col < 0).unsqueeze(1), 0.0))
+        return acc.add_(0.0).to(torch.bfloat16)  # -0.0 -> +0.0, then one rounding to BF16
+
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None, num_sms: int = 0,
                 num_qps: int = 0, previous_event: Optional[EventOverlap] = None,
@@ -696,12 +771,8 @@ class ElasticBuffer:
             previous_event_before_epilogue.current_stream_wait()
         valid = handle.recv_topk_idx >= 0
         if handle.do_expand:
-            slot = handle._slot.clamp(min=0)
-            acc = torch.zeros(handle.num_recv_tokens, handle._hidden, dtype=torch.float32, device=x.device)
-            for k in range(slot.shape[1]):  # fixed order: deterministic
-                acc += torch.where(valid[:, k:k + 1], x.index_select(0, slot[:, k]).float(), 0.0)
-            rows = acc.to(torch.bfloat16)
-            w = None if topk_weights is None else torch.where(valid, topk_weights[slot], 0.0)
+            rows = self._sum_expanded(x, handle)
+            w = None if topk_weights is None else torch.where(valid, topk_weights[handle._slot.clamp(min=0)], 0.0)
         else:
             rows = x
             w = None if topk_weights is None else torch.where(valid, topk_weights, 0.0)
