@@ -340,12 +340,17 @@ def test_normal_dispatch_accepts_packed_ue8m0_scales(backend):
 
 
 # ---------------------------------------------------------------------------------------------- 1 on symm (device)
-def _symm_ll_mismatch(rank, world, what):
+def _symm_ll_mismatch(rank, world, what, backend="symm"):
     import moe_ep
+    from moe_ep.backends.nvshmem import NvshmemBackend
     from moe_ep.backends.symm import SymmBackend
 
-    buf = moe_ep.Buffer(None, backend="symm", low_latency_mode=True, timeout_s=10, provider="shm",
-                        num_rdma_bytes=SymmBackend.get_low_latency_size_hint(8, 256, world, 8, 3))
+    if backend == "symm":
+        buf = moe_ep.Buffer(None, backend="symm", low_latency_mode=True, timeout_s=10, provider="shm",
+                            num_rdma_bytes=SymmBackend.get_low_latency_size_hint(8, 256, world, 8, 3))
+    else:  # the signature travels as the payload of the put-with-signal (emulated NVSHMEM)
+        buf = moe_ep.Buffer(None, 0, NvshmemBackend.get_low_latency_size_hint(8, 256, world, 8, 3), True,
+                            backend="nvshmem", timeout_s=10)
     hidden = 256 if (what == "hidden" and rank == 0) else 128
     k = 3 if (what == "topk" and rank == 1) else 2
     inp = make_rank_inputs(rank, 5, hidden, 8, k, seed=2, world_size=world)
@@ -357,9 +362,9 @@ def _symm_ll_mismatch(rank, world, what):
         return type(exc).__name__, str(exc), time.monotonic() - t0
 
 
-@pytest.mark.parametrize("what", ["hidden", "topk"])
-def test_symm_low_latency_ranks_that_disagree_all_raise_naming_the_field(what):
-    for kind, msg, secs in launch(_symm_ll_mismatch, 2, what, timeout_s=120):
+@pytest.mark.parametrize("what,backend", [("hidden", "symm"), ("topk", "symm"), ("topk", "nvshmem")])
+def test_symm_low_latency_ranks_that_disagree_all_raise_naming_the_field(what, backend):
+    for kind, msg, secs in launch(_symm_ll_mismatch, 2, what, backend, timeout_s=120):
         assert kind == "CallMismatchError", msg
         field = "hidden" if what == "hidden" else "top-k"
         assert field in msg and "rank 0=" in msg and "rank 1=" in msg, msg
