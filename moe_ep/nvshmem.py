@@ -441,7 +441,7 @@ def create_nvshmem_heap(group, nbytes: int, num_signals: int, timeout_s: float =
     import torch
     import torch.distributed as dist
 
-    from .symm import SymmBuffer, _align
+    from .symm import SymmBuffer, _align, _create_cuda
     from .sync import ArrivalCheck
 
     if not isinstance(nbytes, int) or nbytes < 0 or not isinstance(num_signals, int) or num_signals < 0:
@@ -459,25 +459,15 @@ def create_nvshmem_heap(group, nbytes: int, num_signals: int, timeout_s: float =
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     _select_backend(symm_mem, device)
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:
-        try:
-            enable(group.group_name)
-        except Exception:  # noqa: BLE001 - newer torch deprecates / no-ops it
-            pass
     arrival = ArrivalCheck(group, rank, world_size, timeout_s)
     total = _align(nbytes) + _align(4 * max(num_signals, 1))
-    region = symm_mem.empty(total, dtype=torch.uint8, device=device)
-    region.zero_()
-    torch.cuda.synchronize(device)
-    handle = symm_mem.rendezvous(region, group)
-    addrs = [int(p) for p in handle.buffer_ptrs]
+    # the cuda provider's allocation (empty, zero, rendezvous), now over the NVSHMEM backend
+    region, addrs, keepalive = _create_cuda(group, rank, world_size, total, device, arrival)
     if len(addrs) != world_size or addrs[rank] != region.data_ptr():
         raise RuntimeError(f"torch symmetric memory returned {len(addrs)} peer addresses (own: {addrs[rank:rank + 1]}) "
                            f"for a group of {world_size} (own region at {region.data_ptr():#x}): unexpected backend")
-    arrival.arrive("nvshmem heap rendezvous")
     buf = SymmBuffer(rank=rank, world_size=world_size, nbytes=nbytes, num_signals=num_signals, region=region,
-                     peer_addrs=addrs, provider="nvshmem", timeout_s=timeout_s, keepalive=(handle, region),
+                     peer_addrs=addrs, provider="nvshmem", timeout_s=timeout_s, keepalive=(*keepalive, region),
                      arrival=arrival)
     reachable = [a != 0 for a in addrs]
     # SymmBuffer offsets every entry; a peer without a mapping keeps 0 in the signal table too.
