@@ -34,12 +34,16 @@ rank, data and signal words, against the bytes the expert-path layer's Buffer is
 experts' weight bytes / measured copy bandwidth, FLOPs / measured FP8 TFLOPS) with FLOPs = 6 H I per received
 selection (``_common.measure_limits``, same run).
 
+``--graph`` times CUDA-graph replays instead (the capture is the graph-safety check: a case whose capture
+fails is timed eagerly and its ``timed as`` column says why).
+
 Checks, after timing, on the output of the last timed call of every case: all rows finite, and a sample of
 ``--check-tokens`` tokens per rank (0: all) within 1e-2 of max|ref| of an independent torch reference of the
 expert-path numerics: the FP8 inputs and weights dequantized, GEMM1 in float64 rounded to BF16, SiLU-and-mul
 quantized by the torch reference, GEMM2 rounded to BF16, the weighted sum in float64 (each expert rank
 computes the sampled selections of its experts; summed over ranks). A failed check marks the row INVALID
-(exit 1).
+(exit 1). The fused and phased outputs are also compared bit for bit (``fused_equals_phased``: the same
+selections through the same per-row code, whatever the grid; reported, not a validity condition).
 
     torchrun --nproc-per-node 8 perf/bench_mega_moe.py --launcher torchrun --json mega8.jsonl   # EP8 (GPUs)
     torchrun --nproc-per-node 8 perf/bench_mega_moe.py --launcher torchrun --tokens 2048        # the target
@@ -95,6 +99,9 @@ def _parse(argv=None):
     p.add_argument("--no-deepep", action="store_true", help="do not time DeepEP + DeepGEMM even when importable")
     p.add_argument("--iters", type=int, default=20, help="timed calls per case (median, p10, p90; --cpu-smoke: 2)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before the timed ones (compiles)")
+    p.add_argument("--graph", action="store_true",
+                   help="time CUDA-graph replays of each case (capture failing falls back to eager launches, said in "
+                        "the row's timed-as column)")
     p.add_argument("--check-tokens", type=int, default=32,
                    help="tokens per rank checked against the torch reference after timing (0: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and weights (each rank adds its rank)")
@@ -214,13 +221,18 @@ def check(out, ref, sample, ctx) -> tuple[bool, float]:
 
 
 def _timed(fn, ctx, args):
-    """``(Timing of the slowest rank per iteration, per-rank medians, output of the last timed call)``."""
+    """``(Timing of the slowest rank per iteration, per-rank medians, output of the last timed call, how or None)``;
+    with ``--graph`` on a GPU, replays of ``fn`` captured in a CUDA graph (``how`` says so, or why not)."""
+    if ctx.cuda and args.graph:
+        replay, out, note = _common.graph_fn(fn, ctx.device)
+        t, per_rank = _common.time_ranks(replay, ctx.device, iters=args.iters, warmup=args.warmup)
+        return t, per_rank, out, note or "CUDA graph replays"
     box = {}
 
     def run():
         box["out"] = fn()
     t, per_rank = _common.time_ranks(run, ctx.device, iters=args.iters, warmup=args.warmup)
-    return t, per_rank, box["out"]
+    return t, per_rank, box["out"], None
 
 
 def _short(exc: BaseException) -> str:
@@ -378,12 +390,12 @@ def run_tokens(T, args, ctx, weights, deep, say) -> tuple[list, list]:
     sel = ctx.all_reduce(torch.tensor([float((idx >= 0).sum())], dtype=torch.float64, device=ctx.device))
     recv_sel = float(sel.item()) / ctx.world  # selections each rank's experts receive, on average
 
-    def record(case, t, per, out, obj, how, note=None):
+    def record(case, t, per, out, obj, how, **extra):
         ok, err = check(out, ref, sample, ctx)
-        results.append(dict(case=case, tokens=T, t=tuple(t), per_rank=per, valid=ok, rel_err=err, how=how, note=note,
-                            symm_bytes=obj.symm_bytes, local_bytes=obj.local_bytes, recv_selections=recv_sel))
+        results.append(dict(case=case, tokens=T, t=tuple(t), per_rank=per, valid=ok, rel_err=err, how=how,
+                            symm_bytes=obj.symm_bytes, local_bytes=obj.local_bytes, recv_selections=recv_sel, **extra))
 
-    mega = None
+    mega, mega_out = None, {}
     if any(c in args.cases for c in MEGA_CASES):
         mega, err = _build(ctx, lambda: Mega(args, ctx, T, weights, inputs))
         if mega is None:
@@ -395,13 +407,14 @@ def run_tokens(T, args, ctx, weights, deep, say) -> tuple[list, list]:
             say(f"  T={T} {case} ...")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", RuntimeWarning)
-                t, per, out = _timed(lambda: mega(case), ctx, args)
+                t, per, out, graph = _timed(lambda: mega(case), ctx, args)
             fell_back = case == "fused" and (mega.buf.fused_ok is False or any(
                 "phased launches instead" in str(c.message) for c in caught))
             how = ("phased launches (the fused grid is not resident)" if fell_back else
                    f"one launch, grid {mega.buf.fused_grid}" if case == "fused" and ctx.cuda else
                    "one launch, grid 1 (interpreter)" if case == "fused" else "three launches")
-            record(case, t, per, out, mega, how)
+            mega_out[case] = out.clone()
+            record(case, t, per, out, mega, how + (f"; {graph}" if graph else ""), fell_back=fell_back)
         elif case in LAYER_CASES:
             mode = case.split("-")[1]
             if mode == "decode" and T > args.decode_max_tokens:
@@ -413,8 +426,8 @@ def run_tokens(T, args, ctx, weights, deep, say) -> tuple[list, list]:
                 continue
             say(f"  T={T} {case} ...")
             try:
-                t, per, out = _timed(lambda: layer(x, idx, w), ctx, args)
-                record(case, t, per, out, layer, "eager launches" if ctx.cuda else "CPU (gloo ranks)")
+                t, per, out, graph = _timed(lambda: layer(x, idx, w), ctx, args)
+                record(case, t, per, out, layer, graph or ("eager launches" if ctx.cuda else "CPU (gloo ranks)"))
             finally:
                 layer.destroy()
         elif case == "deepep" and deep is not None:
@@ -432,12 +445,17 @@ def run_tokens(T, args, ctx, weights, deep, say) -> tuple[list, list]:
             except Exception as exc:  # noqa: BLE001 - the baseline failing must not stop our rows
                 err = _short(exc)
             if ctx.agree(err is None):
-                record("deepep", res[0], res[1], res[2], pair, "eager launches")
+                record("deepep", res[0], res[1], res[2], pair, res[3] or "eager launches")
             else:
                 lines.append(f"T={T}: DeepEP + DeepGEMM failed ({err or 'on another rank'}); skipped")
             pair.destroy()
         ctx.dist.barrier()
     _destroy(mega)
+    if len(mega_out) == 2:  # the same selections through the same per-row code: bitwise equal on every rank
+        same = ctx.agree(torch.equal(mega_out["fused"].view(torch.int16), mega_out["phased"].view(torch.int16)))
+        for r in results:
+            if r["case"] in MEGA_CASES:
+                r["fused_equals_phased"] = same
     return results, lines
 
 
@@ -528,6 +546,7 @@ def report(rec, body, args, deep_lines) -> None:
                          baseline_symm_bytes=base["symm_bytes"] if (mine and base) else None,
                          deepep_us=dee_us if case != "deepep" else None, ours_over_deepep=(t.median / dee_us)
                          if (vs_dee and case != "deepep") else None,
+                         fused_equals_phased=r.get("fused_equals_phased"), fell_back=r.get("fell_back"),
                          target_speedup=TARGET_SPEEDUP if at_target else None,
                          meets_target=(vs_base >= TARGET_SPEEDUP) if (at_target and vs_base) else None)
             case_name = f"{case} T={T} EP{world}"

@@ -374,6 +374,7 @@ def test_mega_moe_cpu_smoke_rows(tmp_path):
         assert r["valid"] is True and r["rel_err"] <= 1e-2 and len(r["per_rank_us"]) == 2 and "meaningless" in r["note"]
     assert times["fused"]["baseline_name"] in ("layer-decode", "layer-prefill") and times["fused"]["ratio"] > 0
     assert times["fused"]["timed_as"].startswith("one launch") and times["phased"]["timed_as"] == "three launches"
+    assert times["fused"]["fused_equals_phased"] is True and times["fused"]["fell_back"] is False
     mem = [r for r in rows if r["metric"] == "symmetric memory"]
     assert len(mem) == 1 and mem[0]["value"] > 0 and mem[0]["ratio"] > 1  # smaller than the layer's buffer
     assert sum(ln.startswith("# DeepEP + DeepGEMM baseline: skipped") for ln in p.stdout.splitlines()) == 1
