@@ -7,12 +7,15 @@
 # bench_internode_ll.py runs under torchrun over all local GPUs as one node (perf/launch_internode.sh,
 # backends nvshmem and symm, DeepEP when importable) when there are >= 2, else one line says it needs a
 # cluster; its cluster runs are perf/launch_internode.sh on every node (perf/RESULTS.md, owed list).
+# bench_mega_moe.py runs under torchrun (--standalone, one process per local GPU; EP8 on 8 GPUs) when there
+# are >= 2, else one line says it needs them.
 #
 # Writes perf/out/<UTC date-time>-<gpu name | cpu-smoke>.md (the report) and .jsonl (every bench's JSON
 # lines: a header object, then one object per row), never overwriting a file (a -2, -3 ... suffix is
 # added). Exits 2 at once without a GPU (unless --cpu-smoke), 1 when any step failed, timed out, measured
 # nothing or was INVALID, 0 otherwise. Environment: PYTHON (python3), OUT_DIR (perf/out),
-# BENCH_TIMEOUT (s per bench: 900, --cpu-smoke 300), PYTEST_TIMEOUT (s for pytest -m gpu: 1800).
+# BENCH_TIMEOUT (s per bench: 900, --cpu-smoke 300), PYTEST_TIMEOUT (s for pytest -m gpu: 1800),
+# TORCHRUN (torchrun, for bench_mega_moe.py; launch_internode.sh reads it too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -115,6 +118,17 @@ for b in perf/bench_*.py; do
     fi
     cmd=(env NNODES=1 NODE_RANK=0 GPUS_PER_NODE="$ngpu" MASTER_PORT="${MASTER_PORT:-29517}" bash perf/launch_internode.sh
          --backend nvshmem symm)
+  fi
+  if [ "$smoke" = 0 ] && [ "$name" = bench_mega_moe.py ]; then
+    # one process per GPU (torchrun) over the local GPUs: EP8 on an 8-GPU node
+    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+    if [ "$ngpu" -lt 2 ]; then
+      say "skipped: the mega-MoE bench runs one process per GPU (torchrun; EP8 on 8 GPUs) and needs at least 2 GPUs;" \
+          "this machine has $ngpu"
+      summary+=("| $name | skipped (needs >= 2 GPUs) |")
+      continue
+    fi
+    cmd=("${TORCHRUN:-torchrun}" --standalone --nproc-per-node "$ngpu" perf/bench_mega_moe.py --launcher torchrun)
   fi
   say "\`${cmd[*]} --json ...\` (timeout $bench_timeout s)"
   echo "running ${cmd[*]} ..." >&2

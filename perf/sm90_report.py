@@ -5,15 +5,18 @@ with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``, bypas
 its own ``ptxas -v`` log (spill stores and loads, registers) can be captured. The cubin
 (``cuobjdump --dump-resource-usage``) gives the registers per thread (checked equal to the log) and the static
 shared memory; the compiled metadata the dynamic shared memory a launch asks for. The PTX is scanned for
-the MMA instruction kind, TMA (``cp.async.bulk.tensor``), the widest global load and store, and the PDL
-instructions (``griddepcontrol``). Kernels linked with NVSHMEM's device bitcode (``options={"extern_libs":
-{"libnvshmem_device": ...}}``, :func:`moe_ep.nvshmem.extern_libs`) also get the NVSHMEM scan of
-:func:`moe_ep.testing.nvshmem_ptx.scan_nvshmem_ptx`: the IBGDA doorbell, the NVSHMEM calls and their scope, and
-any thread-scoped transfer (there must be none).
+the MMA instruction kind and shape, TMA (``cp.async.bulk.tensor``), the widest global load and store, the PDL
+instructions (``griddepcontrol``) and the cross-GPU synchronisation: system-scope acquire operations (the
+waits: ``ld.acquire.sys`` loads, ``fence.acquire.sys``) and system-scope release operations (the signals:
+``red`` / ``atom`` / ``st`` ``.sys.release``), counted per instruction kind. Kernels linked with NVSHMEM's device
+bitcode (``options={"extern_libs": {"libnvshmem_device": ...}}``, :func:`moe_ep.nvshmem.extern_libs`) also get the
+NVSHMEM scan of :func:`moe_ep.testing.nvshmem_ptx.scan_nvshmem_ptx`: the IBGDA doorbell, the NVSHMEM calls and
+their scope, and any thread-scoped transfer (there must be none).
 
 Resident warps per SM follow the CUDA occupancy rules for H100 (:data:`H100`): registers are allocated per
 warp in units of 256; a block takes its dynamic shared memory plus the static size or, if larger, the 1 KB
-the runtime reserves per block; at most 64 warps and 32 blocks per SM.
+the runtime reserves per block; at most 64 warps and 32 blocks per SM. ``blocks/SM`` is the same count in
+programs (what a persistent launch may put on every SM at once).
 
     python perf/sm90_report.py                         # the table (markdown) for every case
     python perf/sm90_report.py --filter quant          # only cases whose name, kernel or config has "quant"
@@ -23,9 +26,9 @@ the runtime reserves per block; at most 64 warps and 32 blocks per SM.
 Must run without ``TRITON_INTERPRET`` (the flag is read when ``@triton.jit`` functions are defined): run as a
 script it re-executes itself without the variable; imported with it set, it raises.
 
-HOOK: if ``moe_ep.kernels.grouped_gemm`` exists and defines ``sm90_cases()`` (a list of dicts with keys
-``name, config, kernel, signature, constexprs, num_warps, num_stages`` and optional ``attrs``, ``options``),
-those cases are appended to :data:`CASES` (see :func:`_hook_cases`).
+HOOK: every module of ``moe_ep.kernels`` whose source defines ``sm90_cases()`` (a list of dicts with keys
+``name, config, kernel, signature, constexprs, num_warps, num_stages`` and optional ``attrs``, ``options``;
+today ``grouped_gemm`` and ``mega_moe``) has its cases appended to :data:`CASES` (see :func:`_hook_cases`).
 """
 
 from __future__ import annotations
@@ -168,6 +171,27 @@ def _mma_kind(ptx: str) -> str:
     return "-"
 
 
+def _mma_shape(ptx: str) -> str:
+    """The wgmma / mma.sync instruction shapes (``m64n128k32``; several joined by ``,``), or ``""``."""
+    shapes = sorted(set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)[\w.:]*?\.(m\d+n\d+k\d+)", ptx)))
+    return ",".join(shapes)
+
+
+_SYNC_OP = re.compile(r"(?<![\w.%])((?:ld|st|atom|red|fence)(?:\.[\w:]+)+)")
+
+
+def _sys_sync(ptx: str, order: str) -> str:
+    """System-scope ``order`` (``"acquire"`` or ``"release"``; ``acq_rel`` counts as both) operations by kind:
+    ``"ld:2 fence:1"`` (sorted), or ``-``. Acquire at .sys scope is how a wait on another GPU's signal reads;
+    release at .sys scope is how a signal to another GPU publishes the writes before it."""
+    counts: dict = {}
+    for m in _SYNC_OP.finditer(ptx):
+        parts = m.group(1).split(".")
+        if "sys" in parts and (order in parts or "acq_rel" in parts):
+            counts[parts[0]] = counts.get(parts[0], 0) + 1
+    return " ".join(f"{k}:{v}" for k, v in sorted(counts.items())) or "-"
+
+
 def _pdl(ptx: str) -> str:
     """Which PDL instructions the kernel has: ``wait+launch``, ``wait``, ``launch`` or ``-``."""
     found = [s for s, i in (("wait", "griddepcontrol.wait"), ("launch", "griddepcontrol.launch_dependents"))
@@ -202,7 +226,9 @@ def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, nu
 
     Returns:
         ``kernel, num_warps, num_stages, regs, spill_stores, spill_loads, stack, local, shared_dynamic,
-        shared_static, shared, resident_warps, mma, tma, ld_bytes, st_bytes, pdl, compile_s``; plus ``nvshmem``
+        shared_static, shared, resident_warps, resident_blocks, mma, mma_shape, tma, ld_bytes, st_bytes, pdl,
+        sys_acquire, sys_release, globaltimer, compile_s`` (``sys_acquire`` / ``sys_release``: :func:`_sys_sync`;
+        ``globaltimer``: the kernel reads ``%globaltimer``, as the bounded waits do); plus ``nvshmem``
         (:func:`moe_ep.testing.nvshmem_ptx.scan_nvshmem_ptx` of the PTX and TTIR) when ``options["extern_libs"]``
         links ``libnvshmem_device``.
     """
@@ -226,14 +252,16 @@ def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, nu
     dynamic, static = int(ck.metadata.shared), cubin.get("SHARED", 0)
     footprint = dynamic + max(static, H100["smem_reserved_per_block"])
     regs = cubin["REG"]
+    warps = resident_warps(regs, footprint, num_warps)
     row = {
         "kernel": kernel.__name__, "num_warps": num_warps, "num_stages": num_stages, "regs": regs,
         "spill_stores": log["spill_stores"], "spill_loads": log["spill_loads"],
         "stack": max(log["stack"], cubin.get("STACK", 0)), "local": cubin.get("LOCAL", 0),
         "shared_dynamic": dynamic, "shared_static": static, "shared": dynamic + static,
-        "resident_warps": resident_warps(regs, footprint, num_warps), "mma": _mma_kind(ptx),
-        "tma": "cp.async.bulk.tensor" in ptx, "ld_bytes": _widest(ptx, "ld"), "st_bytes": _widest(ptx, "st"),
-        "pdl": _pdl(ptx), "compile_s": round(compile_s, 2),
+        "resident_warps": warps, "resident_blocks": warps // num_warps, "mma": _mma_kind(ptx),
+        "mma_shape": _mma_shape(ptx), "tma": "cp.async.bulk.tensor" in ptx, "ld_bytes": _widest(ptx, "ld"),
+        "st_bytes": _widest(ptx, "st"), "pdl": _pdl(ptx), "sys_acquire": _sys_sync(ptx, "acquire"),
+        "sys_release": _sys_sync(ptx, "release"), "globaltimer": "%globaltimer" in ptx, "compile_s": round(compile_s, 2),
     }
     if "libnvshmem_device" in dict(opts.get("extern_libs") or {}):
         from moe_ep.testing.nvshmem_ptx import scan_nvshmem_ptx
@@ -528,21 +556,45 @@ def _nvshmem_cases() -> list[Case]:
     return cases
 
 
+HOOK_PACKAGE = "moe_ep.kernels"
+
+
+def _hook_modules() -> list[str]:
+    """Modules of :data:`HOOK_PACKAGE` whose source defines ``sm90_cases()``, sorted by name (found by reading the
+    sources, so modules without cases, e.g. ones that need an optional package, are never imported here)."""
+    import pkgutil
+
+    spec = importlib.util.find_spec(HOOK_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    found = []
+    for info in pkgutil.iter_modules(spec.submodule_search_locations):
+        path = os.path.join(info.module_finder.path, info.name + ".py")
+        try:
+            with open(path, encoding="utf-8") as f:
+                if re.search(r"^def sm90_cases\(", f.read(), re.MULTILINE):
+                    found.append(f"{HOOK_PACKAGE}.{info.name}")
+        except OSError:
+            continue
+    return sorted(found)
+
+
 def _hook_cases() -> list[Case]:
-    """HOOK (grouped GEMM): cases from ``moe_ep.kernels.grouped_gemm.sm90_cases()`` when that module exists.
+    """HOOK: cases from ``sm90_cases()`` of every module :func:`_hook_modules` finds (the grouped GEMM, the
+    mega-MoE kernel).
 
     Each item is a dict with keys ``name, config, kernel, signature, constexprs, num_warps, num_stages`` and
-    optional ``attrs`` / ``options``. A module that exists but fails to import, or whose cases are malformed,
-    gives one FAILED row (not a skip, and not a crash that would hide the other rows)."""
-    if importlib.util.find_spec("moe_ep.kernels.grouped_gemm") is None:
-        return []
-    try:
-        mod = importlib.import_module("moe_ep.kernels.grouped_gemm")
-        if not hasattr(mod, "sm90_cases"):
-            return []
-        return [Case(**d) for d in mod.sm90_cases()]
-    except Exception as exc:  # noqa: BLE001 - reported as a row
-        return [Case("grouped_gemm", "sm90_cases()", None, {}, {}, 0, error=f"{type(exc).__name__}: {exc}")]
+    optional ``attrs`` / ``options``. A module that fails to import, or whose cases are malformed, gives one
+    FAILED row (not a skip, and not a crash that would hide the other rows)."""
+    cases: list[Case] = []
+    for name in _hook_modules():
+        try:
+            mod = importlib.import_module(name)
+            cases += [Case(**d) for d in mod.sm90_cases()]
+        except Exception as exc:  # noqa: BLE001 - reported as a row
+            short = name.rsplit(".", 1)[-1]
+            cases.append(Case(short, "sm90_cases()", None, {}, {}, 0, error=f"{type(exc).__name__}: {exc}"))
+    return cases
 
 
 def _all_cases() -> list[Case]:
@@ -554,8 +606,9 @@ CASES: list[Case] = _all_cases()
 
 # ---------------------------------------------------------------------------------------------- output
 COLUMNS = [("kernel", "kernel"), ("config", "config"), ("num_warps", "warps"), ("regs", "regs/thread"),
-           ("spills", "spill st+ld (B)"), ("shared", "smem dyn+static (B)"), ("resident_warps", "warps/SM"), ("mma", "MMA"),
-           ("tma", "TMA"), ("ld", "widest ld"), ("st", "widest st"), ("pdl", "PDL")]
+           ("spills", "spill st+ld (B)"), ("shared", "smem dyn+static (B)"), ("resident_warps", "warps/SM"),
+           ("resident_blocks", "blocks/SM"), ("mma", "MMA"), ("tma", "TMA"), ("ld", "widest ld"), ("st", "widest st"),
+           ("pdl", "PDL"), ("sys_acquire", "acquire .sys (waits)"), ("sys_release", "release .sys (signals)")]
 # added when a row links NVSHMEM (--nvshmem)
 NVSHMEM_COLUMNS = [("ibgda", "IBGDA doorbell"), ("nvshmem", "NVSHMEM calls (scope)")]
 
@@ -575,6 +628,10 @@ def _cell(row: dict, key: str) -> str:
         return f"{row['resident_warps']}/{H100['max_warps_per_sm']}"
     if key in ("ibgda", "nvshmem"):
         return _nvshmem_cell(row.get("nvshmem"), key)
+    if key == "mma":
+        return f"{row['mma']} {row['mma_shape']}".strip()
+    if key == "sys_acquire" and row["sys_acquire"] != "-" and row.get("globaltimer"):
+        return row["sys_acquire"] + " +timer"
     return str(row[key])
 
 

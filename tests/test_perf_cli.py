@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PERF = os.path.join(ROOT, "perf")
@@ -332,7 +333,8 @@ def test_launch_internode_command_and_nvshmem_env(tmp_path):
 
 def test_run_all_runs_internode_bench_with_torchrun_or_says_why(tmp_path):
     """GPU mode with faked nvidia-smi / python / torchrun: one GPU -> one line, the step is skipped (not failed);
-    eight -> perf/launch_internode.sh over the 8 local GPUs with the bench's --json."""
+    eight -> perf/launch_internode.sh over the 8 local GPUs with the bench's --json. The mega-MoE bench likewise:
+    one GPU -> one skipped line; eight -> torchrun --standalone over the 8 GPUs."""
     fake = _fake_bin(tmp_path, fakepy=FAKE_ECHO, faketorchrun=FAKE_ECHO, **{"nvidia-smi": FAKE_SMI})
     for gpus in ("1", "8"):
         out = tmp_path / f"out{gpus}"
@@ -348,3 +350,72 @@ def test_run_all_runs_internode_bench_with_torchrun_or_says_why(tmp_path):
         else:
             assert "faketorchrun --nnodes 1 --node-rank 0 --nproc-per-node 8" in sec
             assert "perf/bench_internode_ll.py --launcher torchrun --gpus-per-node 8 --backend nvshmem symm --json" in sec
+        mega = md.split("## bench_mega_moe.py", 1)[1].split("\n## ", 1)[0]
+        if gpus == "1":
+            assert "needs at least 2 GPUs" in mega and "| bench_mega_moe.py | skipped" in md
+        else:
+            assert "faketorchrun --standalone --nproc-per-node 8 perf/bench_mega_moe.py --launcher torchrun --json" in mega
+
+
+# ---------------------------------------------------------------- bench_mega_moe.py
+
+def test_mega_moe_cpu_smoke_rows(tmp_path):
+    """The smoke run: fused, phased and both expert-path layer modes on 2 forked ranks, each checked against the
+    torch reference; a symmetric-memory row for the fused case; DeepEP + DeepGEMM skipped with one line."""
+    out = tmp_path / "mega.jsonl"
+    p = _run([sys.executable, os.path.join(PERF, "bench_mega_moe.py"), "--cpu-smoke", "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    head, rows = recs[0], recs[1:]
+    assert head["launcher"] == "fork" and head["world_size"] == 2
+    times = {r["op"]: r for r in rows if r["metric"] == "time"}
+    assert set(times) == {"fused", "phased", "layer-decode", "layer-prefill"}
+    for r in times.values():
+        assert r["valid"] is True and r["rel_err"] <= 1e-2 and len(r["per_rank_us"]) == 2 and "meaningless" in r["note"]
+    assert times["fused"]["baseline_name"] in ("layer-decode", "layer-prefill") and times["fused"]["ratio"] > 0
+    assert times["fused"]["timed_as"].startswith("one launch") and times["phased"]["timed_as"] == "three launches"
+    assert times["fused"]["fused_equals_phased"] is True and times["fused"]["fell_back"] is False
+    mem = [r for r in rows if r["metric"] == "symmetric memory"]
+    assert len(mem) == 1 and mem[0]["value"] > 0 and mem[0]["ratio"] > 1  # smaller than the layer's buffer
+    assert sum(ln.startswith("# DeepEP + DeepGEMM baseline: skipped") for ln in p.stdout.splitlines()) == 1
+
+
+def test_mega_moe_refusals():
+    bench = os.path.join(PERF, "bench_mega_moe.py")
+    p = _run([sys.executable, bench, "--launcher", "fork"], timeout=60)
+    assert p.returncode == 2 and "only with --cpu-smoke" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, bench, "--launcher", "torchrun"], cwd=ROOT, env=dict(ENV, RANK="0"),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2  # no GPU: refused before anything else
+    p = _run([sys.executable, bench, "--cpu-smoke", "--hidden", "200"], timeout=60)
+    assert p.returncode == 2 and "multiples of 128" in p.stderr
+
+
+def _mega_checks_on_ranks(rank, world):
+    """bench_mega_moe's check accepts the reference itself and rejects one element off by 5% of max|ref| and a NaN."""
+    import bench_mega_moe as b
+    from moe_ep.quant import per_token_group_quant_fp8
+
+    args = b._parse(["--cpu-smoke", "--tokens", "5"])
+    ctx = b.Ctx(rank, world, torch.device("cpu"))
+    weights = b.make_weights(rank, world, args, ctx.device)
+    x, idx, w = b.make_inputs(rank, 5, args, ctx.device)
+    xq, xs = per_token_group_quant_fp8(x)
+    sample = torch.arange(5)
+    ref = b.reference(ctx, xq, xs, idx, w, weights, sample)
+    good = ref.to(torch.bfloat16)
+    bad_row = good.clone()
+    if rank == 1:
+        bad_row[3, 0] += 0.05 * float(ref.abs().max())
+    nan = good.clone()
+    if rank == 0:
+        nan[4, 7] = float("nan")
+    return {name: b.check(out, ref, sample, ctx) for name, out in (("good", good), ("bad_row", bad_row), ("nan", nan))}
+
+
+def test_mega_moe_checks_catch_errors():
+    from moe_ep.testing import launch
+
+    for res in launch(_mega_checks_on_ranks, 2, timeout_s=120):
+        assert res["good"][0] is True and res["good"][1] < 1e-2
+        assert res["bad_row"][0] is False and res["nan"][0] is False

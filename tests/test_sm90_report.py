@@ -37,7 +37,7 @@ print(json.dumps({"rows": rows, "table": table.getvalue()}))
 KERNELS = {
     "_per_token_group_quant_kernel", "_silu_and_mul_quant_kernel", "_layout_kernel", "_scatter_send_kernel",
     "_recv_counts_kernel", "_gather_recv_kernel", "_combine_recv_kernel", "_ll_dispatch_send_kernel",
-    "_ll_dispatch_recv_kernel", "_ll_combine_send_kernel", "_ll_combine_recv_kernel",
+    "_ll_dispatch_recv_kernel", "_ll_combine_send_kernel", "_ll_combine_recv_kernel", "mega_moe_kernel",
 }
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,20 @@ def test_pdl_exactly_when_asked(rows):
         assert (r["pdl"] != "-") == asked, r
         if asked:
             assert r["pdl"] == "wait+launch", r
+
+
+def test_mega_moe_rows(rows):
+    """The mega-MoE rows (through the generic sm90_cases() hook) carry what issue 23 asks: registers, spills, the
+    MMA kind and shape, the waits as system-scope acquire loads with the bounded-wait clock, the signals as
+    system-scope release atomics, and the programs resident per SM (a persistent grid's size)."""
+    mega = {r["config"].split()[0] + " " + r["config"].split()[-3]: r for r in rows if r["kernel"] == "mega_moe_kernel"}
+    fused = mega["PHASE=0 T=2048"]
+    assert fused["mma"] == "wgmma e4m3" and fused["mma_shape"].startswith("m64n"), fused
+    assert "ld:" in fused["sys_acquire"] and fused["globaltimer"], fused
+    assert "atom:" in fused["sys_release"] or "red:" in fused["sys_release"], fused
+    assert fused["resident_blocks"] == fused["resident_warps"] // fused["num_warps"] >= 1, fused
+    assert mega["PHASE=1 T=2048"]["sys_acquire"] == "-", "the dispatch sends never wait"
+    assert mega["PHASE=3 T=2048"]["sys_release"] == "-", "the combine never signals a peer"
 
 
 def test_script_reexecs_without_interpreter():

@@ -121,6 +121,20 @@ def _publish(signal_ptrs, rank, R, word):
 
 
 @triton.jit
+def _gemm1_block(slot_f8, xsf, w_rows, w_sf, offs_m, offs_c, H: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One 128-column block of GEMM1 for the slot's rows: ``sum_kb (a_kb @ w_kb^T) * sa_kb * sw_kb`` in float32,
+    rounded to BF16 (the expert-path layer stores GEMM1's output as BF16). ``w_rows``: [128, 1] pointers to the
+    weight rows, ``w_sf``: the rows' 128x128 block scales (one per K block)."""
+    acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    for kb in range(0, H // 128):
+        a = tl.load(slot_f8 + offs_m[:, None] * H + kb * 128 + offs_c[None, :])
+        sa = tl.load(xsf + offs_m * (H // 128) + kb)
+        b = tl.load(w_rows + kb * 128 + offs_c[None, :])
+        acc += tl.dot(a, tl.trans(b)) * sa[:, None] * tl.load(w_sf + kb)
+    return _bf16_round(acc)
+
+
+@triton.jit
 def _expert_share(buffer_ptrs, signal_ptrs, status_ptr, w1_ptr, w1s_ptr, w2_ptr, w2s_ptr, ring_ptr, stats_ptr,
                   rank, T, R, L, pid, nprog, timeout_ns, clamp, x_off, xsf_off, cnt_off, list_off, comb_off,
                   H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, RP: tl.constexpr,
@@ -182,10 +196,11 @@ def _expert_share(buffer_ptrs, signal_ptrs, status_ptr, w1_ptr, w1s_ptr, w2_ptr,
         t64 = (sel // K).to(tl.int64)
         base = tl.load(buffer_ptrs + src)  # [BLOCK_M] int64: each row's source region
 
-        # Step 4: pull the rows (FP8 + 1x128 scales) into the slot.
+        # Step 4: pull the rows (FP8 + 1x128 scales) into the slot. Row addresses are 16-byte aligned (256-byte
+        # aligned regions and offsets, H a multiple of 128): said, so the compiled copies are 16-byte vectors.
+        x_row = tl.multiple_of((base + x_off + t64 * H).to(tl.pointer_type(tl.float8e4nv)), 16)
         for h0 in range(0, H, GROUP):
-            v = tl.load((base + x_off + t64 * H + h0)[:, None].to(tl.pointer_type(tl.float8e4nv)) + offs_c[None, :],
-                        mask=r_ok[:, None])
+            v = tl.load(x_row[:, None] + h0 + offs_c[None, :], mask=r_ok[:, None])
             tl.store(slot_f8 + offs_m[:, None] * H + h0 + offs_c[None, :], v)
         g_ok = offs_g < H // 128
         sv = tl.load((base + xsf_off + t64 * (H // 128) * 4)[:, None].to(tl.pointer_type(tl.float32)) + offs_g[None, :],
@@ -196,21 +211,13 @@ def _expert_share(buffer_ptrs, signal_ptrs, status_ptr, w1_ptr, w1s_ptr, w2_ptr,
         # Step 5: GEMM1 (gate and up of 128 intermediate columns) -> BF16 -> SiLU(gate) * up -> FP8 into the slot.
         le64 = le.to(tl.int64)
         for nb in range(0, INTER // 128):
-            acc_g = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+            # Gate, then up: one float32 accumulator live at a time (sm90, 8 warps: 237 registers instead of 255, room
+            # against spills), for a second read of the slot's 64x128 A tiles (L2) per block.
             wg = w1_ptr + (le64 * (2 * INTER) + nb * 128 + offs_c)[:, None] * H
-            wu = wg + INTER * H
-            for kb in range(0, H // 128):
-                a = tl.load(slot_f8 + offs_m[:, None] * H + kb * 128 + offs_c[None, :])
-                sa = tl.load(xsf + offs_m * (H // 128) + kb)
-                bg = tl.load(wg + kb * 128 + offs_c[None, :])
-                bu = tl.load(wu + kb * 128 + offs_c[None, :])
-                sg = tl.load(w1s_ptr + (le64 * (2 * INTER // 128) + nb) * (H // 128) + kb + offs_c * 0)
-                su = tl.load(w1s_ptr + (le64 * (2 * INTER // 128) + INTER // 128 + nb) * (H // 128) + kb + offs_c * 0)
-                acc_g += tl.dot(a, tl.trans(bg)) * sa[:, None] * sg[None, :]
-                acc_u += tl.dot(a, tl.trans(bu)) * sa[:, None] * su[None, :]
-            gate = _bf16_round(acc_g)
-            up = _bf16_round(acc_u)
+            sg = w1s_ptr + (le64 * (2 * INTER // 128) + nb) * (H // 128)
+            gate = _gemm1_block(slot_f8, xsf, wg, sg, offs_m, offs_c, H, BLOCK_M)
+            up = _gemm1_block(slot_f8, xsf, wg + INTER * H, sg + (INTER // 128) * (H // 128), offs_m, offs_c, H,
+                              BLOCK_M)
             if HAS_CLAMP:
                 gate = tl.minimum(gate, clamp)
                 up = tl.minimum(tl.maximum(up, -clamp), clamp)
@@ -223,7 +230,9 @@ def _expert_share(buffer_ptrs, signal_ptrs, status_ptr, w1_ptr, w1s_ptr, w2_ptr,
         tl.debug_barrier()
 
         # Step 6: GEMM2 per 128 hidden columns -> BF16 -> slot (t, k) of the source's combine area.
-        dst16 = (base + comb_off + sel.to(tl.int64) * (2 * H))[:, None].to(tl.pointer_type(tl.int16))
+        # (16-byte aligned rows, as above: without saying so the BF16 stores were 2-byte ones, one 64-bit address
+        # each, and the tile spilled on sm90.)
+        dst16 = tl.multiple_of((base + comb_off + sel.to(tl.int64) * (2 * H)).to(tl.pointer_type(tl.int16)), 16)[:, None]
         for hb in range(0, H // 128):
             acc = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
             w2row = w2_ptr + (le64 * H + hb * 128 + offs_c)[:, None] * INTER
@@ -231,8 +240,8 @@ def _expert_share(buffer_ptrs, signal_ptrs, status_ptr, w1_ptr, w1s_ptr, w2_ptr,
                 a = tl.load(act_f8 + offs_m[:, None] * INTER + kb * 128 + offs_c[None, :])
                 sa = tl.load(asf + offs_m * (INTER // 128) + kb)
                 b = tl.load(w2row + kb * 128 + offs_c[None, :])
-                sb = tl.load(w2s_ptr + (le64 * (H // 128) + hb) * (INTER // 128) + kb + offs_c * 0)
-                acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+                sb = tl.load(w2s_ptr + (le64 * (H // 128) + hb) * (INTER // 128) + kb)
+                acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb
             tl.store(dst16 + hb * 128 + offs_c[None, :], _bf16_bits(acc), mask=r_ok[:, None])
         tl.debug_barrier()
 
@@ -326,30 +335,44 @@ def mega_moe_kernel(
 
 
 def sm90_cases() -> list[dict]:
-    """The kernel specialised as the launcher would for DeepSeek-V3 expert shapes on 8 ranks (hidden 7168,
-    intermediate 2048, 256 experts, top-8, 64-row items), each phase and the fused one, for sm90 compile checks and
-    reports: dicts with ``name, config, kernel, signature, constexprs, num_warps, num_stages, attrs, options``."""
-    R, H, INTER_, K, L = 8, 7168, 2048, 8, 32
-    lay = signal_layout(R)
+    """The kernel specialised as ``fp8_mega_moe`` launches it on a GPU for DeepSeek-V3 on 8 ranks (hidden 7168,
+    intermediate 2048, 256 experts, top-8): 2048 tokens per rank (64-row items) in every phase and the fused one,
+    and decode (128 tokens per rank: 32-row items) in the fused and expert phases; for the sm90 compile checks and
+    ``perf/sm90_report.py``: dicts with ``name, config, kernel, signature, constexprs, num_warps, num_stages,
+    attrs, options``. Integer arguments are specialised as a launch does (``tt.divisibility`` 16 when divisible
+    by 16; the region offsets are multiples of 256)."""
+    from ..mega_moe import _layout, _pow2, choose_block_m
+
+    R, H, INTER_, K, E = 8, 7168, 2048, 8, 256
+    L = E // R
+    sig_words = signal_layout(R)
     names = mega_moe_kernel.arg_names
     ptrs = {"buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32", "w1_ptr": "*fp8e4nv",
             "w1s_ptr": "*fp32", "w2_ptr": "*fp8e4nv", "w2s_ptr": "*fp32", "ring_ptr": "*u8", "y_ptr": "*i16",
             "stats_ptr": "*i32"}
-    scalars = {n: "i32" for n in ("rank", "N", "T", "R", "L", "E", "x_off", "xsf_off", "idx_off", "w_off", "cnt_off",
-                                  "list_off", "comb_off")}
-    scalars.update(timeout_ns="i64", clamp="fp32")
     cases = []
-    for phase in (0, 1, 2, 3):
-        const = dict(PHASE=phase, H=H, INTER=INTER_, K=K, KP=8, BLOCK_M=64, BLOCK_T=16, RP=R, LP=L, GP=64,
-                     HAS_STATS=True, HAS_CLAMP=False, NATIVE_FP8=True,
-                     **{k: lay[k] for k in ("DISP_FULL", "COMB_FULL", "DISP_SEND_CNT", "COMB_SEND_CNT", "COMB_RECV_CNT",
-                                            "ROUTE_ERR")})
-        sig = {**ptrs, **scalars, **{k: "constexpr" for k in const}}
-        cases.append({"name": "mega_moe", "config": f"PHASE={phase} H={H} I={INTER_} K={K} 64-row items",
-                      "kernel": mega_moe_kernel, "signature": {n: sig[n] for n in names}, "constexprs": const,
-                      "num_warps": launch_warps(phase), "num_stages": 1,
-                      "attrs": {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs},
-                      "options": {"enable_fp_fusion": False}})
+    for T, phases in ((2048, (0, 1, 2, 3)), (128, (0, 2))):
+        lay = _layout(R, E, T, K, H)
+        block_m = choose_block_m(R, E, T, K)
+        ints = {"rank": 3, "N": T, "T": T, "R": R, "L": L, "E": E, "x_off": lay["x"], "xsf_off": lay["x_sf"],
+                "idx_off": lay["topk_idx"], "w_off": lay["topk_weights"], "cnt_off": lay["cnt"],
+                "list_off": lay["list"], "comb_off": lay["comb"]}
+        for phase in phases:
+            const = dict(PHASE=phase, H=H, INTER=INTER_, K=K, KP=_pow2(K), BLOCK_M=block_m, BLOCK_T=16, RP=_pow2(R),
+                         LP=_pow2(L), GP=_pow2(H // 128), HAS_STATS=True, HAS_CLAMP=False, NATIVE_FP8=True,
+                         **{k: sig_words[k] for k in ("DISP_FULL", "COMB_FULL", "DISP_SEND_CNT", "COMB_SEND_CNT",
+                                                      "COMB_RECV_CNT", "ROUTE_ERR")})
+            sig = {**ptrs, **{n: "i32" for n in ints}, "timeout_ns": "i64", "clamp": "fp32",
+                   **{k: "constexpr" for k in const}}
+            div16 = list(ptrs) + [n for n, v in ints.items() if v % 16 == 0]
+            what = {0: "fused", 1: "dispatch sends", 2: "experts", 3: "combine"}[phase]
+            cases.append({"name": "mega_moe",
+                          "config": f"PHASE={phase} ({what}) H={H} I={INTER_} E={E} top-{K} EP{R} T={T} "
+                                    f"{block_m}-row items",
+                          "kernel": mega_moe_kernel, "signature": {n: sig[n] for n in names}, "constexprs": const,
+                          "num_warps": launch_warps(phase), "num_stages": 1,
+                          "attrs": {(names.index(n),): [["tt.divisibility", 16]] for n in div16},
+                          "options": {"enable_fp_fusion": False}})
     return cases
 
 
