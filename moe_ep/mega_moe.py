@@ -152,7 +152,8 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     ``num_max_tokens_per_rank`` T, ``num_topk`` K, ``hidden`` H and ``intermediate_hidden`` I (multiples of 128),
     ``mma_type`` (``"fp8xfp8"`` only: FP8 activations and weights), ``activation`` (``"swiglu"`` only).
     Keyword-only extensions: ``device``, ``provider`` and ``timeout_s`` of :func:`moe_ep.symm.create_symm_buffer`
-    (``timeout_s`` bounds every wait of the kernel), ``num_programs``: programs of the expert phase, which is
+    (``timeout_s`` bounds every wait of the kernel; without ``device`` the buffer goes to the current GPU when the
+    group is NCCL, else to the CPU), ``num_programs``: programs of the expert phase, which is
     also the activation ring's slot count (default: the GPU's SM count; 2 under the interpreter).
     """
     if mma_type not in MMA_TYPES:
@@ -174,8 +175,15 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
         raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size ({world})")
     if num_programs is not None:
         _positive_int(num_programs, "num_programs")
-    dev = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if provider == "cuda" else torch.device("cpu"))
+    if device is not None:
+        dev = torch.device(device)
+    elif provider == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    elif provider == "auto":  # as DeepGEMM is called (no device): the current GPU with NCCL groups, else CPU
+        from .backends.symm import _default_device
+        dev = _default_device(group)
+    else:
+        dev = torch.device("cpu")
     if num_programs is None:
         num_programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" \
             else CPU_PROGRAMS
