@@ -9,7 +9,7 @@ import torch
 
 import eplb
 from eplb.dispatch import POLICIES
-from moe_ep.testing.sm90 import compile_in_subprocess
+from moe_ep.testing.sm90 import REPORT_PROLOGUE, compile_in_subprocess
 
 
 def _case(seed):
@@ -47,15 +47,8 @@ def test_kernel_seed_tensor_and_width():
     assert torch.equal(a, b)
 
 
-SCRIPT = r'''
-import importlib.util, json, os, sys
-import eplb
+SCRIPT = REPORT_PROLOGUE + r'''
 from eplb.kernels import sm90_cases
-root = os.path.dirname(os.path.dirname(os.path.abspath(eplb.__file__)))
-spec = importlib.util.spec_from_file_location("sm90_report", os.path.join(root, "perf", "sm90_report.py"))
-report = importlib.util.module_from_spec(spec)
-sys.modules["sm90_report"] = report
-spec.loader.exec_module(report)
 out = []
 for c in sm90_cases():
     row = report.compile_report(c["kernel"], c["signature"], c["constexprs"], c["num_warps"], c["num_stages"],

@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from moe_ep.testing.sm90 import compile_in_subprocess
+from moe_ep.testing.sm90 import REPORT_PROLOGUE, compile_in_subprocess
 
-SCRIPT = r'''
-import importlib.util, json, os, re, sys
-import moe_ep
+SCRIPT = REPORT_PROLOGUE + r'''
 from moe_ep.kernels.mega_moe import sm90_cases
-
-root = os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__)))
-spec = importlib.util.spec_from_file_location("sm90_report", os.path.join(root, "perf", "sm90_report.py"))
-report = importlib.util.module_from_spec(spec)
-sys.modules["sm90_report"] = report
-spec.loader.exec_module(report)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton

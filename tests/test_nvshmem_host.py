@@ -8,6 +8,7 @@ import pytest
 
 from moe_ep import nvshmem
 from moe_ep.nvshmem import NvshmemUnavailableError
+from moe_ep.testing.sm90 import REPORT_PROLOGUE
 
 # the real checks (fixtures below replace them on the module)
 _real_check_driver = nvshmem.check_driver
@@ -599,17 +600,11 @@ def test_sm90_thread_scoped_put_signal_is_flagged(tiny):
 
 
 # ---------------------------------------------------------------------------------------------- report rows
-REPORT = r'''
-import contextlib, importlib.util, io, json, os, sys
-import moe_ep
-path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__))), "perf", "sm90_report.py")
-spec = importlib.util.spec_from_file_location("sm90_report", path)
-mod = importlib.util.module_from_spec(spec)
-sys.modules["sm90_report"] = mod
-spec.loader.exec_module(mod)
+REPORT = REPORT_PROLOGUE + r'''
+import contextlib, io
 table = io.StringIO()
 with contextlib.redirect_stdout(table):
-    rows = mod.main(json.loads(sys.argv[1]))
+    rows = report.main(json.loads(sys.argv[1]))
 print(json.dumps({"rows": rows, "table": table.getvalue()}))
 '''
 

@@ -15,7 +15,20 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["compile_in_subprocess"]
+__all__ = ["compile_in_subprocess", "REPORT_PROLOGUE"]
+
+#: Start of a compile script that needs ``perf/sm90_report.py`` (the checkout's, next to the ``moe_ep`` package):
+#: imports it as ``report`` (registered in ``sys.modules``: its dataclasses look their module up), plus ``json``,
+#: ``os``, ``re`` and ``sys``.
+REPORT_PROLOGUE = r'''
+import importlib.util, json, os, re, sys
+import moe_ep
+_root = os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__)))
+_spec = importlib.util.spec_from_file_location("sm90_report", os.path.join(_root, "perf", "sm90_report.py"))
+report = importlib.util.module_from_spec(_spec)
+sys.modules["sm90_report"] = report
+_spec.loader.exec_module(report)
+'''
 
 
 def compile_in_subprocess(script: str, cases: Any, what: str, timeout_s: float = 300.0) -> Any:
