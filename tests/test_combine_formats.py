@@ -148,8 +148,10 @@ def test_buffer_combine_formats(backend, world):
 
 
 # ---------------------------------------------------------------------- NaN / inf through the kernels
+@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
 @pytest.mark.parametrize("fmt", [FMT_BF16, FMT_FP16, FMT_FP8, FMT_LOGFMT])
-def test_virtual_ll_nan_inf_positions(fmt):
+def test_virtual_ll_nan_inf_positions(fmt, transport):
+    from moe_ep.backends.nvshmem import nvshmem_ll_size_hint, virtual_nvshmem_paths
     from moe_ep.backends.symm_ll import SymmLowLatency, virtual_low_latency_step
     from moe_ep.symm import create_virtual_symm_buffers
 
@@ -157,9 +159,12 @@ def test_virtual_ll_nan_inf_positions(fmt):
     dt = torch.float16 if fmt == FMT_FP16 else torch.bfloat16
     inputs = make_all_inputs(world, n, H, E, K, 5, "random")
     xs, idxs, ws = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
-    bufs = create_virtual_symm_buffers(world, SymmLowLatency.size_hint(T, H, world, E, K),
-                                       SymmLowLatency.num_signals(world), device=torch.device("cpu"), timeout_s=10)
-    paths = [SymmLowLatency(b, owner=1) for b in bufs]
+    if transport == "symm":
+        bufs = create_virtual_symm_buffers(world, SymmLowLatency.size_hint(T, H, world, E, K),
+                                           SymmLowLatency.num_signals(world), device=torch.device("cpu"), timeout_s=10)
+        paths = [SymmLowLatency(b, owner=1) for b in bufs]
+    else:  # encoded rows staged, then put (emulated NVSHMEM) into the source's combine slots
+        paths = virtual_nvshmem_paths(world, nvshmem_ll_size_hint(T, H, world, E, K), owner=1, timeout_s=10)
     ys = {}
 
     def expert_fn(r, res):

@@ -91,7 +91,12 @@ def _check_combine(rank, out, ys, idxs, ws, T, E):
                          f"rank {rank} combined_x")
 
 
-def _virtual(world, T, hidden, E, K, timeout_s=10.0):
+def _virtual(world, T, hidden, E, K, timeout_s=10.0, transport="symm"):
+    if transport == "nvshmem":  # every peer remote: emulated NVSHMEM puts (CPU only)
+        from moe_ep.backends.nvshmem import nvshmem_ll_size_hint, virtual_nvshmem_paths
+
+        paths = virtual_nvshmem_paths(world, nvshmem_ll_size_hint(T, hidden, world, E, K), owner=7, timeout_s=timeout_s)
+        return [p.symm for p in paths], paths
     nbytes = SymmLowLatency.size_hint(T, hidden, world, E, K)
     bufs = create_virtual_symm_buffers(world, nbytes, SymmLowLatency.num_signals(world), device=DEV, timeout_s=timeout_s)
     return bufs, [SymmLowLatency(b, owner=7) for b in bufs]
@@ -114,10 +119,12 @@ VIRTUAL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("transport", ["symm", pytest.param("nvshmem", marks=pytest.mark.skipif(
+    DEV.type != "cpu", reason="the emulated NVSHMEM calls run under the interpreter"))])
 @pytest.mark.parametrize("world,n,hidden,E,K,T,routing,fmts", VIRTUAL_CASES,
                          ids=[f"R{c[0]}-N{c[1]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[6]}" for c in VIRTUAL_CASES])
-def test_virtual_ranks_steps(world, n, hidden, E, K, T, routing, fmts):
-    bufs, paths = _virtual(world, T, hidden, E, K)
+def test_virtual_ranks_steps(world, n, hidden, E, K, T, routing, fmts, transport):
+    bufs, paths = _virtual(world, T, hidden, E, K, transport=transport)
     L = E // world
     stats = [torch.zeros(L, dtype=torch.int32, device=DEV) for _ in range(world)]
     expected_stats = [torch.zeros(L, dtype=torch.int32) for _ in range(world)]

@@ -32,7 +32,7 @@ from ..kernels.pdl import INTERPRET
 from ..symm import create_symm_buffer
 from .symm import SymmBackend, _default_device
 
-__all__ = ["NvshmemBackend", "nvshmem_ll_size_hint"]
+__all__ = ["NvshmemBackend", "nvshmem_ll_size_hint", "virtual_nvshmem_paths"]
 
 NVSHMEM_TRANSPORT = 1
 
@@ -62,6 +62,31 @@ def _emulated_heap(group, rank: int, world_size: int, nbytes: int, num_signals: 
     buf.signal_ptrs = torch.where(keep, buf.signal_ptrs, torch.zeros_like(buf.signal_ptrs))
     buf._nvshmem_heap_base = peers[rank]
     return buf
+
+
+def virtual_nvshmem_paths(world_size: int, num_rdma_bytes: int, *, ranks_per_node: int = 1, owner: int = 0,
+                          timeout_s: float = 60.0) -> list:
+    """``world_size`` virtual ranks in this process (CPU, Triton interpreter) whose low-latency paths run the NVSHMEM
+    transport over the emulated calls (eager order: one process cannot tell one virtual PE's ``quiet`` from another's).
+    Peers outside a rank's ``ranks_per_node`` group are reached by emulated puts. Returns one
+    :class:`~moe_ep.backends.symm_ll.SymmLowLatency` per rank (phases as in ``virtual_low_latency_step``)."""
+    from ..kernels import nvshmem_device
+    from ..symm import create_virtual_symm_buffers
+    from .symm_ll import SymmLowLatency
+
+    num_signals = SymmLowLatency.num_signals(world_size)
+    bufs = create_virtual_symm_buffers(world_size, num_rdma_bytes, num_signals, device=torch.device("cpu"),
+                                       timeout_s=timeout_s)
+    bases = [int(b.buffer_ptrs[b.rank].item()) for b in bufs]
+    paths = []
+    for b in bufs:
+        span = int(b.signal_ptrs[b.rank].item()) - bases[b.rank] + 4 * num_signals
+        nvshmem_device.register_heap(bases[b.rank], span, bases)
+        keep = torch.tensor([r // ranks_per_node == b.rank // ranks_per_node for r in range(world_size)])
+        b.buffer_ptrs = torch.where(keep, b.buffer_ptrs, torch.zeros_like(b.buffer_ptrs))
+        b.signal_ptrs = torch.where(keep, b.signal_ptrs, torch.zeros_like(b.signal_ptrs))
+        paths.append(SymmLowLatency(b, owner, transport=NVSHMEM_TRANSPORT))
+    return paths
 
 
 class NvshmemBackend(SymmBackend):

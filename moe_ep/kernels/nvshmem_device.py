@@ -53,9 +53,11 @@ _ORDER = ["eager"]
 
 def register_heap(local_base: int, nbytes: int, peer_bases: list) -> None:
     """Make ``[local_base, local_base + nbytes)`` a symmetric heap for the emulation: address ``local_base + o`` names
-    offset ``o`` of every rank's region, and ``peer_bases[r] + o`` is where rank ``r``'s copy is mapped here."""
-    unregister_heap(local_base)
-    _HEAPS.append((int(local_base), int(nbytes), [int(b) for b in peer_bases]))
+    offset ``o`` of every rank's region, and ``peer_bases[r] + o`` is where rank ``r``'s copy is mapped here. A heap
+    registered earlier over any of these addresses is dropped (its memory was freed and reused)."""
+    lo, hi = int(local_base), int(local_base) + int(nbytes)
+    _HEAPS[:] = [h for h in _HEAPS if h[0] + h[1] <= lo or h[0] >= hi]
+    _HEAPS.append((lo, int(nbytes), [int(b) for b in peer_bases]))
 
 
 def unregister_heap(local_base: int) -> None:
