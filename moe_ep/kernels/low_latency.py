@@ -1,12 +1,15 @@
-"""Low-latency (decode) dispatch / combine kernels of the ``symm`` backend, over peer-pointer tables.
+"""Low-latency (decode) dispatch / combine kernels of the ``symm`` and ``nvshmem`` backends.
 
-Four launches, each one *phase* of the signalling protocol (a launch only waits on signals written by
-earlier launches, DESIGN.md "Phase rule"):
+Written once for both transports (``TRANSPORT``: peer-pointer stores, or NVSHMEM puts from this rank's own
+symmetric memory; every difference lives in :mod:`moe_ep.kernels.transport`). Four launches, each one *phase* of
+the signalling protocol (a launch only waits on signals written by earlier launches, DESIGN.md "Phase rule"),
+plus, on the NVSHMEM transport, :func:`_ll_release_kernel` after each receive (so the receives link no NVSHMEM code):
 
 - :func:`_ll_dispatch_send_kernel` (source rank ``s``): casts BF16 tokens to FP8 (1x128 groups, numerics
   of :mod:`moe_ep.kernels.fp8_cast`, bitwise equal to :mod:`moe_ep.fp8`) and writes each token ONCE per
   destination rank (not per expert) into slot ``(s, t)`` of that rank's message area, with a header
-  holding the token's top-k experts and, per k, its position among ``s``'s tokens of that expert;
+  holding the token's top-k experts (+1; 0 = none) and, per k, its position among ``s``'s tokens of that expert
+  (only ranks that hold one of its experts get the message; a receiver clears the headers it read);
   extra "count" programs write ``s``'s per-expert token counts into each destination's count table.
 - :func:`_ll_dispatch_recv_kernel` (destination ``d``): places row ``(s, t, k)`` of local expert ``e`` at
   ``sum_{s' < s} count[s'][e] + pos`` of ``recv_x[e]`` (source rank, then token order: the masked
