@@ -78,7 +78,8 @@ class _Layout:
 
 
 def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _Layout:
-    # One slot of a rank's data region (NUM_SLOTS of them, each at ``slot * (nbytes // NUM_SLOTS)``):
+    # One slot of a rank's data region (NUM_SLOTS of them, each at ``slot * _slot_span``: the data region less the
+    # nvshmem staging area, halved):
     #
     #   cnt_off   [R, L] int32                  count[s][e]: tokens of source s for local expert e   4 * E
     #   msg_off   [R, T, msg] uint8             message of source s's token t (slot fixed by t)       R * T * msg
@@ -271,7 +272,7 @@ class SymmLowLatency:
                 f"{lay.slot_bytes} bytes per buffer slot (plus {lay.stage_bytes} bytes of staging) but the "
                 f"low-latency buffer has {have} per slot "
                 f"(num_rdma_bytes={self.symm.nbytes}); use num_rdma_bytes >= {need} "
-                f"(SymmBackend.get_low_latency_size_hint)")
+                f"({'NvshmemBackend' if self.transport else 'SymmBackend'}.get_low_latency_size_hint)")
         need_sig = self.num_signals(R)
         if self.symm.num_signals < need_sig:
             raise ValueError(f"{what}: the symmetric buffer has {self.symm.num_signals} signal words, needs {need_sig}")
