@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .low_latency import _bf16_bits
+from .low_latency_common import _bf16_bits
 
 __all__ = ["grouped_fp8_gemm_kernel", "prefetch_l2"]
 

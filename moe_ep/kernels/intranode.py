@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .logfmt import e4m3_decode, fp16_bits
-from .low_latency import _bf16_bits, _signature_differs, _status_ok
+from .low_latency_common import _bf16_bits, _signature_differs, _status_ok
 from .signals import report_error, arrive_last, signal_release, wait_ne
 
 __all__ = ["signal_layout", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",

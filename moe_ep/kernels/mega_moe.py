@@ -53,7 +53,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .low_latency import _bf16_bits, _peer, _quant_groups
+from .low_latency import _quant_groups
+from .low_latency_common import _bf16_bits
+from .transport import peer_ptr as _peer
 from .signals import STATUS_BAD_EXPERT, STATUS_REPEATED_EXPERT, arrive_last, report_error, signal_release, wait_ne
 
 __all__ = ["launch_warps", "mega_moe_kernel", "signal_layout", "sm90_cases"]

@@ -1,0 +1,333 @@
+"""Low-latency combine kernels (send: expert rows back to their sources' slots; receive: the weighted sum), both
+transports; the protocol is described in :mod:`moe_ep.kernels.low_latency`, which re-exports these kernels."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .logfmt import e4m3_decode, fp8_encode_groups, fp16_bits, logfmt_decode_values, logfmt_encode_groups
+from .low_latency_common import (
+    _bf16_bits,
+    _clear_signature,
+    _comb_sig_word,
+    _live,
+    _live_like,
+    _signature_differs,
+    _status_ok,
+    _wait,
+)
+from .nvshmem_device import quiet
+from .signals import arrive_last, now_ns, report_error, signal_release
+from .transport import NVSHMEM, PEER, publish, xfer
+from .transport import peer_ptr as _peer
+
+__all__ = ["_ll_combine_send_kernel", "_ll_combine_recv_kernel", "_ll_combine_send_fmt_kernel",
+           "_ll_combine_recv_fmt_kernel"]
+# The BF16 kernels keep their signatures (callers and compile checks pin them); the ``*_fmt_kernel`` variants take
+# the combine format as constexprs (FMT, IN_F16 / OUT_F16, NATIVE_FP8); both are thin wrappers over one body.
+
+
+@triton.jit
+def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT,
+                          H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+                          FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, GS: tl.constexpr,
+                          STAGED: tl.constexpr):
+    """Encode the rows of (t, k) selections (16-bit ``x`` as int16) into slot ``(t, k)`` of ``dst8`` (``GS``: channels
+    per group, 128 for FP8, 64 for LogFMT); ``STAGED``: into the staging row of the expert row instead (``2H`` bytes
+    per row of ``x``'s ``[L, R*T]`` rows)."""
+    NG: tl.constexpr = HC // GS
+    dst32 = dst8.to(tl.pointer_type(tl.int32), bitcast=True)
+    offs_c = tl.arange(0, GS)
+    for k in tl.static_range(K):
+        src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+        v_ok = src >= 0
+        e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
+        r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
+        if STAGED:
+            sb = (e_k * RT + r_k) * (2 * H)  # byte offset of the expert row's staging row
+        else:
+            sb = (offs_t.to(tl.int64) * K + k) * (2 * H)  # byte offset of slot (t, k)
+        for g0 in range(0, H // GS, NG):
+            offs_g = g0 + tl.arange(0, NG)
+            g_ok = offs_g < H // GS
+            cols = offs_g[:, None] * GS + offs_c[None, :]
+            m3 = v_ok[:, None, None] & g_ok[None, :, None]
+            raw = tl.load(x_ptr + (e_k * stride_xl + r_k * stride_xr)[:, None, None] + cols[None, :, :], mask=m3,
+                          other=0)
+            if IN_F16:
+                y = raw.to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                y = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            m2 = v_ok[:, None] & g_ok[None, :]
+            if FMT == 2:
+                q, scale = fp8_encode_groups(y, NATIVE_FP8)
+                tl.store(dst8 + sb[:, None, None] + cols[None, :, :], q, mask=m3)
+                tl.store(dst32.to(tl.pointer_type(tl.float32), bitcast=True) + ((sb + H) // 4)[:, None] + offs_g[None, :],
+                         scale, mask=m2)
+            else:
+                code, lo, step = logfmt_encode_groups(y)
+                tl.store(dst8 + sb[:, None, None] + cols[None, :, :], (code & 0xFF).to(tl.uint8), mask=m3)
+                c4 = tl.reshape((code >> 8) & 3, [BLOCK_T, NG, GS // 4, 4])
+                sh = (tl.arange(0, 4) * 2)[None, None, None, :]
+                hb = tl.sum(c4 << sh, axis=3).to(tl.uint8)  # disjoint bits: the sum is an OR
+                offs_q = tl.arange(0, GS // 4)
+                tl.store(dst8 + (sb + H)[:, None, None] + (offs_g[:, None] * (GS // 4) + offs_q[None, :])[None, :, :],
+                         hb, mask=m3)
+                w0 = (sb + H + H // 4) // 4
+                tl.store(dst32 + w0[:, None] + offs_g[None, :], lo, mask=m2)
+                tl.store(dst32 + (w0 + H // 64)[:, None] + offs_g[None, :], step, mask=m2)
+
+
+@triton.jit
+def _comb_send_body_ll(
+    x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
+    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, T, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    stage_off, TRANSPORT: tl.constexpr, CH: tl.constexpr, ROW_BYTES: tl.constexpr,
+):
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
+
+    # Step 1: source s has drained its combine area (it reset our busy word).
+    _wait(my_sig + COMB_BUSY + 2 * s, 1, status_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R)
+    tl.debug_barrier()
+
+    # Step 2: rows of (s, t, k) selections that this rank's experts computed -> slot (t, k) on s.
+    RT = R * T
+    n_s = tl.load(recv_tokens_ptr + s)
+    kk = tl.arange(0, KP)
+    offs_t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t) & _live_like(status_ptr, rank, s, offs_t)
+    slot = tl.load(slot_row_ptr + (s * T + offs_t)[:, None] * K + kk[None, :], mask=t_ok[:, None] & (kk < K)[None, :],
+                   other=-1)
+    # NVSHMEM: every row is written to this rank's staging row of its expert row first (step 2b moves it).
+    if TRANSPORT == PEER:
+        dst_rank = s
+        dst_off = comb_off
+    else:
+        dst_rank = rank
+        dst_off = stage_off
+    if FMT < 2:
+        # BF16 / FP16: the 16-bit rows as they are.
+        dst16 = _peer(buffer_ptrs, dst_rank, dst_off, tl.int16)
+        for h0 in range(0, H, HC):
+            offs_h = h0 + tl.arange(0, HC)
+            h_ok = offs_h < H
+            for k in tl.static_range(K):
+                src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+                v_ok = src >= 0
+                e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
+                r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
+                m = v_ok[:, None] & h_ok[None, :]
+                y = tl.load(x_ptr + (e_k * stride_xl + r_k * stride_xr)[:, None] + offs_h[None, :], mask=m)
+                if TRANSPORT == PEER:
+                    at = offs_t.to(tl.int64) * K + k
+                else:
+                    at = e_k * RT + r_k
+                tl.store(dst16 + at[:, None] * H + offs_h[None, :], y, mask=m)
+    else:
+        # FP8 / LogFMT: encode per channel group inside the send (formats: moe_ep.kernels.logfmt); slot (t, k)
+        # keeps its 2H bytes, the encoded row uses the first row_bytes(FMT, H) of them.
+        dst8 = _peer(buffer_ptrs, dst_rank, dst_off, tl.uint8)
+        if FMT == 2:
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+                                  NATIVE_FP8, 128, TRANSPORT == NVSHMEM)
+        else:
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+                                  NATIVE_FP8, 64, TRANSPORT == NVSHMEM)
+    if TRANSPORT == NVSHMEM:
+        # Step 2b: each staged row (its wire bytes) to slot (t, k) of source s.
+        tl.debug_barrier()
+        for i in range(BLOCK_T):
+            t = b * BLOCK_T + i
+            if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
+                for k in tl.static_range(K):
+                    src = tl.load(slot_row_ptr + (s * T + t) * K + k)
+                    if src >= 0:
+                        xfer(buffer_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * (2 * H),
+                             stage_off + src.to(tl.int64) * (2 * H), ROW_BYTES, CH)
+
+    # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s (NVSHMEM: after every
+    # program's puts are complete).
+    if TRANSPORT == NVSHMEM:
+        quiet()
+    tl.debug_barrier()
+    if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
+        if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
+            tl.atomic_xchg(my_sig + COMB_BUSY + 2 * s, 1, sem="relaxed", scope="sys")
+            publish(signal_ptrs, rank, s, sig_off, _comb_sig_word(R), COMB_FULL + 2 * rank, 1, TRANSPORT)
+
+
+@triton.jit
+def _comb_recv_body_ll(
+    buf_ptr,  # this rank's data region (uint8)
+    topk_ptr, w_ptr,  # [N, K] int64 / float32
+    out_ptr,  # [N, H] bf16 as int16
+    signal_ptrs, status_ptr,
+    wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
+    rank, N, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr, TRANSPORT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    num_progs = tl.num_programs(0) * tl.num_programs(1)
+    my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
+
+    # Step 1: every expert rank has published its outputs for us (program (0, 0) reports, per rank, how
+    # long it waited from its start until that rank had published).
+    if HAS_WAIT_STATS:
+        t_start = now_ns()
+    for d in range(R):
+        _wait(my_sig + COMB_FULL + 2 * d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
+        if HAS_WAIT_STATS:
+            if (pid_t == 0) & (pid_h == 0):
+                tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+    # An expert rank that combined a different call (hidden, T, experts, top-k, format) sets the status word
+    # (the output below is then NaN, and the host raises naming it).
+    for d in range(R):
+        if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
+            if _signature_differs(my_sig, _comb_sig_word(R), rank, d):
+                report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
+
+    # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
+    # NOTES: launched with enable_fp_fusion=False: an FMA of w * y + acc would round differently.
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < N
+    ok = _status_ok(status_ptr, offs_t)
+    offs_h = pid_h * HC + tl.arange(0, HC)
+    h_ok = offs_h < H
+    if FMT == 1:
+        comb = buf_ptr.to(tl.pointer_type(tl.float16), bitcast=True) + comb_off // 2
+    else:
+        comb = buf_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True) + comb_off // 2
+    comb8 = buf_ptr + comb_off
+    comb32 = comb8.to(tl.pointer_type(tl.int32), bitcast=True)
+    acc = tl.zeros([BLOCK_T, HC], dtype=tl.float32)
+    # NOTES: selections of experts on masked ranks arrive as -1 holes (SymmLowLatency.combine_recv rewrites
+    # topk_idx with the mask before the launch: a per-k mask load here made the FP8 build spill).
+    for k in tl.static_range(K):
+        e_k = tl.load(topk_ptr + offs_t * K + k, mask=t_ok, other=-1)
+        w_k = tl.load(w_ptr + offs_t * K + k, mask=t_ok, other=0.0)
+        v_k = (e_k >= 0) & t_ok
+        m = (v_k & ok)[:, None] & h_ok[None, :]
+        if FMT < 2:
+            y = tl.load(comb + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :], mask=m,
+                        other=0.0).to(tl.float32)
+        else:
+            sb = (offs_t.to(tl.int64) * K + k) * (2 * H)  # byte offset of slot (t, k)
+            b = tl.load(comb8 + sb[:, None] + offs_h[None, :], mask=m, other=0)
+            if FMT == 2:
+                sc = tl.load(comb32.to(tl.pointer_type(tl.float32), bitcast=True) + ((sb + H) // 4)[:, None]
+                             + (offs_h // 128)[None, :], mask=m, other=0.0)
+                y = e4m3_decode(b) * sc
+            else:
+                hb = tl.load(comb8 + (sb + H)[:, None] + (offs_h // 4)[None, :], mask=m, other=0).to(tl.int32)
+                code = b.to(tl.int32) | (((hb >> ((offs_h % 4) * 2)[None, :]) & 3) << 8)
+                w0 = (sb + H + H // 4) // 4
+                lo = tl.load(comb32 + w0[:, None] + (offs_h // 64)[None, :], mask=m, other=0)
+                st = tl.load(comb32 + (w0 + H // 64)[:, None] + (offs_h // 64)[None, :], mask=m, other=0)
+                y = logfmt_decode_values(code, lo, st)
+        acc += tl.where(v_k[:, None], w_k[:, None] * y, 0.0)
+    # A timed-out wait (now or earlier: the status word stays set) poisons the output with NaN, never
+    # plausible zeros: inside a replayed CUDA graph no exception can say so.
+    acc = tl.where(ok[:, None], acc, float("nan"))
+    if OUT_F16:
+        bits = fp16_bits(acc)
+    else:
+        bits = _bf16_bits(acc)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], bits, mask=t_ok[:, None] & h_ok[None, :])
+
+    # Step 3: the last program resets the full words and frees our area on every expert rank.
+    tl.debug_barrier()
+    if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
+        for d in range(R):
+            tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
+            if tl.load(status_ptr, volatile=True) == 0:
+                _clear_signature(my_sig, _comb_sig_word(R), d)
+        if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
+            for d in range(R):
+                if _live(status_ptr, rank, d):
+                    signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + 2 * rank, 0)
+
+
+@triton.jit
+def _ll_combine_send_kernel(
+    x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
+    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, T, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+):
+    """BF16 payloads: see :func:`_comb_send_body_ll`."""
+    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
+                       status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
+                       COMB_FULL, COMB_SEND_CNT, 0, False, False, 0, 0, 1, 2 * H)
+
+
+@triton.jit
+def _ll_combine_send_fmt_kernel(
+    x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
+    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    buffer_ptrs, signal_ptrs, status_ptr,
+    rank, T, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+    FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    stage_off=0,  # bytes: [L * R*T, 2H] combine staging (TRANSPORT == NVSHMEM)
+    TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024, ROW_BYTES: tl.constexpr = 0,  # ROW_BYTES: wire bytes per row
+):
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_send_body_ll`."""
+    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
+                       status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
+                       COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8, stage_off, TRANSPORT, CH, ROW_BYTES)
+
+
+@triton.jit
+def _ll_combine_recv_kernel(
+    buf_ptr,  # this rank's data region (uint8)
+    topk_ptr, w_ptr,  # [N, K] int64 / float32
+    out_ptr,  # [N, H] bf16 as int16
+    signal_ptrs, status_ptr,
+    wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
+    rank, N, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
+):
+    """BF16 payloads: see :func:`_comb_recv_body_ll`."""
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
+                       R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+                       COMB_RECV_CNT, 0, False, 0)
+
+
+@triton.jit
+def _ll_combine_recv_fmt_kernel(
+    buf_ptr,  # this rank's data region (uint8)
+    topk_ptr, w_ptr,  # [N, K] int64 / float32
+    out_ptr,  # [N, H] bf16 as int16
+    signal_ptrs, status_ptr,
+    wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
+    rank, N, R, timeout_ns,
+    comb_off, sig_off,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
+    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
+    FMT: tl.constexpr, OUT_F16: tl.constexpr, TRANSPORT: tl.constexpr = 0,
+):
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_recv_body_ll`."""
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
+                       R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+                       COMB_RECV_CNT, FMT, OUT_F16, TRANSPORT)

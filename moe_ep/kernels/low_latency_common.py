@@ -1,0 +1,151 @@
+"""Shared pieces of the low-latency kernels (:mod:`moe_ep.kernels.low_latency` for dispatch,
+:mod:`moe_ep.kernels.low_latency_combine` for combine): the signal layout of one double-buffer slot, the call
+signature words, the rank-mask and status helpers, the bounded wait and the BF16 rounding."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .signals import (
+    STATUS_MASK,
+    STATUS_SHRINK,
+    peer_masked,
+    wait_ne,
+    wait_ne_masked,
+)
+from .transport import peer_ptr as _peer
+
+__all__ = ["GROUP", "SIG_WORDS", "signal_layout"]
+
+GROUP = tl.constexpr(128)
+
+
+SIG_WORDS = 4  # call signature words: hidden, T, E * 256 + K, kind and format flags
+
+
+def signal_layout(world_size: int) -> dict:
+    """Word offsets (inside one double-buffer slot) of the signal arrays, and the slot's size.
+
+    The four arrays that peers write (``DISP_FULL``, ``DISP_BUSY``, ``COMB_FULL``, ``COMB_BUSY``) hold one 64-bit,
+    8-byte aligned word per rank (entry ``r`` at word ``X + 2 r``): NVSHMEM's signal words are 64-bit
+    (``nvshmemx_putmem_signal_nbi_block`` sets all of it); kernels read and write the low 32 bits (little endian,
+    values < 2**31, the high half stays 0). ``SCRATCH + 2 r``: where rank ``r``'s bare signals (no payload of their
+    own) put their 8 dummy bytes on the ``nvshmem`` transport."""
+    R = world_size
+    lay = {"DISP_FULL": 0, "DISP_BUSY": 2 * R, "COMB_FULL": 4 * R, "COMB_BUSY": 6 * R, "COMB_SEND_CNT": 8 * R,
+           "DISP_SEND_CNT": 9 * R, "DISP_RECV_CNT": 9 * R + 1, "COMB_RECV_CNT": 9 * R + 2,
+           "HEARTBEAT": 9 * R + 3,  # kernels compute it as _hb_word(R)
+           "SCRATCH": (9 * R + 5) // 2 * 2,
+           # call signatures (SIG_WORDS words per rank; kernels compute the offsets as below): entry r on a
+           # receiver holds what rank r called; the entry of the receiver itself holds its own call
+           "DISP_SIG": (9 * R + 5) // 2 * 2 + 2 * R}
+    lay["COMB_SIG"] = lay["DISP_SIG"] + SIG_WORDS * R  # (the jit twins below compute the same offsets)
+    lay["SLOT_WORDS"] = (lay["COMB_SIG"] + SIG_WORDS * R + 7) // 8 * 8
+    return lay
+
+
+@triton.jit
+def _hb_word(R):
+    """Word of this rank's heartbeat inside a slot (``signal_layout``'s ``HEARTBEAT``)."""
+    return 9 * R + 3
+
+
+@triton.jit
+def _scratch_word(R):
+    """First word of the dummy-payload area (``SCRATCH``): 8-byte aligned, 2 words per rank."""
+    return (9 * R + 4 + 1) // 2 * 2
+
+
+@triton.jit
+def _disp_sig_word(R):
+    """First word of the dispatch call signatures (``DISP_SIG``)."""
+    return (9 * R + 4 + 1) // 2 * 2 + 2 * R
+
+
+@triton.jit
+def _comb_sig_word(R):
+    """First word of the combine call signatures (``COMB_SIG``)."""
+    return (9 * R + 4 + 1) // 2 * 2 + 2 * R + 4 * R  # SIG_WORDS = 4
+
+
+@triton.jit
+def _clear_signature(my_sig, base, r):
+    """Zero entry ``r`` of a signature area (idle signal words are all zero between calls). Only the
+    caller decides when: after an error the entries stay, so the host can name the fields that differ."""
+    for w in tl.static_range(4):
+        tl.store(my_sig + base + 4 * r + w, 0)
+
+
+@triton.jit
+def _signature_differs(my_sig, base, rank, src):
+    """Whether source ``src``'s published call signature differs from this rank's (after the FULL acquire)."""
+    diff = tl.full([], 0, tl.int32)
+    for w in tl.static_range(4):
+        a = tl.load(my_sig + base + 4 * src + w, volatile=True)
+        b = tl.load(my_sig + base + 4 * rank + w, volatile=True)
+        diff = diff | (a != b).to(tl.int32)
+    return diff != 0
+
+
+@triton.jit
+def _status_ok(status_ptr, like):
+    """Bool tensor shaped like the int tensor ``like``: no wait of this rank has timed out.
+
+    NOTES: built by broadcasting an int and comparing: in the interpreter a scalar compare ANDed with a
+    bool block gives an int32 block that ``tl.store`` refuses as a mask."""
+    return (like * 0 + tl.load(status_ptr, volatile=True)) == 0
+
+
+# Rank mask (enable_shrink): it lives in this rank's local ``status`` tensor (:class:`moe_ep.symm.SymmBuffer`):
+# word ``STATUS_SHRINK`` = 1 turns masked waits on, words ``STATUS_MASK + r`` = rank r's EFFECTIVE mask for this rank
+# (0 live, nonzero masked; a self-masked rank has every other word set, its own word is never set; the host folds
+# that in). Read at run time (no extra kernel argument); without enable_shrink the words stay 0.
+@triton.jit
+def _live(status_ptr, rank, peer):
+    """Scalar bool: ``peer`` is not masked for this rank (always true without enable_shrink)."""
+    return peer_masked(status_ptr + STATUS_MASK, rank, peer) == 0
+
+
+@triton.jit
+def _live_like(status_ptr, rank, peer, like):
+    """``_live`` broadcast to a bool tensor shaped like the int tensor ``like`` (see ``_status_ok``)."""
+    return (like * 0 + _live(status_ptr, rank, peer).to(tl.int32)) != 0
+
+
+@triton.jit
+def _live_vec(status_ptr, rank, peers, R):
+    """Bool tensor: each rank of the int tensor ``peers`` (in ``[0, R)``) is not masked for this rank."""
+    m = tl.load(status_ptr + STATUS_MASK + peers, mask=(peers >= 0) & (peers < R), other=0, volatile=True)
+    return m == 0
+
+
+@triton.jit
+def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_off, R):
+    """``wait_ne``, or with enable_shrink ``wait_ne_masked``: skip masked peers, mask on timeout (the heartbeat
+    words are word ``_hb_word(R)`` of this slot, :func:`signal_layout`)."""
+    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+        hb = sig_off + _hb_word(R)
+        # A peer with no load/store mapping (table entry 0: the nvshmem transport across nodes) has no readable
+        # heartbeat: its own word is read instead, which never changes (plain timeout).
+        peer_base = tl.load(signal_ptrs + peer)
+        peer_base = tl.where(peer_base != 0, peer_base, tl.load(signal_ptrs + rank))
+        v = wait_ne_masked(sig_ptr, value, status_ptr, status_ptr + STATUS_MASK, rank, peer, timeout_ns,
+                           _peer(signal_ptrs, rank, 0, tl.int32) + hb,
+                           tl.multiple_of(peer_base.to(tl.pointer_type(tl.int32)), 16) + hb)
+    else:
+        v = wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns)
+    return v
+
+
+@triton.jit
+def _bf16_bits(v):
+    """float32 -> bfloat16 bit pattern (int16), round to nearest even; NaN -> 0x7FFF.
+
+    NOTES: the interpreter's ``.to(tl.bfloat16)`` truncates; integer rounding gives torch's bits on every
+    backend. NaN becomes the canonical 0x7FFF of ``cvt.rn.bf16.f32`` (torch's CUDA cast); torch's CPU cast
+    gives 0xFFFF or 0x7FC0 depending on its code path, so NaN payloads are not part of the contract."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, 0x7FFF, rounded).to(tl.int16)
