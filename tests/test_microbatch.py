@@ -154,10 +154,16 @@ def _rank_layer(rank, world, kind, mode, n):
 
         buf = moe_ep.Buffer(None, low_latency_mode=True, backend="symm", timeout_s=60,
                             num_rdma_bytes=SymmBackend.get_low_latency_size_hint(n, H, world, E, K))
+    elif kind == "ll-nvshmem":  # the same over the (emulated) NVSHMEM transport
+        from moe_ep.backends.nvshmem import NvshmemBackend
+
+        buf = moe_ep.Buffer(None, 0, NvshmemBackend.get_low_latency_size_hint(n, H, world, E, K), True,
+                            backend="nvshmem", timeout_s=60)
     else:
         buf = moe_ep.Buffer(None, low_latency_mode=kind == "ll", backend="torch", timeout_s=60)
     comm = {"ll": lambda: LowLatencyCommunicator(buf, n, E),
             "ll-symm": lambda: LowLatencyCommunicator(buf, n, E),
+            "ll-nvshmem": lambda: LowLatencyCommunicator(buf, n, E),
             "normal": lambda: NormalCommunicator(buf, E),
             "a2a": lambda: TorchA2ACommunicator(buf, E)}[kind]()
     ops = moe_layer_schedule(comm, mode=mode, **_compute(_weights(), rank, world))
@@ -173,7 +179,7 @@ def _rank_layer(rank, world, kind, mode, n):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run Triton kernels in the interpreter")
 @pytest.mark.parametrize("world,kind,mode", [(2, "ll", "decode"), (2, "normal", "prefill"), (2, "a2a", "prefill"),
                                              (4, "ll", "prefill"), (4, "normal", "decode"), (2, "ll-symm", "decode"),
-                                             (4, "ll-symm", "prefill")])
+                                             (4, "ll-symm", "prefill"), (2, "ll-nvshmem", "decode")])
 def test_two_microbatches_equal_one_batch(world, kind, mode):
     assert launch(_rank_layer, world, kind, mode, 9, timeout_s=240) == [True] * world
 

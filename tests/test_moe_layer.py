@@ -83,6 +83,9 @@ def _layer_rank(rank: int, world: int, case: dict) -> dict:
     if backend == "symm":
         kwargs = dict(num_nvl_bytes=SymmBackend.get_normal_size_hint(max(T, 1), HIDDEN, k, world),
                       num_rdma_bytes=SymmBackend.get_low_latency_size_hint(T, HIDDEN, world, num_experts, k))
+    if backend == "nvshmem":  # decode only: the low-latency kernels over the (emulated) NVSHMEM transport
+        from moe_ep.backends.nvshmem import NvshmemBackend
+        kwargs = dict(num_rdma_bytes=NvshmemBackend.get_low_latency_size_hint(T, HIDDEN, world, num_experts, k))
     buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=mode == "decode", backend=backend,
                         timeout_s=120, **kwargs)
     shared = None
@@ -110,6 +113,7 @@ CASES = [
     # world, tokens per rank, experts, topk, mode, backend, shared
     (2, [6, 3], 8, 4, "decode", "symm", False),
     (4, [5, 0, 7, 2], 8, 3, "decode", "symm", True),
+    (2, [6, 3], 8, 4, "decode", "nvshmem", True),
     (2, [6, 3], 8, 4, "prefill", "torch", False),
     (4, [5, 0, 7, 2], 8, 3, "prefill", "symm", True),
 ]
