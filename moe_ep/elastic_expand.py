@@ -1,0 +1,110 @@
+"""The expanded layout of :class:`moe_ep.ElasticBuffer` (DeepEP V2's ``do_expand=True``), as device-only torch ops: the
+per-expert counts, where each (row, k) selection lands (the contiguous grouped GEMM's ``m_indices`` with it), the
+combine's gather plan, and the deterministic per-row sum of the expanded combine. No host reads."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .fp8 import FP8_DTYPE
+
+__all__ = ["expert_counts", "expand_plan", "combine_plan", "gather_rows", "sum_expanded"]
+
+
+def expert_counts(recv_topk_idx: torch.Tensor, num_local: int, alignment: int):
+    """``(key, counts, aligned)``: each selection's local expert (``num_local`` for a hole), flattened in
+    (row, k) order, and the real and aligned per-expert counts. Device ops only."""
+    flat = recv_topk_idx.reshape(-1)
+    key = torch.where(flat >= 0, flat, num_local)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, key, torch.ones_like(key))[:num_local]
+    aligned = (counts + alignment - 1) // alignment * alignment
+    return key, counts, aligned
+
+
+def expand_plan(key: torch.Tensor, counts: torch.Tensor, aligned: torch.Tensor, num_topk: int, num_expanded: int):
+    """Where each (row, k) selection lands in the expanded layout, device ops only: ``(slot [M*K] (-1 on a
+    hole), exp_src, exp_k, m_indices)`` (the last three ``[num_expanded]``; -1 / 0 / -1 on padding)."""
+    device = key.device
+    num_local = counts.shape[0]
+    # A stable sort by expert lists each expert's selections in (row, k) order = source global order (rows
+    # are sorted by it and a row holds an expert at most once); holes (key num_local) come last. The i-th
+    # sorted selection of expert e lands on expanded row starts[e] + (i - first[e]).
+    sorted_key, order = torch.sort(key, stable=True)
+    shift = torch.cat([(aligned.cumsum(0) - aligned) - (counts.cumsum(0) - counts), counts.new_zeros(1)])
+    is_sel = sorted_key < num_local
+    pos = torch.where(is_sel, torch.arange(key.numel(), device=device) + shift[sorted_key], -1)
+    slot = torch.empty_like(pos).scatter_(0, order, pos)
+    target = torch.where(is_sel, pos, num_expanded)  # holes go to a dropped extra row
+    exp_flat = torch.full((num_expanded + 1,), -1, dtype=torch.int64, device=device).scatter_(
+        0, target, order)[:num_expanded]
+    m_idx = torch.full((num_expanded + 1,), -1, dtype=torch.int32, device=device).scatter_(
+        0, target, sorted_key.to(torch.int32))[:num_expanded]
+    is_row = exp_flat >= 0
+    exp_src = torch.where(is_row, exp_flat // num_topk, -1)
+    exp_k = torch.where(is_row, exp_flat % num_topk, 0)
+    return slot, exp_src, exp_k, m_idx
+
+
+def combine_plan(slot: torch.Tensor, per_row: torch.Tensor, passes: int, pass_rows: Optional[List[int]]):
+    """The expanded combine's gather plan: the handle's ``(_comb_src, _comb_order, _comb_sorted_src,
+    _comb_rows)``. ``slot`` `[M, K]`, ``per_row`` `[M]` selections per received row, ``passes`` =
+    min(K, local experts), ``pass_rows[j]`` = rows with more than ``j`` selections (host ints) or ``None``
+    when not known on the host. Device ops only."""
+    # each row's selections, k ascending, packed to the left: a stable sort that moves the holes right
+    cols = torch.sort((slot < 0).to(torch.uint8), dim=1, stable=True).indices[:, :passes]
+    src = slot.gather(1, cols).contiguous()
+    if pass_rows is None:
+        return src, None, None, None
+    # rows by selection count, descending: the rows with a (j+1)-th selection are the first pass_rows[j]
+    order = torch.sort(per_row, descending=True, stable=True).indices
+    return src, order, src.index_select(0, order), pass_rows
+
+
+def gather_rows(t: torch.Tensor, src: torch.Tensor, zero: bool) -> torch.Tensor:
+    """Rows ``src`` of ``t`` (FP8 gathered as bytes); rows with ``src < 0`` are zeros when ``zero``, else row 0."""
+    flat = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+    out = flat.index_select(0, src.clamp(min=0))
+    if zero:
+        out = torch.where((src >= 0).view(-1, *([1] * (out.dim() - 1))), out, torch.zeros_like(out))
+    return out.view(t.dtype) if t.dtype == FP8_DTYPE else out
+
+
+def sum_expanded(x: torch.Tensor, h) -> torch.Tensor:  # h: an expanded EPHandle
+    """BF16 `[M, H]`: per received row, the float32 sum ``0 + x[s_1] + x[s_2] + ...`` over its selections'
+    expanded rows, k ascending, holes skipped, rounded once to BF16. Deterministic, no host read.
+
+    Pass j adds every row's (j+1)-th selection. With host-known counts (a CPU-synced handle) pass j >= 1
+    gathers only the ``_comb_rows[j]`` rows that have one and adds them with ``index_add_`` on distinct rows
+    (one float32 add per element, so the order is still k ascending): rows gathered = real selections.
+    Without them (worst-case sizes) each of the min(K, L) passes covers all rows and a hole adds +0.0,
+    which changes nothing (a sum that starts at +0.0 is never -0.0). Starting from the first term instead
+    of +0.0 can only differ in the sign of a zero; the final ``+ 0.0`` makes that +0.0 too."""
+    src, order, sorted_src, pass_rows = h._comb_src, h._comb_order, h._comb_sorted_src, h._comb_rows
+    M, H = src.shape[0], h._hidden
+    if src.shape[1] == 0:
+        return torch.zeros(M, H, dtype=torch.bfloat16, device=x.device)
+
+    exact = pass_rows is not None
+    acc = torch.empty(M, H, dtype=torch.float32, device=x.device)
+    first = src[:, 0]
+    acc.copy_(x.index_select(0, first.clamp(min=0)))
+    if not exact or pass_rows[0] < M:
+        acc.masked_fill_((first < 0).unsqueeze(1), 0.0)
+    most = M if not exact else pass_rows[1] if src.shape[1] > 1 else 0
+    gathered = torch.empty(most, H, dtype=x.dtype, device=x.device)  # reused by every pass
+    term = torch.empty(most, H, dtype=torch.float32, device=x.device)
+    for j in range(1, src.shape[1]):  # fixed order: deterministic
+        n = pass_rows[j] if exact else M
+        if n == 0:
+            break
+        col = sorted_src[:n, j] if exact else src[:, j]
+        torch.index_select(x, 0, col.clamp(min=0), out=gathered[:n])
+        term[:n].copy_(gathered[:n])
+        if exact:
+            acc.index_add_(0, order[:n], term[:n])
+        else:
+            acc.add_(term.masked_fill_((col < 0).unsqueeze(1), 0.0))
+    return acc.add_(0.0).to(torch.bfloat16)  # -0.0 -> +0.0, then one rounding to BF16
