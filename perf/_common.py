@@ -97,6 +97,27 @@ def torchrun_env_error(prog: str, example: str) -> int | None:
     return None
 
 
+class torchrun_nccl:
+    """``with torchrun_nccl() as (rank, world, device):`` one process per GPU under torchrun: this rank's GPU
+    (``LOCAL_RANK``) made current, an NCCL process group over every rank, destroyed on exit."""
+
+    def __enter__(self):
+        import torch
+        import torch.distributed as dist
+
+        rank, world, local = (int(os.environ[k]) for k in TORCHRUN_ENV)
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return rank, world, device
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return False
+
+
 def deepep_probe(disabled: bool = False):
     """``(deep_ep module or None, one line saying which)``: DeepEP is the baseline of the torchrun benches when
     ``import deep_ep`` works (nothing is installed or downloaded here)."""

@@ -332,14 +332,8 @@ def main_torchrun(args, prog, argv) -> int:
 
     import moe_ep
 
-    rank, world, local = (int(os.environ[k]) for k in TORCHRUN_ENV)
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
-    try:
+    with _common.torchrun_nccl() as (rank, world, device):
         return _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep, deep_ep, line)
-    finally:
-        dist.destroy_process_group()
 
 
 class DeepEPCase:

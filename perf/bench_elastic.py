@@ -400,11 +400,7 @@ def main_torchrun(args, prog, argv) -> int:
         return C.error(prog, "--launcher torchrun needs one CUDA GPU per rank (not --cpu-smoke)", 2)
     import torch.distributed as dist
 
-    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    try:
+    with C.torchrun_nccl() as (rank, world, device):
         name = torch.cuda.get_device_name(device)
         rec = C.Records("bench_elastic", args.json if rank == 0 else None, False, device=f"{world} x {name}",
                         argv=argv)
@@ -420,8 +416,6 @@ def main_torchrun(args, prog, argv) -> int:
                         args.time_topk, "torchrun", None)
             dist.barrier()
         return rec.finish(prog) if rank == 0 else 0
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:

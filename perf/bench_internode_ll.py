@@ -530,15 +530,9 @@ def main_torchrun(args, argv) -> int:
     if bad:
         return bad
     deep_ep, deepep_line = _common.deepep_probe(args.no_deepep)
-    rank, world, local = (int(os.environ[k]) for k in _common.TORCHRUN_ENV)
     if not torch.cuda.is_available():
         return _common.error(PROG, "--launcher torchrun needs one CUDA GPU per rank", 2)
-    import torch.distributed as dist
-
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
-    try:
+    with _common.torchrun_nccl() as (rank, world, device):
         name = torch.cuda.get_device_name(device)
         rec = _common.Records(PROG[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv)
         rec.update_header(**_header_extra(args, world, deepep_line, "torchrun"))
@@ -548,8 +542,6 @@ def main_torchrun(args, argv) -> int:
             return 0
         report(rec, body, args, deepep_line)
         return rec.finish(PROG)
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:

@@ -607,15 +607,9 @@ def main_torchrun(args, argv) -> int:
         deep_lines = [line_ep, line_gemm] if deep is not None else [
             f"DeepEP + DeepGEMM baseline: skipped ({line_ep if deep_ep is None else line_gemm}); rows carry "
             "deepep_us=null"]
-    rank, world, local = (int(os.environ[k]) for k in _common.TORCHRUN_ENV)
     if not torch.cuda.is_available():
         return _common.error(PROG, "--launcher torchrun needs one CUDA GPU per rank", 2)
-    import torch.distributed as dist
-
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
-    try:
+    with _common.torchrun_nccl() as (rank, world, device):
         name = torch.cuda.get_device_name(device)
         rec = _common.Records(PROG[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv)
         rec.update_header(**_header_extra(args, world, deep_lines, "torchrun"))
@@ -626,8 +620,6 @@ def main_torchrun(args, argv) -> int:
         rec.update_header(limits=body["limits"])
         report(rec, body, args, deep_lines)
         return rec.finish(PROG)
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
