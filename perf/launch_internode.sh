@@ -81,12 +81,14 @@ p2p=0
 if [ "$PURE_RDMA" = 1 ]; then p2p=1; args+=(--pure-rdma); fi
 # Same-node peers: 0 lets NVSHMEM reach them over NVLink (P2P); 1 sends them through the NIC too (pure RDMA).
 export NVSHMEM_DISABLE_P2P=${NVSHMEM_DISABLE_P2P:-$p2p}
+# The symmetric heap per PE: the nvshmem backend's buffer (NvshmemBackend.get_low_latency_size_hint: 971 MB at EP128
+# for DeepSeek-V3 decode, 470 MB of it staging) and DeepEP's (1.91 GB) do not fit NVSHMEM's 1 GiB default.
+export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
 # Left to the cluster (set them before calling this script when they apply; kept as given):
 #   NVSHMEM_ENABLE_NIC_PE_MAPPING=1 with NVSHMEM_HCA_LIST (e.g. mlx5_0:1,...) or NVSHMEM_HCA_PE_MAPPING: pin each
 #     PE to a NIC; unset, a PE uses the NIC closest to its GPU (right for one NIC per GPU);
 #   NVSHMEM_IB_SL: InfiniBand service level (virtual lane) of the traffic, to isolate it from other jobs;
 #   NVSHMEM_IB_GID_INDEX, NVSHMEM_IB_TRAFFIC_CLASS: RoCE only (source GID index, traffic class);
-#   NVSHMEM_SYMMETRIC_SIZE: the symmetric heap per PE (default 1 GiB), if allocation of the buffers fails;
 #   NVSHMEM_IBGDA_NUM_REQUESTS_IN_BATCH: requests batched before the doorbell (1: submit each at once);
 #   NVSHMEM_DEBUG=WARN|INFO and NVSHMEM_INFO=1: what NVSHMEM chose, printed at start-up.
 
