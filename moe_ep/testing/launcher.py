@@ -60,6 +60,16 @@ def _child(conn, store_path: str, rank: int, world_size: int, backend: str, pg_t
     except Exception as exc:  # unpicklable result
         conn.send_bytes(pickle.dumps(("error", f"result of rank {rank} could not be sent back: {exc}")))
     conn.close()
+    # Stay alive until every rank has finished ``fn``: a rank that exits closes its sockets, and a slower rank still
+    # inside a gloo full-mesh connect (a process group made inside ``fn``) would see that as a peer crash. The parent
+    # kills whoever is still waiting once it has every result (or a rank failed or died), so this never hangs it.
+    try:
+        store.add("moe_ep_launch_done", 1)
+        deadline = time.monotonic() + pg_timeout_s
+        while store.add("moe_ep_launch_done", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.005)
+    except Exception:  # noqa: BLE001 - no store (init failed) or it is gone: nothing to wait for
+        pass
     # Skip interpreter teardown: process-group destructors can block on peers that already left.
     os._exit(0)
 
