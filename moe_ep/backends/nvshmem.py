@@ -45,23 +45,28 @@ def nvshmem_ll_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num
     return ll_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk, NVSHMEM_TRANSPORT)
 
 
-def _emulated_heap(group, rank: int, world_size: int, nbytes: int, num_signals: int, timeout_s: float,
-                   ranks_per_node: int):
-    """CPU: a shm symmetric buffer whose whole mapping is an emulated NVSHMEM heap; peers outside this rank's
-    "node" lose their mapped pointer (table entry 0), so the kernels reach them through the emulated puts."""
+def _emulate_on(buf, ranks_per_node: int):
+    """Make ``buf`` (one rank's shm or virtual symmetric buffer) an emulated NVSHMEM heap: its whole mapping is
+    registered with :mod:`moe_ep.kernels.nvshmem_device`, and peers outside this rank's "node" lose their mapped
+    pointer (table entry 0), so the kernels reach them through the emulated puts."""
     from ..kernels import nvshmem_device
 
-    buf = create_symm_buffer(group, nbytes, num_signals, device=torch.device("cpu"), provider="shm",
-                             timeout_s=timeout_s)
     peers = [int(a) for a in buf.buffer_ptrs.tolist()]
-    span = int(buf.signal_ptrs[rank].item()) - peers[rank] + 4 * num_signals
-    nvshmem_device.register_heap(peers[rank], span, peers)
-    node = rank // ranks_per_node
-    keep = torch.tensor([r // ranks_per_node == node for r in range(world_size)])
+    span = int(buf.signal_ptrs[buf.rank].item()) - peers[buf.rank] + 4 * buf.num_signals
+    nvshmem_device.register_heap(peers[buf.rank], span, peers)
+    keep = torch.tensor([r // ranks_per_node == buf.rank // ranks_per_node for r in range(buf.world_size)])
     buf.buffer_ptrs = torch.where(keep, buf.buffer_ptrs, torch.zeros_like(buf.buffer_ptrs))
     buf.signal_ptrs = torch.where(keep, buf.signal_ptrs, torch.zeros_like(buf.signal_ptrs))
-    buf._nvshmem_heap_base = peers[rank]
+    buf._nvshmem_heap_base = peers[buf.rank]
     return buf
+
+
+def _emulated_heap(group, rank: int, world_size: int, nbytes: int, num_signals: int, timeout_s: float,
+                   ranks_per_node: int):
+    """CPU: this rank's shm symmetric buffer as an emulated NVSHMEM heap (:func:`_emulate_on`)."""
+    buf = create_symm_buffer(group, nbytes, num_signals, device=torch.device("cpu"), provider="shm",
+                             timeout_s=timeout_s)
+    return _emulate_on(buf, ranks_per_node)
 
 
 def virtual_nvshmem_paths(world_size: int, num_rdma_bytes: int, *, ranks_per_node: int = 1, owner: int = 0,
@@ -70,23 +75,12 @@ def virtual_nvshmem_paths(world_size: int, num_rdma_bytes: int, *, ranks_per_nod
     transport over the emulated calls (eager order: one process cannot tell one virtual PE's ``quiet`` from another's).
     Peers outside a rank's ``ranks_per_node`` group are reached by emulated puts. Returns one
     :class:`~moe_ep.backends.symm_ll.SymmLowLatency` per rank (phases as in ``virtual_low_latency_step``)."""
-    from ..kernels import nvshmem_device
     from ..symm import create_virtual_symm_buffers
     from .symm_ll import SymmLowLatency
 
-    num_signals = SymmLowLatency.num_signals(world_size)
-    bufs = create_virtual_symm_buffers(world_size, num_rdma_bytes, num_signals, device=torch.device("cpu"),
-                                       timeout_s=timeout_s)
-    bases = [int(b.buffer_ptrs[b.rank].item()) for b in bufs]
-    paths = []
-    for b in bufs:
-        span = int(b.signal_ptrs[b.rank].item()) - bases[b.rank] + 4 * num_signals
-        nvshmem_device.register_heap(bases[b.rank], span, bases)
-        keep = torch.tensor([r // ranks_per_node == b.rank // ranks_per_node for r in range(world_size)])
-        b.buffer_ptrs = torch.where(keep, b.buffer_ptrs, torch.zeros_like(b.buffer_ptrs))
-        b.signal_ptrs = torch.where(keep, b.signal_ptrs, torch.zeros_like(b.signal_ptrs))
-        paths.append(SymmLowLatency(b, owner, transport=NVSHMEM_TRANSPORT))
-    return paths
+    bufs = create_virtual_symm_buffers(world_size, num_rdma_bytes, SymmLowLatency.num_signals(world_size),
+                                       device=torch.device("cpu"), timeout_s=timeout_s)
+    return [SymmLowLatency(_emulate_on(b, ranks_per_node), owner, transport=NVSHMEM_TRANSPORT) for b in bufs]
 
 
 class NvshmemBackend(SymmBackend):
