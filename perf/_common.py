@@ -118,6 +118,17 @@ class torchrun_nccl:
         return False
 
 
+def torchrun_records(prog: str, json_path, argv, rank: int, world: int, device):
+    """``(Records, say)`` of a torchrun bench rank: rank 0 writes the JSON (``json_path``) and prints to stderr, the
+    other ranks do neither."""
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    rec = Records(prog[:-3], json_path if rank == 0 else None, False, device=f"{world} x {name}", argv=argv)
+    say = (lambda *a, **k: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a, **k: None)
+    return rec, say
+
+
 def deepep_probe(disabled: bool = False):
     """``(deep_ep module or None, one line saying which)``: DeepEP is the baseline of the torchrun benches when
     ``import deep_ep`` works (nothing is installed or downloaded here)."""

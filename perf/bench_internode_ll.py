@@ -533,10 +533,8 @@ def main_torchrun(args, argv) -> int:
     if not torch.cuda.is_available():
         return _common.error(PROG, "--launcher torchrun needs one CUDA GPU per rank", 2)
     with _common.torchrun_nccl() as (rank, world, device):
-        name = torch.cuda.get_device_name(device)
-        rec = _common.Records(PROG[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv)
+        rec, say = _common.torchrun_records(PROG, args.json, argv, rank, world, device)
         rec.update_header(**_header_extra(args, world, deepep_line, "torchrun"))
-        say = (lambda *a, **k: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a, **k: None)
         body = rank_body(rank, world, args, device, deep_ep, say)
         if rank != 0:
             return 0

@@ -101,6 +101,8 @@ if [ "$smoke" = 0 ]; then
   else summary+=("| sm90_report.py | ok |"); fi
 fi
 
+ngpu=0  # local GPUs, for the benches that run one process per GPU (torchrun)
+if [ "$smoke" = 0 ]; then ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true); fi
 for b in perf/bench_*.py; do
   name=$(basename "$b")
   say ""
@@ -109,7 +111,6 @@ for b in perf/bench_*.py; do
   cmd=("$PY" "$b" "${flag[@]}")
   if [ "$smoke" = 0 ] && [ "$name" = bench_internode_ll.py ]; then
     # one process per GPU (torchrun): every local GPU as one node; a cluster run is perf/launch_internode.sh
-    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
     if [ "$ngpu" -lt 2 ]; then
       say "skipped: the internode low-latency bench needs a cluster (N nodes x 8 GPUs: perf/launch_internode.sh on" \
           "every node) or, for its single-node run here, at least 2 GPUs; this machine has $ngpu"
@@ -121,7 +122,6 @@ for b in perf/bench_*.py; do
   fi
   if [ "$smoke" = 0 ] && [ "$name" = bench_mega_moe.py ]; then
     # one process per GPU (torchrun) over the local GPUs: EP8 on an 8-GPU node
-    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
     if [ "$ngpu" -lt 2 ]; then
       say "skipped: the mega-MoE bench runs one process per GPU (torchrun; EP8 on 8 GPUs) and needs at least 2 GPUs;" \
           "this machine has $ngpu"
