@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from moe_ep.testing import launch
+from moe_ep.testing.inputs import make_expert_weights
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU ranks run the Triton kernels in the interpreter")
@@ -28,10 +29,7 @@ HIDDEN, INTER = 256, 256
 
 
 def _weights(num_experts: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(num_experts, 2 * INTER, HIDDEN, generator=g) / HIDDEN ** 0.5
-    w2 = torch.randn(num_experts, HIDDEN, INTER, generator=g) / INTER ** 0.5
-    return w13, w2
+    return make_expert_weights(num_experts, HIDDEN, INTER, seed)
 
 
 def _routing(rank: int, n: int, num_experts: int, k: int, seed: int, kind: str):

@@ -12,7 +12,7 @@ import torch
 
 from ..fp8 import per_token_group_quant_fp8_ref
 
-__all__ = ["RankInputs", "make_rank_inputs", "make_all_inputs"]
+__all__ = ["RankInputs", "make_rank_inputs", "make_all_inputs", "make_expert_weights"]
 
 
 @dataclasses.dataclass
@@ -58,3 +58,12 @@ def make_all_inputs(world_size: int, num_tokens, hidden: int, num_experts: int, 
         num_tokens = [num_tokens] * world_size
     return [make_rank_inputs(r, num_tokens[r], hidden, num_experts, num_topk, seed, world_size, routing)
             for r in range(world_size)]
+
+
+def make_expert_weights(num_experts: int, hidden: int, intermediate: int, seed: int):
+    """Float32 weights of ``num_experts`` SwiGLU experts, the same on every rank for a seed: ``w13``
+    `[E, 2I, H]` (gate rows, then up rows) and ``w2`` `[E, H, I]`, scaled by ``1/sqrt(fan-in)``."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate ** 0.5
+    return w13, w2
