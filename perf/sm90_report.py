@@ -435,7 +435,7 @@ def _intranode_cases() -> list[Case]:
 def _low_latency_cases() -> list[Case]:
     """Low-latency (decode) kernels, launched as ``SymmLowLatency`` does on a GPU; DeepSeek-V3 decode:
     128 tokens per rank, H=7168, 256 experts, top-8, EP8; message offsets from the backend's own carving."""
-    from moe_ep.backends.symm_ll import _carve
+    from moe_ep.backends.symm_ll import _carve, _hdr
     from moe_ep.fp8 import tma_aligned_size
     from moe_ep.kernels import low_latency as k
 
@@ -455,7 +455,7 @@ def _low_latency_cases() -> list[Case]:
             {"x_ptr": "*bf16" if fp8 else "*i16", "topk_ptr": "*i64", **_SYMM_PTRS},
             {"rank": _RANK, "N": T, "T": T, "L": L, "E": E, "R": R, "num_token_progs": T, "timeout_ns": _TIMEOUT_NS,
              **offs},
-            {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": lay.hdr, "BLOCK_T": 1, "CHUNK_T": 32, "BLOCK_E": 64,
+            {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": _hdr(H, fp8), "BLOCK_T": 1, "CHUNK_T": 32, "BLOCK_E": 64,
              "GC": gc, "HC": min(p2(H), 2048), "IS_FP8": fp8, "ROUND_SCALE": ue8m0, "USE_UE8M0": ue8m0,
              "NATIVE_FP8": fp8, "DISP_BUSY": sig["DISP_BUSY"], "DISP_FULL": sig["DISP_FULL"],
              "DISP_SEND_CNT": sig["DISP_SEND_CNT"]}))
@@ -468,7 +468,7 @@ def _low_latency_cases() -> list[Case]:
              "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32"},
             {"stride_sl": sw * tm if fp8 else 0, "stride_sg": tm if fp8 else 0, "rank": _RANK, "T": T, "L": L, "R": R,
              "timeout_ns": _TIMEOUT_NS, **offs},
-            {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": lay.hdr, "SW": sw, "SWP": p2(sw), "BLOCK_T": 4,
+            {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": _hdr(H, fp8), "SW": sw, "SWP": p2(sw), "BLOCK_T": 4,
              "HC": min(p2(H), 2048 if fp8 else 1024), "RP": p2(R), "LP": p2(L), "IS_FP8": fp8, "HAS_STATS": True,
              "HAS_WAIT_STATS": True,
              "DISP_BUSY": sig["DISP_BUSY"], "DISP_FULL": sig["DISP_FULL"], "DISP_RECV_CNT": sig["DISP_RECV_CNT"]}))

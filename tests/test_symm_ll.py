@@ -371,6 +371,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from moe_ep.backends.symm_ll import _hdr
 from moe_ep.kernels import low_latency as ll
 
 SIG = ll.signal_layout(8)
@@ -395,6 +396,8 @@ def variant(name, fp_fusion=True, ptrs=None, **const):
     for n in const:
         if n.startswith(("DISP_", "COMB_")):
             const[n] = SIG[n]
+    if "HDR" in const:  # the header offset the launcher passes for this payload
+        const["HDR"] = _hdr(H, const["IS_FP8"])
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n] != "constexpr" and (sig[n].startswith("*") or n in DIV16)}
     try:

@@ -67,8 +67,7 @@ def _pow2(n: int) -> int:
 class _Layout:
     """Byte offsets inside one double-buffer slot of a rank's data region (see :func:`_carve`)."""
 
-    msg: int  # bytes per message (one token for one destination rank)
-    hdr: int  # header offset inside a message
+    msg: int  # bytes per message (one token for one destination rank; the header offset is _hdr(hidden, fp8))
     cnt_off: int
     msg_off: int
     comb_off: int
@@ -98,14 +97,14 @@ def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _
     comb_off = _align(msg_off + R * T * msg, _ALIGN)
     slot_bytes = _align(comb_off + 2 * T * K * hidden, _ALIGN)
     if not transport:
-        return _Layout(msg, hdr, cnt_off, msg_off, comb_off, slot_bytes)
+        return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes)
     # nvshmem transport: a sender writes into its own symmetric memory before a put, so one staging area (shared by
     # both slots: a kernel's puts are complete (quiet) before it ends) follows the slots:
     #   [E] int32 count staging | [L * R*T, 2H] combine staging (the expert rows' wire bytes)
     # DeepSeek-V3 decode (T=128, H=7168, E=256): 470 MB whatever the EP size (DeepEP's send buffer is as large).
     comb_stage = _align(4 * E, _ALIGN)
     stage_bytes = _align(comb_stage + L * R * T * 2 * hidden, _ALIGN)
-    return _Layout(msg, hdr, cnt_off, msg_off, comb_off, slot_bytes, stage_bytes, comb_stage)
+    return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes, stage_bytes, comb_stage)
 
 
 def _hdr(hidden: int, use_fp8: bool) -> int:
