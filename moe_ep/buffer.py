@@ -360,7 +360,7 @@ class Buffer:
                  topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+                 allocate_on_comm_stream: bool = False, *, recv_as_view: bool = False):
         """Send each token once to every rank holding any of its experts (normal mode).
 
         Arguments:
@@ -373,6 +373,13 @@ class Buffer:
             expert_alignment: each entry of the returned per-expert list is rounded up to this.
             num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows have
                 ``recv_topk_idx == -1``); more received tokens than that is an error.
+            recv_as_view: (keyword, an extension of DeepEP's call) on the ``symm`` backend, ``recv_x`` and its
+                scales are views of this rank's communication buffer instead of fresh tensors (no receive
+                copy). They stay valid until this rank's next dispatch or combine on this Buffer; work that
+                reads them must be ordered before that call (same stream, or an event). With
+                ``num_worst_tokens`` the padding rows of a view are NOT zeroed (stale rows; their
+                ``recv_topk_idx`` is -1). Every rank must pass the same value. Other backends return fresh
+                tensors as usual (their receive has no copy to remove).
 
         Returns:
             recv_x: `[num_recv_tokens, hidden]` (same dtype as ``x``; a tuple with scales for FP8), rows
@@ -389,6 +396,9 @@ class Buffer:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        if not isinstance(recv_as_view, bool):
+            raise ValueError(f"recv_as_view must be a bool, got {recv_as_view!r}")
+        view = {"recv_view": True} if recv_as_view and getattr(self._impl, "supports_recv_view", False) else {}
         if handle is not None:
             self._check_handle(handle, DispatchHandle)
             if any(a is not None for a in (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
@@ -444,7 +454,7 @@ class Buffer:
                 data, scales, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                 is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                 topk_weights=topk_weights, num_experts=num_experts, expert_alignment=expert_alignment,
-                num_worst_tokens=num_worst_tokens)
+                num_worst_tokens=num_worst_tokens, **view)
 
         res, event = self._run(fn, data.device, previous_event, async_finish, allocate_on_comm_stream,
                                inputs=(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,

@@ -449,7 +449,8 @@ class ElasticBuffer:
                  previous_event_before_epilogue: Optional[EventOverlap] = None,
                  async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
                  handle: Optional[EPHandle] = None, do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None,
-                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
+                 *, recv_as_view: bool = False):
         """Send each token to the ranks holding its experts (V2's argument order and defaults).
 
         Arguments:
@@ -470,8 +471,14 @@ class ElasticBuffer:
             do_expand: one row per (token, local expert); ``do_zero_padding``: padding rows are zero.
             use_tma_aligned_col_major_sf: FP8 scales returned M-major with the TMA-aligned column stride.
 
-        ``recv_x`` is always a fresh tensor: a receive-as-view of the symmetric buffer is not available in this
-        release (the ``symm`` backend does not expose one).
+            recv_as_view: (keyword; not in V2's signature) on the ``symm`` backend the receive stays in this
+                rank's buffer: non-expanded ``recv_x`` and its scales are views of it (no copy; the scales
+                too unless ``use_tma_aligned_col_major_sf`` asks for another layout), and the expanded layout
+                is gathered straight from it. A view is valid until this rank's next ``dispatch`` or
+                ``combine`` on this buffer (order work that reads it before that call); with
+                ``do_cpu_sync=False`` its padding rows are stale, not zero (their ``recv_topk_idx`` is -1).
+                Every rank must pass the same value. On the ``torch`` backend the receive is fresh tensors
+                either way.
 
         Returns:
             recv_x (a ``(fp8, scales)`` tuple for FP8), recv_topk_idx `[M, K]` (per received token, also when
@@ -486,7 +493,8 @@ class ElasticBuffer:
                                                                   do_cpu_sync, do_expand, n, hidden))
             return self._cached_dispatch(x, data, scales, handle, topk_weights, previous_event,
                                          previous_event_before_epilogue, async_with_compute_stream,
-                                         allocate_on_comm_stream, do_zero_padding, use_tma_aligned_col_major_sf)
+                                         allocate_on_comm_stream, do_zero_padding, use_tma_aligned_col_major_sf,
+                                         recv_as_view)
         num_max = num_max_tokens_per_rank if num_max_tokens_per_rank is not None else self.num_max_tokens_per_rank
         alignment = 1 if expert_alignment is None else expert_alignment
         do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
@@ -521,7 +529,7 @@ class ElasticBuffer:
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk_idx, topk_weights=weights, expert_alignment=1, num_worst_tokens=worst,
             previous_event=previous_event, async_finish=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream)
+            allocate_on_comm_stream=allocate_on_comm_stream, recv_as_view=recv_as_view)
         if previous_event_before_epilogue is not None:
             previous_event_before_epilogue.current_stream_wait()
         recv_data, recv_scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
@@ -606,18 +614,19 @@ class ElasticBuffer:
                                  f"num_topk={topk_weights.shape[1]} is too many")
 
     def _cached_dispatch(self, x, data, scales, h, topk_weights, previous_event, previous_event_before_epilogue,
-                         async_with_compute_stream, allocate_on_comm_stream, do_zero_padding, use_tma_sf):
+                         async_with_compute_stream, allocate_on_comm_stream, do_zero_padding, use_tma_sf,
+                         recv_as_view):
         self._refusing("dispatch", lambda: self._check_common(
             h.do_expand, do_zero_padding, async_with_compute_stream, use_tma_sf, scales, None, 0, data.device))
-        recv_x, _, _, _, _, event = self._buf.dispatch(
-            x, handle=h._buffer_handle, previous_event=previous_event, async_finish=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream)
-        if previous_event_before_epilogue is not None:
-            previous_event_before_epilogue.current_stream_wait()
         recv_w = None
-        if topk_weights is not None:
+        if topk_weights is not None:  # first: a dispatch after a receive view would free the view's rows
             recv_w = self._move_weights_cached(h._buffer_handle, topk_weights, data.shape[1])
             recv_w = torch.where(h.recv_topk_idx >= 0, recv_w, 0.0)
+        recv_x, _, _, _, _, event = self._buf.dispatch(
+            x, handle=h._buffer_handle, previous_event=previous_event, async_finish=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream, recv_as_view=recv_as_view)
+        if previous_event_before_epilogue is not None:
+            previous_event_before_epilogue.current_stream_wait()
         recv_data, recv_scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         return self._finish(h, recv_data, recv_scales, h.recv_topk_idx, recv_w, do_zero_padding, use_tma_sf, event)
 

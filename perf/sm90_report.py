@@ -400,8 +400,27 @@ def _intranode_cases() -> list[Case]:
         cases.append(_case("normal_send", f"{what} H={H} N={N} EP{R} W={words}", k._scatter_send_kernel,
                            {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", **_SYMM_PTRS},
                            {"rank": _RANK, "N": N, "R": R, "W": words, "block_off": _RANK * cap * words,
-                            "timeout_ns": _TIMEOUT_NS},
-                           {"FULL": sig[full], "BUSY": sig[busy], "SEND_CNT": sig[cnt], "BLOCK_T": 16, "BLOCK_W": 256}))
+                            "timeout_ns": _TIMEOUT_NS, **dict.fromkeys(("S1", "S2", "S3", "O1", "O2", "O3"), words)},
+                           {"FULL": sig[full], "BUSY": sig[busy], "SEND_CNT": sig[cnt], "BLOCK_T": 16, "BLOCK_W": 256,
+                            "CNT": sig["DISP_CNT"] if full == "DISP_FULL" else -1}))
+    # receive as a view: the same rows written as planes (payload | scales | top-k ids | weights + padding)
+    bounds = (H // 4, H // 4 + H // 128, H // 4 + H // 128 + 2 * KT)
+    rows = (nbytes // 2 // 4) // w_disp
+    planes = k.view_planes(rows, bounds, w_disp)[:3]
+    cases.append(_case("normal_send", f"dispatch FP8 view H={H} N={N} EP{R} W={w_disp}", k._scatter_send_kernel,
+                       {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", **_SYMM_PTRS},
+                       {"rank": _RANK, "N": N, "R": R, "W": w_disp, "block_off": 0, "timeout_ns": _TIMEOUT_NS,
+                        **dict(zip(("S1", "S2", "S3"), bounds)), **dict(zip(("O1", "O2", "O3"), planes))},
+                       {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "SEND_CNT": sig["DISP_SEND_CNT"],
+                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "VIEW": True}))
+    cases.append(_case("normal_view_recv", f"EP{R}", k._view_recv_kernel,
+                       {"counts_ptr": "*i32", "signal_ptrs": "*i64", "status_ptr": "*i32"},
+                       {"rank": _RANK, "R": R, "M": R * N, "timeout_ns": _TIMEOUT_NS},
+                       {"FULL": sig["DISP_FULL"], "HELD": sig["DISP_HELD"]}, num_warps=1))
+    cases.append(_case("normal_release_held", f"EP{R}", k._release_held_kernel,
+                       {"signal_ptrs": "*i64", "status_ptr": "*i32"}, {"rank": _RANK, "R": R},
+                       {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "CNT": sig["DISP_CNT"],
+                        "HELD": sig["DISP_HELD"]}, num_warps=1))
     cases.append(_case("normal_recv_counts", f"EP{R}", k._recv_counts_kernel,
                        {"counts_ptr": "*i32", "signal_ptrs": "*i64", "status_ptr": "*i32"},
                        {"rank": _RANK, "timeout_ns": _TIMEOUT_NS}, {"FULL": sig["DISP_FULL"]}))
@@ -410,7 +429,7 @@ def _intranode_cases() -> list[Case]:
                        {"rank": _RANK, "R": R, "W": w_disp, "cap": cap, "area_off": 0, "M": R * N,
                         "timeout_ns": _TIMEOUT_NS},
                        {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "RECV_CNT": sig["DISP_RECV_CNT"],
-                        "BLOCK_T": 16, "BLOCK_W": 256}))
+                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"]}))
     cases.append(_case("normal_combine_recv", f"BF16 H={H} top-{KT} N={N} EP{R} +weights", k._combine_recv_kernel,
                        {"acc_ptr": "*fp32", "out_ptr": "*i16", "wout_ptr": "*fp32", "pos_ptr": "*i32", **_SYMM_PTRS},
                        {"rank": _RANK, "N": N, "R": R, "W": w_comb, "cap": cap, "area_off": nbytes // 8,

@@ -58,6 +58,7 @@ def _check_case(eb, rank, world, num_experts, case, seed, tokens):
     from moe_ep.testing.traps import host_reads_trapped
 
     fp8, expand, align, nbias, sync = case["fp8"], case["expand"], case["align"], case["bias"], case["sync"]
+    view = case.get("view", False)  # recv_as_view: the symm receive stays in the buffer
     num_topk = 3
     num_local = num_experts // world
     ins = make_all_inputs(world, tokens, HIDDEN, num_experts, num_topk, seed=seed)
@@ -65,13 +66,19 @@ def _check_case(eb, rank, world, num_experts, case, seed, tokens):
     x = (inp.x_fp8, inp.x_scales) if fp8 else inp.x
     rx, ridx, rw, h, _ = eb.dispatch(x, inp.topk_idx, inp.topk_weights, num_experts=num_experts,
                                      expert_alignment=align, do_cpu_sync=sync, do_expand=expand,
-                                     do_zero_padding=expand, use_tma_aligned_col_major_sf=fp8 and expand)
+                                     do_zero_padding=expand, use_tma_aligned_col_major_sf=fp8 and expand,
+                                     recv_as_view=view)
     refs = [ref_dispatch(r, [i.x_fp8 if fp8 else i.x for i in ins], [i.topk_idx for i in ins],
                          [i.topk_weights for i in ins], num_experts,
                          x_scales=[i.x_scales for i in ins] if fp8 else None) for r in range(world)]
     ref_x, ref_s, ref_idx, ref_w, _ = refs[rank]
     M = ref_x.shape[0]
     data, scales = rx if fp8 else (rx, None)
+    if view and not expand and eb.buffer.backend_name == "symm" and M:
+        region = eb.buffer._impl.normal.symm.buffer
+        lo = region.data_ptr()
+        for t in (data,) if scales is None else (data, scales):
+            assert lo <= t.data_ptr() < lo + region.numel(), "recv_as_view returned a copy, not a view of the buffer"
     # routing, order and metadata
     assert torch.equal(ridx[:M], ref_idx) and bool((ridx[M:] == -1).all())
     assert ridx.shape[0] == (M if sync else NUM_MAX * world) == h.num_recv_tokens
@@ -116,6 +123,8 @@ def _check_case(eb, rank, world, num_experts, case, seed, tokens):
         assert torch.equal(h.num_unaligned_recv_tokens_per_expert, counts.to(torch.int32))
         # the handle's slots point at the expanded rows
         assert torch.equal(h.recv_src_metadata[:M, 2:], _ref_expand(ref_idx, num_local, align)[3])
+    if view:  # the view is valid until the next dispatch or combine: keep what the cached dispatch is checked against
+        data, scales = data.clone(), None if scales is None else scales.clone()
     # combine: every rank's rows are a function of (seed, rank), so each rank rebuilds the others'
     ys, ws = [], []
     for r in range(world):
@@ -150,15 +159,17 @@ def _check_case(eb, rank, world, num_experts, case, seed, tokens):
     # CPU-only guard of the backend, not a read of this face, so worst-case handles are trapped on torch only)
     trap = host_reads_trapped if sync or eb.buffer.backend_name == "torch" else contextlib.nullcontext
     with trap():
-        rx2, ridx2, rw2, h2, _ = eb.dispatch(x2, handle=h, do_zero_padding=expand)
+        rx2, ridx2, rw2, h2, _ = eb.dispatch(x2, handle=h, do_zero_padding=expand, recv_as_view=view)
     assert h2 is h and rw2 is None and torch.equal(ridx2, ridx)
-    with trap():  # top-k weights along a cached layout (the backward of combine): no host read either
-        rw3 = eb.dispatch(x2, handle=h, topk_weights=inp.topk_weights * 2)[2]
-    assert torch.equal(rw3, rw * 2)
+    rows = data.shape[0] if expand or sync else M  # a view's worst-case padding rows are stale, not zero
     if fp8:
-        assert torch.equal(rx2[0].view(torch.uint8), data.view(torch.uint8)) and torch.equal(rx2[1], scales * 2)
+        assert torch.equal(rx2[0][:rows].view(torch.uint8), data[:rows].view(torch.uint8))
+        assert torch.equal(rx2[1][:rows], scales[:rows] * 2)
     else:
-        assert torch.equal(rx2, data * 2)
+        assert torch.equal(rx2[:rows], data[:rows] * 2)
+    with trap():  # top-k weights along a cached layout (the backward of combine): no host read either
+        rw3 = eb.dispatch(x2, handle=h, topk_weights=inp.topk_weights * 2, recv_as_view=view)[2]
+    assert torch.equal(rw3, rw * 2)
     return True
 
 
@@ -177,6 +188,14 @@ def _run_cases(rank, world, backend, cases, num_experts, tokens):
 @pytest.mark.parametrize("backend", ["torch", "symm"])
 def test_mode_matrix_2_ranks(backend):
     launch(_run_cases, 2, backend, CASES, 8, [5, 7], timeout_s=300)
+
+
+VIEW_CASES = [dict(c, view=True) for c in CASES]
+
+
+def test_mode_matrix_2_ranks_receive_as_view():
+    """The whole mode matrix with ``recv_as_view=True`` on symm: the same results, the receive in the buffer."""
+    launch(_run_cases, 2, "symm", VIEW_CASES, 8, [5, 7], timeout_s=300)
 
 
 @pytest.mark.parametrize("backend", ["torch", "symm"])

@@ -83,7 +83,8 @@ def compile_one(name, sig, const, fp_fusion=True):
     full = {n: sig.get(n, "i32") for n in kern.arg_names}
     for n in const:
         full[n] = "constexpr"
-    div16 = [n for n in ("src_ptr", "out_ptr", "W", "block_off", "area_off") if n in kern.arg_names]
+    div16 = [n for n in ("src_ptr", "out_ptr", "W", "block_off", "area_off", "S1", "O1", "O2", "O3")
+             if n in kern.arg_names]
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
     try:
         src = ASTSource(kern, full, const, attrs)
@@ -119,6 +120,10 @@ P = {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", "buffer_ptrs": 
 CASES = {
     "send": lambda: compile_one("_scatter_send_kernel", P, {"FULL": 0, "BUSY": 8, "SEND_CNT": 32, "BLOCK_T": 16,
                                                             "BLOCK_W": 256}),
+    "send_view": lambda: compile_one("_scatter_send_kernel", P, {"FULL": 0, "BUSY": 8, "SEND_CNT": 32, "BLOCK_T": 16,
+                                                                 "BLOCK_W": 256, "CNT": 114, "VIEW": True}),
+    "view_recv": lambda: compile_one("_view_recv_kernel", P, {"FULL": 0, "HELD": 122}),
+    "release_held": lambda: compile_one("_release_held_kernel", P, {"FULL": 0, "BUSY": 8, "CNT": 114, "HELD": 122}),
     "counts": lambda: compile_one("_recv_counts_kernel", P, {"FULL": 0}),
     "gather": lambda: compile_one("_gather_recv_kernel", P, {"FULL": 0, "BUSY": 8, "RECV_CNT": 48, "BLOCK_T": 16,
                                                              "BLOCK_W": 256}),
@@ -133,19 +138,25 @@ print(json.dumps({k: CASES[k]() for k in json.loads(sys.argv[1])}))
 
 @pytest.fixture(scope="module")
 def compiled():
-    return compile_in_subprocess(SCRIPT, ["send", "counts", "gather", "combine", "layout"], "the normal-mode kernels")
+    return compile_in_subprocess(SCRIPT, KERNELS, "the normal-mode kernels")
 
 
-@pytest.mark.parametrize("name", ["send", "counts", "gather", "combine", "layout"])
+KERNELS = ["send", "send_view", "view_recv", "release_held", "counts", "gather", "combine", "layout"]
+
+
+@pytest.mark.parametrize("name", KERNELS)
 def test_compiles_for_sm90(compiled, name):
     ops = compiled[name]
     if name == "layout":
         assert ops["atom"] > 0, f"the layout counts are accumulated atomically: {ops}"
         return
+    if name == "release_held":  # waits on nothing; frees the held blocks with release stores
+        assert ops[r"globaltimer"] == 0 and ops[r"\.release"] > 0, ops
+        return
     assert ops[r"globaltimer"] > 0, f"waits must be bounded by the GPU timer: {ops}"
-    if name in ("send", "gather", "combine"):
+    if name in ("send", "send_view", "gather", "combine"):
         assert ops[r"\.release"] > 0, f"signals must be published with release semantics: {ops}"
-    if name in ("send", "gather"):
+    if name in ("send", "send_view", "gather"):
         assert ops[r"ld\.global\.v4\.b32"] > 0 and ops[r"st\.global\.v4\.b32"] > 0, f"rows not moved in 16-byte vectors: {ops}"
     if name == "combine":
         assert ops[r"fma\.rn\.f32"] == 0, f"no FMA contraction in the reduction: {ops}"

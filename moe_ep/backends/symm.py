@@ -137,11 +137,15 @@ class SymmBackend(Backend):
     def dispatch_recv(self, state, *, expert_alignment: int, num_worst_tokens: int):
         return self.normal.dispatch_recv(state, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
 
+    #: normal-mode dispatch can hand the receive out as views of this rank's buffer (``recv_view=True``)
+    supports_recv_view = True
+
     def dispatch(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                 topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens):
+                 topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, recv_view: bool = False):
         state = self.dispatch_send(x, x_scales, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
                                    is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
-                                   topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
+                                   topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+                                   recv_view=recv_view, num_worst_tokens=num_worst_tokens)
         return self.dispatch_recv(state, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
 
     def combine_send(self, x, handle, topk_weights, fmt=None):

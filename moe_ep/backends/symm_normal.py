@@ -38,8 +38,11 @@ from ..kernels.intranode import (
     _combine_recv_fmt_kernel,
     _gather_recv_kernel,
     _recv_counts_kernel,
+    _release_held_kernel,
     _scatter_send_kernel,
+    _view_recv_kernel,
     signal_layout,
+    view_planes,
 )
 from ..kernels.layout import dispatch_layout
 from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, encode_rows
@@ -120,6 +123,10 @@ class _SendState:
     num_tokens_per_rank: torch.Tensor
     scale_dtype: torch.dtype = torch.float32  # float32 [.., H/128] or packed UE8M0 int32 [.., ceil(H/512)]
     scale_cols: int = 0
+    view: bool = False  # rows written as planes of the receiver's area (receive as a view)
+    bounds: tuple = ()  # (S1, S2, S3): first columns of the scales / top-k ids / weights segments
+    planes: tuple = ()  # (O1, O2, O3): word offsets of their planes
+    view_rows: int = 0  # P: rows of each plane
 
 
 @dataclasses.dataclass
@@ -141,6 +148,7 @@ class SymmNormal:
         self.owner = owner
         self.sig = signal_layout(symm.world_size)
         self._interp = INTERPRET or symm.device.type != "cuda"
+        self._view_used = False  # a receive view was handed out once: releases may be due (device-checked)
 
     @staticmethod
     def num_signals(world_size: int) -> int:
@@ -190,9 +198,33 @@ class SymmNormal:
     def layout(self, topk_idx: torch.Tensor, num_experts: int, bad_flag: torch.Tensor = None):
         return dispatch_layout(topk_idx, num_experts, self.symm.world_size, bad_flag)
 
+    def _view_layout(self, cap: int, bounds: tuple, words: int) -> tuple:
+        """``(cap, P, planes)`` for a receive view: ``P`` rows, as many as the dispatch area holds at this row
+        width with the planes' 64-byte alignment; a source may still send at most ``cap <= P / R`` rows."""
+        area = (self.symm.nbytes // 2) // 4
+        rows = area // words
+        while rows > 0 and view_planes(rows, bounds, words)[3] > area:
+            rows -= 1
+        return min(cap, rows // self.symm.world_size), rows, view_planes(rows, bounds, words)[:3]
+
     # ------------------------------------------------------------------ dispatch
+    def dispatch_release(self) -> None:
+        """Free the dispatch area a receive view of this rank still holds (a no-op on the device when none is
+        held; nothing is launched before the first view). Its own phase: :meth:`SymmBackend.dispatch` runs
+        it before the sends, since a peer's sends wait for it."""
+        if self._view_used:
+            L = self.sig
+            _release_held_kernel[(1,)](self.symm.signal_ptrs, self.symm.status, self.symm.rank, self.symm.world_size,
+                                       FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], CNT=L["DISP_CNT"],
+                                       HELD=L["DISP_HELD"], num_warps=1)
+
     def dispatch_send(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                      topk_idx, topk_weights, num_experts) -> _SendState:
+                      topk_idx, topk_weights, num_experts, recv_view: bool = False,
+                      num_worst_tokens: int = 0, release: bool = True) -> _SendState:
+        """``recv_view``: the receivers get views of their own buffer (every rank must ask; the area stays
+        theirs until their next dispatch or combine). ``num_worst_tokens``: checked against the view's rows.
+        ``release``: run :meth:`dispatch_release` after the checks, before the sends (callers that run the
+        ranks' phases one after another in one process call it for every rank first and pass False)."""
         self.symm.check_usable()
         R, (n, hidden) = self.symm.world_size, x.shape
         if (hidden * x.element_size()) % 4:
@@ -213,68 +245,104 @@ class SymmNormal:
         rows = _rows(parts)
         words = rows.shape[1]
         cap = min(self._cap(words), self._cap(_pad16(hidden // 2 + k)))
+        scale_cols = x_scales.shape[1] if x_scales is not None else 0
+        s1 = parts[0].shape[1]
+        bounds = (s1, s1 + scale_cols, s1 + scale_cols + (2 * k if handle is None and k > 0 else 0))
+        planes, view_rows = (words, words, words), 0
+        if recv_view:
+            cap, view_rows, planes = self._view_layout(cap, bounds, words)
         if n > cap:
             need = SymmNormal.size_hint(n, hidden, k, R)
             raise ValueError(f"backend 'symm': {n} tokens do not fit this rank's normal-mode buffer (at most {cap} "
                              f"for hidden={hidden}, top-{k}): pass num_nvl_bytes >= {need} "
                              f"(SymmBackend.get_normal_size_hint)")
+        if recv_view and num_worst_tokens > view_rows:
+            raise ValueError(f"backend 'symm': a receive view holds at most {view_rows} rows of {4 * words} bytes, "
+                             f"num_worst_tokens={num_worst_tokens} asks for more: pass a larger num_nvl_bytes or a "
+                             "smaller num_worst_tokens")
         bt, bw = self._blocks(words)
         L = self.sig
         flags = 1 | int(x_scales is not None) << 1 | int(x_scales is not None and x_scales.dtype == torch.int32) << 2 \
-            | int(handle is not None) << 3
+            | int(handle is not None) << 3 | int(bool(recv_view)) << 4
         self._write_signature("DISP_SIG", (hidden, words, (num_experts or 0) * 256 + k, flags))
+        if release:
+            self.dispatch_release()
+        if recv_view:
+            self._view_used = True
         _scatter_send_kernel[(R, max(1, triton.cdiv(n, bt)))](
             rows, pos.contiguous(), counts.contiguous(), self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-            self.symm.rank, n, R, words, self.symm.rank * cap * words, self.symm.timeout_ns,
-            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
+            self.symm.rank, n, R, words, 0 if recv_view else self.symm.rank * cap * words, self.symm.timeout_ns,
+            *bounds, *planes,
+            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw,
+            CNT=L["DISP_CNT"], VIEW=bool(recv_view))
         self.symm.check_status("dispatch (send)")
         return _SendState(handle, n, hidden, x.dtype, x_scales is not None, k, num_experts, words, cap, pos, counts,
                           is_token_in_rank, num_tokens_per_rank,
                           scale_dtype=x_scales.dtype if x_scales is not None else torch.float32,
-                          scale_cols=x_scales.shape[1] if x_scales is not None else 0)
+                          scale_cols=scale_cols, view=bool(recv_view), bounds=bounds, planes=planes,
+                          view_rows=view_rows)
 
     def dispatch_recv(self, st: _SendState, *, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
         counts = torch.zeros(R, dtype=torch.int32, device=dev)
-        if num_worst_tokens > 0:
-            m = num_worst_tokens
-            max_rows = min(st.cap, m)
-        else:
-            _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
-                                      self.symm.timeout_ns, FULL=L["DISP_FULL"])
-            self.symm.check_status("dispatch (receive)")
-            if st.handle is not None and st.handle.recv_counts_host is not None:
-                host = st.handle.recv_counts_host  # cached dispatch: the same routing, no host read
+        if st.view:
+            P = st.view_rows
+            _view_recv_kernel[(1,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank, R,
+                                    num_worst_tokens if num_worst_tokens > 0 else P, self.symm.timeout_ns,
+                                    FULL=L["DISP_FULL"], HELD=L["DISP_HELD"], num_warps=1)
+            self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
+            if num_worst_tokens > 0:
+                m = num_worst_tokens
+            elif st.handle is not None and st.handle.recv_counts_host is not None:
+                host = st.handle.recv_counts_host
+                m = sum(host)
             else:
-                host = counts.tolist()  # NOTES: host reads happen only without num_worst_tokens (outputs sized by them)
-            m, max_rows = sum(host), max(host)
-        out = torch.zeros(m, st.words, dtype=torch.int32, device=dev)
-        bt, bw = self._blocks(st.words)
-        _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
-            out, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-            self.symm.rank, R, st.words, st.cap, 0, m, self.symm.timeout_ns,
-            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw)
-        self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
-        # (more rows than num_worst_tokens: the gather kernel drops them and sets the status flag, which the
-        # check above reports; no host read)
-        # Unpack the rows (views of the received words).
+                host = counts.tolist()  # NOTES: the one host read of a CPU-synced dispatch, as below
+                m = sum(host)
+            words = self.symm.buffer[:(self.symm.nbytes // 2) // 4 * 4].view(torch.int32)
+            cols = (0, *st.bounds, st.words)
+            offs = (0, *st.planes)
+            segs = [words[o:o + P * (cols[j + 1] - cols[j])].view(P, cols[j + 1] - cols[j])[:m]
+                    for j, o in enumerate(offs)]
+        else:
+            if num_worst_tokens > 0:
+                m = num_worst_tokens
+                max_rows = min(st.cap, m)
+            else:
+                _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
+                                          self.symm.timeout_ns, FULL=L["DISP_FULL"])
+                self.symm.check_status("dispatch (receive)")
+                if st.handle is not None and st.handle.recv_counts_host is not None:
+                    host = st.handle.recv_counts_host  # cached dispatch: the same routing, no host read
+                else:
+                    host = counts.tolist()  # NOTES: host reads happen only without num_worst_tokens (outputs sized by them)
+                m, max_rows = sum(host), max(host)
+            out = torch.zeros(m, st.words, dtype=torch.int32, device=dev)
+            bt, bw = self._blocks(st.words)
+            _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
+                out, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
+                self.symm.rank, R, st.words, st.cap, 0, m, self.symm.timeout_ns,
+                FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw,
+                CNT=L["DISP_CNT"])
+            self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
+            # (more rows than num_worst_tokens: the gather kernel drops them and sets the status flag, which the
+            # check above reports; no host read)
+            segs = [out[:, a:b] for a, b in zip((0, *st.bounds), (*st.bounds, st.words))]
+        # Unpack the rows (views of the received words; with st.view, views of this rank's buffer).
         h = st.hidden
-        xw = (h * (1 if st.has_scales else 2)) // 4
-        recv_x = _unwords(out[:, :xw], torch.uint8 if st.has_scales else st.dtype, h)
+        recv_x = _unwords(segs[0], torch.uint8 if st.has_scales else st.dtype, h)
         if st.has_scales:
             recv_x = recv_x.view(st.dtype)
-        off = xw
         recv_scales = None
         if st.has_scales:
-            recv_scales = _unwords(out[:, off:off + st.scale_cols], st.scale_dtype, st.scale_cols)
-            off += st.scale_cols
+            recv_scales = _unwords(segs[1], st.scale_dtype, st.scale_cols)
         valid = torch.arange(m, device=dev) < counts.sum()
         recv_idx = recv_w = None
         if st.handle is None:
             k, num_local = st.num_topk, st.num_experts // R
             if k > 0:
-                gidx = _unwords(out[:, off:off + 2 * k], torch.int64, k)
-                w = _unwords(out[:, off + 2 * k:off + 3 * k], torch.float32, k)
+                gidx = _unwords(segs[2], torch.int64, k)
+                w = _unwords(segs[3][:, :k], torch.float32, k)
                 lo = self.symm.rank * num_local
                 is_local = (gidx >= lo) & (gidx < lo + num_local) & valid[:, None]
                 recv_idx = torch.where(is_local, gidx - lo, torch.full_like(gidx, -1))
@@ -297,7 +365,7 @@ class SymmNormal:
                 raise ValueError(f"cached dispatch received {m} rows but the handle expects {handle.num_recv_tokens} "
                                  "(num_worst_tokens must match the original call)")
             per_expert = handle.num_recv_tokens_per_expert_list
-        if num_worst_tokens > 0:  # padding rows: zeros (out was zero-initialised)
+        if num_worst_tokens > 0 and not st.view:  # padding rows: zeros (out was zero-initialised)
             recv_x = recv_x.clone()
         return DispatchResult(recv_x.contiguous(), None if recv_scales is None else recv_scales.contiguous(),
                               recv_idx, recv_w, list(per_expert), handle)
@@ -335,6 +403,7 @@ class SymmNormal:
         _scatter_send_kernel[(R, max(1, triton.cdiv(m, bt)))](
             rows, pos, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, self.symm.timeout_ns,
+            words, words, words, words, words, words,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
         self.symm.check_status("combine (send)")
         return _CombineState(handle, words, cap, topk_weights is not None, fmt, x.dtype)
@@ -354,6 +423,8 @@ class SymmNormal:
             self.symm.status, self.symm.rank, n, R, st.words, st.cap, self.symm.nbytes // 8, self.symm.timeout_ns,
             H=h, K=max(k, 1), KP=triton.next_power_of_2(max(k, 1)), HAS_W=st.has_w,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], RECV_CNT=L["COMB_RECV_CNT"], BLOCK_T=bt, HC=hc,
-            FMT=st.fmt, OUT_F16=st.out_dtype == torch.float16, enable_fp_fusion=False)
+            FMT=st.fmt, OUT_F16=st.out_dtype == torch.float16, enable_fp_fusion=False,
+            **(dict(DFULL=L["DISP_FULL"], DBUSY=L["DISP_BUSY"], DCNT=L["DISP_CNT"], DHELD=L["DISP_HELD"])
+               if self._view_used else {}))
         self._check_status_naming_fields("combine (receive)", "COMB_SIG")
         return out, (wout if st.has_w else None)

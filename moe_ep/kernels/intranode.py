@@ -15,13 +15,25 @@ so one send kernel and one receive kernel serve dispatch, cached dispatch and co
 - :func:`_combine_recv_kernel`: per token, float32 sum of the initial value (bias terms), then the rows
   returned by each rank in ascending rank order (BF16 / FP16 rows, or FP8 rows with 1x128 scales decoded to
   float32), one round-to-nearest-even cast to BF16 or FP16; the reduced
-  top-k weights likewise.
+  top-k weights likewise. Its last program also frees a dispatch area still held for a receive view.
+
+Receive as a view (``VIEW``: the dispatch receive is handed out as views of the receiver's own buffer,
+no copy): the send kernel then writes the receiver's area as *planes* ``[P rows][width_j words]``, one per
+column segment of the message row (payload | scales | top-k ids | weights + padding), ``P = R * cap``, each
+plane 64-byte aligned, and row ``t`` of this rank lands at row ``prefix + pos[t, d]`` where ``prefix`` is
+the number of rows the lower ranks send to ``d`` (read from ``d``'s ``CNT`` words, which every sender
+writes before its rows). So rows are ordered by source rank, then source token, with no gaps:
+``plane_0[:M]`` is ``recv_x``. :func:`_view_recv_kernel` only waits, counts and checks signatures; the
+area stays held (``HELD`` words set) until this rank's next combine receive or its next dispatch
+(:func:`_release_held_kernel`, launched before the sends) frees it.
 
 Signals (int32 words of each rank's signal region, see :func:`signal_layout`)::
 
     FULL  + s   on receiver: source s's block is complete (value count + 1); receiver resets it
     BUSY  + d   on sender: d has not drained our block yet (1); d resets it to 0 after copying
     *_CNT       local arrive_last counters (nobody waits on them)
+    DISP_CNT + s   on receiver: source s's dispatch row count + 1, written before its rows (view prefixes)
+    DISP_HELD + s  on receiver: 1 while source s's rows are handed out as a receive view
 
 NOTES: a timed-out wait leaves ``status`` set; programs then mask their writes and the last program
 does not publish, so peers time out too (naming this rank) instead of reading half-written rows.
@@ -36,8 +48,8 @@ from .logfmt import e4m3_decode, fp16_bits
 from .low_latency_common import _bf16_bits, _signature_differs, _status_ok
 from .signals import report_error, arrive_last, signal_release, wait_ne
 
-__all__ = ["signal_layout", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
-           "_combine_recv_kernel", "_combine_recv_fmt_kernel"]
+__all__ = ["signal_layout", "view_planes", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
+           "_view_recv_kernel", "_release_held_kernel", "_combine_recv_kernel", "_combine_recv_fmt_kernel"]
 
 
 def signal_layout(world_size: int) -> dict:
@@ -47,8 +59,22 @@ def signal_layout(world_size: int) -> dict:
     # _sig_base): entry r on a receiver holds what rank r sent, the receiver's own entry its own call.
     return {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "DISP_SEND_CNT": 4 * R,
             "COMB_SEND_CNT": 5 * R, "DISP_RECV_CNT": 6 * R, "COMB_RECV_CNT": 6 * R + 1,
-            "DISP_SIG": 6 * R + 2, "COMB_SIG": 10 * R + 2,
-            "WORDS": (14 * R + 2 + 7) // 8 * 8}
+            "DISP_SIG": 6 * R + 2, "COMB_SIG": 10 * R + 2, "DISP_CNT": 14 * R + 2, "DISP_HELD": 15 * R + 2,
+            "WORDS": (16 * R + 2 + 7) // 8 * 8}
+
+
+def view_planes(rows: int, bounds: tuple, words: int) -> tuple:
+    """Word offsets of the receive-view planes: ``bounds = (S1, S2, S3)`` are the first columns of the
+    scales, top-k ids and weights segments of a ``words``-wide message row; plane ``j`` holds ``rows`` rows
+    of segment ``j`` and starts 64-byte aligned. Returns ``(O1, O2, O3, end)`` (plane 0 starts at 0)."""
+    cols = (0, *bounds, words)
+    offs, at = [], 0
+    for j in range(4):
+        if j:
+            at = (at + 15) // 16 * 16
+            offs.append(at)
+        at += rows * (cols[j + 1] - cols[j])
+    return (*offs, at)
 
 
 @triton.jit
@@ -68,17 +94,55 @@ def _words(ptrs, r):
 
 
 @triton.jit
-def _release_blocks(my_sig, signal_ptrs, status_ptr, rank, R, FULL: tl.constexpr, BUSY: tl.constexpr):
-    """Receiver done: reset our full words, then free our block on every sender (busy = 0 there)."""
+def _release_blocks(my_sig, signal_ptrs, status_ptr, rank, R, FULL: tl.constexpr, BUSY: tl.constexpr,
+                    CNT: tl.constexpr = -1):
+    """Receiver done: reset our full (and count) words, then free our block on every sender (busy = 0 there)."""
     base = _sig_base(R, FULL)
     clear = tl.load(status_ptr, volatile=True) == 0  # after an error the host names the differing fields
     for sp in range(R):
         tl.atomic_xchg(my_sig + FULL + sp, 0, sem="relaxed", scope="sys")
+        if CNT >= 0:
+            tl.atomic_xchg(my_sig + CNT + sp, 0, sem="relaxed", scope="sys")
         if clear:
             for w in tl.static_range(4):
                 tl.store(my_sig + base + 4 * sp + w, 0)
     for sp in range(R):
         signal_release(_words(signal_ptrs, sp) + BUSY + rank, 0)
+
+
+@triton.jit
+def _release_held(my_sig, signal_ptrs, status_ptr, rank, R, FULL: tl.constexpr, BUSY: tl.constexpr,
+                  CNT: tl.constexpr, HELD: tl.constexpr):
+    """Free the dispatch blocks still held for a receive view (per source, only where ``HELD`` is set; the
+    exchange makes a second release of the same hold a no-op)."""
+    base = _sig_base(R, FULL)
+    clear = tl.load(status_ptr, volatile=True) == 0
+    for sp in range(R):
+        if tl.atomic_xchg(my_sig + HELD + sp, 0, sem="acq_rel", scope="sys") != 0:
+            tl.atomic_xchg(my_sig + FULL + sp, 0, sem="relaxed", scope="sys")
+            tl.atomic_xchg(my_sig + CNT + sp, 0, sem="relaxed", scope="sys")
+            if clear:
+                for w in tl.static_range(4):
+                    tl.store(my_sig + base + 4 * sp + w, 0)
+            signal_release(_words(signal_ptrs, sp) + BUSY + rank, 0)
+
+
+@triton.jit
+def _release_held_kernel(signal_ptrs, status_ptr, rank, R, FULL: tl.constexpr, BUSY: tl.constexpr,
+                         CNT: tl.constexpr, HELD: tl.constexpr):
+    """One program: :func:`_release_held` (launched before a dispatch's sends when a view may be held)."""
+    _release_held(_words(signal_ptrs, rank), signal_ptrs, status_ptr, rank, R, FULL, BUSY, CNT, HELD)
+
+
+@triton.jit
+def _copy_segment(src_ptr, dst_ptr, offs_t, rows, ok, W, c0, c1, BLOCK_W: tl.constexpr):
+    """Columns ``[c0, c1)`` of the ``W``-wide source rows ``offs_t`` -> rows ``rows`` of a plane ``c1 - c0`` wide."""
+    width = c1 - c0
+    for w0 in range(c0, c1, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        m = ok[:, None] & (offs_w < c1)[None, :]
+        v = tl.load(src_ptr + offs_t.to(tl.int64)[:, None] * W + offs_w[None, :], mask=m)
+        tl.store(dst_ptr + rows.to(tl.int64)[:, None] * width + (offs_w - c0)[None, :], v, mask=m)
 
 
 @triton.jit
@@ -88,8 +152,10 @@ def _scatter_send_kernel(
     counts_ptr,  # [R] int32 rows sent to each destination
     buffer_ptrs, signal_ptrs, status_ptr,
     rank, N, R, W, block_off, timeout_ns,  # block_off: words from the region start to our block at d
+    S1, S2, S3, O1, O2, O3,  # VIEW: first column of segments 1-3 and word offsets of their planes
     FULL: tl.constexpr, BUSY: tl.constexpr, SEND_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+    CNT: tl.constexpr = -1, VIEW: tl.constexpr = False,  # CNT: offset of d's count words (dispatch), -1 none
 ):
     d = tl.program_id(0)
     c = tl.program_id(1)
@@ -99,17 +165,36 @@ def _scatter_send_kernel(
     wait_ne(my_sig + BUSY + d, 1, status_ptr, d, timeout_ns)
     tl.debug_barrier()
 
-    # Step 2: rows -> our block of d's area: [R sources][cap rows][W words].
     offs_t = c * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = offs_t < N
     pos = tl.load(pos_ptr + offs_t.to(tl.int64) * R + d, mask=t_ok, other=-1)
-    ok = (pos >= 0) & t_ok & _status_ok(status_ptr, offs_t)
-    dst = _words(buffer_ptrs, d) + block_off
-    for w0 in range(0, W, BLOCK_W):
-        offs_w = w0 + tl.arange(0, BLOCK_W)
-        m = ok[:, None] & (offs_w < W)[None, :]
-        v = tl.load(src_ptr + offs_t.to(tl.int64)[:, None] * W + offs_w[None, :], mask=m)
-        tl.store(dst + pos.to(tl.int64)[:, None] * W + offs_w[None, :], v, mask=m)
+    if CNT >= 0:
+        # Our row count for d, before any row (every program writes the same value: no program waits on
+        # another of this launch). In VIEW mode our rows start after those of the lower ranks.
+        tl.atomic_xchg(_words(signal_ptrs, d) + CNT + rank, tl.load(counts_ptr + d) + 1, sem="relaxed", scope="sys")
+    if VIEW:
+        prefix = 0
+        for sp in range(rank):
+            v = wait_ne(_words(signal_ptrs, d) + CNT + sp, 0, status_ptr, sp, timeout_ns)
+            prefix += tl.maximum(v - 1, 0)
+        tl.debug_barrier()
+        ok = (pos >= 0) & t_ok & _status_ok(status_ptr, offs_t)
+        # Step 2 (view): rows -> the planes of d's area, row prefix + pos.
+        rows = prefix + tl.where(ok, pos, 0)
+        area = _words(buffer_ptrs, d) + block_off
+        _copy_segment(src_ptr, area, offs_t, rows, ok, W, 0, S1, BLOCK_W)
+        _copy_segment(src_ptr, area + O1, offs_t, rows, ok, W, S1, S2, BLOCK_W)
+        _copy_segment(src_ptr, area + O2, offs_t, rows, ok, W, S2, S3, BLOCK_W)
+        _copy_segment(src_ptr, area + O3, offs_t, rows, ok, W, S3, W, BLOCK_W)
+    else:
+        # Step 2: rows -> our block of d's area: [R sources][cap rows][W words].
+        ok = (pos >= 0) & t_ok & _status_ok(status_ptr, offs_t)
+        dst = _words(buffer_ptrs, d) + block_off
+        for w0 in range(0, W, BLOCK_W):
+            offs_w = w0 + tl.arange(0, BLOCK_W)
+            m = ok[:, None] & (offs_w < W)[None, :]
+            v = tl.load(src_ptr + offs_t.to(tl.int64)[:, None] * W + offs_w[None, :], mask=m)
+            tl.store(dst + pos.to(tl.int64)[:, None] * W + offs_w[None, :], v, mask=m)
 
     # Step 3: the last program for d publishes: busy[d] = 1 here, full[rank] = count + 1 on d.
     tl.debug_barrier()
@@ -139,6 +224,7 @@ def _gather_recv_kernel(
     rank, R, W, cap, area_off, M, timeout_ns,
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+    CNT: tl.constexpr = -1,
 ):
     s = tl.program_id(0)
     c = tl.program_id(1)
@@ -176,7 +262,34 @@ def _gather_recv_kernel(
     # NOTES: every program waited on every source before arriving, so the last one knows all reads are done.
     tl.debug_barrier()
     if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
-        _release_blocks(my_sig, signal_ptrs, status_ptr, rank, R, FULL, BUSY)
+        _release_blocks(my_sig, signal_ptrs, status_ptr, rank, R, FULL, BUSY, CNT)
+
+
+@triton.jit
+def _view_recv_kernel(
+    counts_ptr,  # [R] int32 out: rows received from each source
+    signal_ptrs, status_ptr,
+    rank, R, M, timeout_ns,  # M: rows the caller will view (more received is an overflow)
+    FULL: tl.constexpr, HELD: tl.constexpr,
+):
+    """One program, receive as a view: wait for every source, record its count, check its call signature,
+    and mark its rows held (freed by :func:`_release_held`). The rows stay where the senders put them."""
+    my_sig = _words(signal_ptrs, rank)
+    total = 0
+    for s in range(R):
+        v = wait_ne(my_sig + FULL + s, 0, status_ptr, s, timeout_ns)
+        n_s = tl.maximum(v - 1, 0)
+        tl.store(counts_ptr + s, n_s)
+        total += n_s
+    tl.debug_barrier()
+    for s in range(R):
+        if tl.load(status_ptr, volatile=True) == 0:
+            if _signature_differs(my_sig, _sig_base(R, FULL), rank, s):
+                report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
+    if total > M:
+        report_error(status_ptr, -1)  # STATUS_OVERFLOW
+    for s in range(R):
+        tl.atomic_xchg(my_sig + HELD + s, 1, sem="relaxed", scope="sys")
 
 
 @triton.jit
@@ -191,6 +304,7 @@ def _combine_recv_impl(
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, HC: tl.constexpr,
     FMT: tl.constexpr, OUT_F16: tl.constexpr,
+    DFULL: tl.constexpr, DBUSY: tl.constexpr, DCNT: tl.constexpr, DHELD: tl.constexpr,
 ):
     """Row payload by ``FMT`` (:mod:`moe_ep.kernels.logfmt`): 0 BF16 / 1 FP16 ``H`` values, 2 FP8 ``H`` e4m3
     bytes | ``H/128`` float32 scales; the weights follow the payload (word ``H/2``, or ``H/4 + H/128``)."""
@@ -259,6 +373,8 @@ def _combine_recv_impl(
     tl.debug_barrier()
     if arrive_last(my_sig + RECV_CNT, tl.num_programs(0) * tl.num_programs(1)):
         _release_blocks(my_sig, signal_ptrs, status_ptr, rank, R, FULL, BUSY)
+        if DHELD >= 0:  # a dispatch receive handed out as a view is no longer read: free its area
+            _release_held(my_sig, signal_ptrs, status_ptr, rank, R, DFULL, DBUSY, DCNT, DHELD)
 
 
 @triton.jit
@@ -272,10 +388,12 @@ def _combine_recv_kernel(
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, HC: tl.constexpr,
+    DFULL: tl.constexpr = -1, DBUSY: tl.constexpr = -1, DCNT: tl.constexpr = -1, DHELD: tl.constexpr = -1,
 ):
     """BF16 payloads: see :func:`_combine_recv_impl`."""
     _combine_recv_impl(acc_ptr, out_ptr, wout_ptr, pos_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, N, R, W,
-                       cap, area_off, timeout_ns, H, K, KP, HAS_W, FULL, BUSY, RECV_CNT, BLOCK_T, HC, 0, False)
+                       cap, area_off, timeout_ns, H, K, KP, HAS_W, FULL, BUSY, RECV_CNT, BLOCK_T, HC, 0, False,
+                       DFULL, DBUSY, DCNT, DHELD)
 
 
 @triton.jit
@@ -290,8 +408,11 @@ def _combine_recv_fmt_kernel(
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, HC: tl.constexpr,
     FMT: tl.constexpr, OUT_F16: tl.constexpr,
+    DFULL: tl.constexpr = -1, DBUSY: tl.constexpr = -1, DCNT: tl.constexpr = -1, DHELD: tl.constexpr = -1,
 ):
-    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_combine_recv_impl`."""
+    """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_combine_recv_impl`.
+    ``DHELD >= 0``: the last program also frees a dispatch area held for a receive view (``D*``: the
+    dispatch signal offsets)."""
     _combine_recv_impl(acc_ptr, out_ptr, wout_ptr, pos_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, N, R, W,
                        cap, area_off, timeout_ns, H, K, KP, HAS_W, FULL, BUSY, RECV_CNT, BLOCK_T, HC, FMT,
-                       OUT_F16)
+                       OUT_F16, DFULL, DBUSY, DCNT, DHELD)

@@ -1,0 +1,153 @@
+"""Receive as a view (``Buffer.dispatch(..., recv_as_view=True)`` on ``symm``): the received rows are handed out
+as views of the rank's own buffer, bitwise equal to the copying receive, valid until the rank's next dispatch
+or combine; ranks that disagree on the mode all raise naming it; a view that cannot hold ``num_worst_tokens``
+is refused before any communication; the sequential virtual-rank path (release phase first) works."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from moe_ep.testing import assert_bitwise_equal, launch
+from moe_ep.testing.inputs import make_all_inputs, make_rank_inputs
+from moe_ep.testing.refs import ref_combine, ref_dispatch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU ranks run the symm kernels in the Triton interpreter")
+
+HIDDEN, E, K, N_MAX = 256, 8, 3, 8
+
+
+def _buffer(world, backend="symm"):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    kw = {"num_nvl_bytes": SymmBackend.get_normal_size_hint(N_MAX, HIDDEN, K, world)} if backend == "symm" else {}
+    return moe_ep.Buffer(None, backend=backend, timeout_s=20, **kw)
+
+
+def _layout(buf, inp):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(inp.topk_idx, E)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=inp.topk_idx, topk_weights=inp.topk_weights)
+
+
+def _in_buffer(buf, t) -> bool:
+    region = buf._impl.normal.symm.buffer
+    return region.data_ptr() <= t.data_ptr() < region.data_ptr() + region.numel()
+
+
+def _view_steps(rank, world, backend):
+    buf = _buffer(world, backend)
+    tokens = [5, 7, 0, 3][:world]
+    for step, fp8 in enumerate((False, True, False)):
+        inp = make_rank_inputs(rank, tokens[rank], HIDDEN, E, K, seed=10 + step, world_size=world)
+        x = (inp.x_fp8, inp.x_scales) if fp8 else inp.x
+        want_x, want_idx, want_w, want_list, _, _ = buf.dispatch(x, **_layout(buf, inp))  # copying receive
+        got_x, idx, w, lst, h, _ = buf.dispatch(x, **_layout(buf, inp), recv_as_view=True)
+        for a, b in zip(got_x if fp8 else (got_x,), want_x if fp8 else (want_x,)):
+            assert_bitwise_equal(a.view(torch.uint8) if fp8 and a.dtype != torch.float32 else a,
+                                 b.view(torch.uint8) if fp8 and b.dtype != torch.float32 else b, "recv_x")
+            if backend == "symm" and a.shape[0]:
+                assert _in_buffer(buf, a), "recv_as_view returned a copy"
+            assert a.is_contiguous()
+        assert torch.equal(idx, want_idx) and torch.equal(w, want_w) and lst == want_list
+        data = got_x[0] if fp8 else got_x
+        before = data.clone()
+        # the view holds until the next call: a cached dispatch of 2x overwrites it in place on symm
+        x2 = (inp.x_fp8, inp.x_scales * 2) if fp8 else inp.x * 2
+        got2 = buf.dispatch(x2, handle=h, recv_as_view=True)[0]
+        data2 = got2[0] if fp8 else got2
+        assert torch.equal(data2.view(torch.uint8), (before if fp8 else before * 2).view(torch.uint8))
+        if backend == "symm" and data.shape[0]:
+            assert data.data_ptr() == data2.data_ptr() and torch.equal(data.view(torch.uint8), data2.view(torch.uint8))
+        # combine straight from the view (it frees the view's rows), against the combine of the copy
+        y = (data2.float() * (rank + 1)).to(torch.bfloat16)
+        combined, cw, _ = buf.combine(y.clone(), h, topk_weights=w)
+        ref_y = ((want_x[0] if fp8 else want_x * 2).float() * (rank + 1)).to(torch.bfloat16)
+        ref_c, ref_cw, _ = buf.combine(ref_y, h, topk_weights=want_w)
+        assert_bitwise_equal(combined, ref_c, "combined from the view")
+        assert torch.equal(cw, ref_cw)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_view_equals_the_copy_and_holds_until_the_next_call(world):
+    assert launch(_view_steps, world, "symm", timeout_s=300) == [True] * world
+
+
+def test_torch_backend_accepts_the_flag_and_returns_fresh_tensors():
+    assert launch(_view_steps, 2, "torch", timeout_s=120) == [True, True]
+
+
+def _outcome(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+        return ("ok", "", time.monotonic() - t0)
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type by name
+        return (type(exc).__name__, str(exc), time.monotonic() - t0)
+
+
+def _mixed_modes(rank, world):
+    buf = _buffer(world)
+    inp = make_rank_inputs(rank, 4, HIDDEN, E, K, seed=3, world_size=world)
+    return _outcome(lambda: buf.dispatch(inp.x, **_layout(buf, inp), recv_as_view=rank == 0))
+
+
+def test_ranks_that_disagree_on_the_view_all_raise_naming_it():
+    for kind, msg, secs in launch(_mixed_modes, 2, timeout_s=120):
+        assert kind == "CallMismatchError" and "flags" in msg, msg
+        assert secs < 15
+
+
+def _too_many_worst_rows(rank, world):
+    buf = _buffer(world)
+    inp = make_rank_inputs(rank, 4, HIDDEN, E, K, seed=4, world_size=world)
+    first = _outcome(lambda: buf.dispatch(inp.x, **_layout(buf, inp), num_worst_tokens=10**4, recv_as_view=True))
+    # nothing was sent: the Buffer still works, a worst-case view that fits pads with -1 routing
+    recv, idx, _, _, _, _ = buf.dispatch(inp.x, **_layout(buf, inp), num_worst_tokens=2 * N_MAX, recv_as_view=True)
+    return first, recv.shape[0], bool((idx[int((idx >= 0).any(1).sum()):] == -1).all())
+
+
+def test_a_view_too_small_for_num_worst_tokens_is_refused_before_communication():
+    for (kind, msg, _), rows, pad_ok in launch(_too_many_worst_rows, 2, timeout_s=120):
+        assert kind == "ValueError" and "num_worst_tokens=10000" in msg and "receive view" in msg, msg
+        assert rows == 2 * N_MAX and pad_ok
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_virtual_ranks_release_phase_then_sends(world):
+    """One process, phases launched rank by rank: views back to back (no combine between), then a copying
+    dispatch, then a combine; the release is its own phase, run for every rank before the sends."""
+    from moe_ep.backends.symm import SymmBackend, virtual_backends
+
+    n = [5, 0, 7, 1][:world]
+    bs = virtual_backends(world, num_nvl_bytes=SymmBackend.get_normal_size_hint(N_MAX, HIDDEN, K, world),
+                          timeout_s=20)
+    for seed, view in ((1, True), (2, True), (3, False), (4, True)):
+        ins = make_all_inputs(world, n, HIDDEN, E, K, seed)
+        xs, idxs, ws = [i.x for i in ins], [i.topk_idx for i in ins], [i.topk_weights for i in ins]
+        lays = [b.get_dispatch_layout(i.topk_idx, E) for b, i in zip(bs, ins)]
+        for b in bs:
+            b.normal.dispatch_release()
+        sts = [b.dispatch_send(i.x, None, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                               num_tokens_per_expert=lay[2], topk_idx=i.topk_idx, topk_weights=i.topk_weights,
+                               num_experts=E, recv_view=view, release=False) for b, i, lay in zip(bs, ins, lays)]
+        res = [b.dispatch_recv(s, expert_alignment=1, num_worst_tokens=0) for b, s in zip(bs, sts)]
+        for r, out in enumerate(res):
+            ex_x, _, ex_idx, ex_w, ex_list = ref_dispatch(r, xs, idxs, ws, E)
+            assert_bitwise_equal(out.recv_x, ex_x, f"rank {r} recv_x")
+            assert_bitwise_equal(out.recv_topk_idx, ex_idx, f"rank {r} recv_topk_idx")
+            assert_bitwise_equal(out.recv_topk_weights, ex_w, f"rank {r} recv_topk_weights")
+            assert out.num_recv_tokens_per_expert_list == ex_list
+            if view and out.recv_x.shape[0]:
+                region = bs[r].normal.symm.buffer
+                assert region.data_ptr() <= out.recv_x.data_ptr() < region.data_ptr() + region.numel()
+    ys = [(o.recv_x.float() * (r + 1)).to(torch.bfloat16) for r, o in enumerate(res)]
+    cs = [b.combine_send(y, o.handle, o.recv_topk_weights) for b, y, o in zip(bs, ys, res)]
+    for r, (cx, _) in enumerate(b.combine_recv(s, ()) for b, s in zip(bs, cs)):
+        assert_bitwise_equal(cx, ref_combine(r, ys, idxs, E, [o.recv_topk_weights for o in res])[0], f"rank {r}")
