@@ -26,11 +26,10 @@ parallelism and all-gather reduce-scatter (``agrs_*``, ``all_gather``): those me
 names and raise ``NotImplementedError``. Hybrid (RDMA + NVLink) mode, QPs and SM counts have no
 counterpart in these backends: their arguments are accepted and ignored.
 
-Receive as a view of the symmetric buffer (V2 can hand out ``recv_x`` as a view of its buffer, no copy):
-not available in this release. The ``symm`` backend's normal receive does not expose one: it gathers the
-message rows out of the symmetric buffer into a fresh tensor and unpacks ``recv_x`` / scales contiguous, and
-the expanded layout is then gathered from those. ``perf/bench_elastic.py`` counts the bytes a view would save
-(``symm receive copy``: about 640 MB per rank at DeepSeek-V3 prefill, 4096 tokens, EP8).
+Receive as a view of the symmetric buffer (``dispatch(..., recv_as_view=True)``, a keyword extension): on the
+``symm`` backend the senders place the rows where the views point (row prefixes from count words, planes for
+payload | scales | top-k | weights), so the receive copies nothing; the views stay valid until this rank's next
+dispatch or combine. ``perf/bench_elastic.py`` counts the bytes saved and times both receives.
 
 Construction allocates the communication buffers and meets every peer on the host: it is refused with a
 ``RuntimeError`` naming the capture while a CUDA graph is being captured (checked first, before any

@@ -16,7 +16,9 @@ mode           dispatch                           experts                       
 SiLU-and-mul-quant -> GEMM2 on those rows, each row weighted by its top-k weight) -> the expanded
 ``ElasticBuffer.combine`` (sums a token's rows, then over ranks). The default ``dispatch="permute"`` is the
 table's prefill row. Output: the same sum, with one more BF16 rounding (each weighted row) than the permute
-path; both are within the same bound of the dense reference (``tests/test_moe_layer.py``).
+path; both are within the same bound of the dense reference (``tests/test_moe_layer.py``). On the ``symm``
+backend the expanded dispatch receives as a view of the buffer (``recv_as_view=True``: the expansion gathers the
+rows straight from where the senders wrote them, inside the dispatch call, so no view outlives it).
 
 The same object plugs into the two-microbatch schedules: pass ``layer.experts`` as the ``experts=``
 callable of :func:`microbatch.moe_layer_schedule` (it reads the state keys the communicators write).
@@ -141,7 +143,7 @@ class MoELayer:
             recv_x, _, recv_w, handle, _ = self.elastic.dispatch(
                 per_token_group_quant_fp8(x), topk_idx, topk_weights, num_experts=self.num_experts,
                 num_max_tokens_per_rank=self.T, expert_alignment=get_m_alignment_for_contiguous_layout(),
-                do_expand=True, use_tma_aligned_col_major_sf=True)
+                do_expand=True, use_tma_aligned_col_major_sf=True, recv_as_view=True)
             y = expanded_experts(recv_x, handle.m_indices, self.weights, recv_w, use_pdl=self.use_pdl)
             out, _, _ = self.elastic.combine(y, handle)
         else:

@@ -24,8 +24,12 @@ communication is a self-copy and every op past it sees that rank's real shapes),
   read, gathers counted by the rows they take; in-place scatters by the source); the kernels' own traffic is
   equal in both paths and left out;
 - ``symm receive copy``: bytes the ``symm`` normal receive copies out of the symmetric buffer (the gather into
-  message rows, then the unpack of ``recv_x`` / scales into contiguous tensors); a receive-as-view option
-  (V2 returns views of its buffer) would save them. The ``symm`` backend does not expose one in this release.
+  message rows, then the unpack of ``recv_x`` / scales into contiguous tensors): what ``recv_as_view=True``
+  saves (its receive copies nothing: the senders wrote the rows where the views point);
+- ``symm expanded receive``: bytes read + written after the link by the expanded dispatch on ``symm``: the copying
+  receive, then the gather of each selection's row into the aligned expanded layout, vs ``recv_as_view=True``
+  (the gather reads the selections straight from the buffer) vs a fused expanded kernel (the limit: writes the
+  expanded layout only).
 
 Memory per rank (computed, not measured): ``ElasticBuffer.memory_per_rank`` (what our constructor allocates:
 the ``symm`` region sized by ``get_buffer_size_hint``, plus its signal words; the ``torch`` backend allocates
@@ -35,8 +39,9 @@ dispatch; 8 GPUs per NVLink domain with hybrid mode, and one NVLink domain of al
 ``--memory-ranks``.
 
 Timed (``perf/_common.time_ranks``: a barrier before each iteration, the slowest rank per iteration):
-``ElasticBuffer.dispatch`` normal and expanded (alignment 128, TMA-aligned scales) of FP8 input vs
-``Buffer.get_dispatch_layout`` + ``Buffer.dispatch`` (the transport it wraps), and ``ElasticBuffer.combine``
+``ElasticBuffer.dispatch`` normal and expanded (alignment 128, TMA-aligned scales) of FP8 input, each also with
+``recv_as_view=True``, vs ``Buffer.get_dispatch_layout`` + ``Buffer.dispatch`` (the transport it wraps), and
+``ElasticBuffer.combine``
 normal and expanded vs ``Buffer.combine``, on the same ``Buffer`` (``ElasticBuffer.from_buffer``), per backend
 (``--time-backends``). Every timed output is then checked (receive bitwise equal to ``Buffer``'s, expanded rows
 equal to their received rows, both combines bitwise equal to ``Buffer.combine``). ``--launcher spawn`` (the
@@ -278,7 +283,7 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
 
 
 def symm_receive_copy_bytes(recv_rows: int, hidden: int = HIDDEN, topk: int = TOPK) -> int:
-    """Bytes the symm normal receive copies after the link (what a receive-as-view would save): the gather
+    """Bytes the symm normal receive copies after the link (what ``recv_as_view=True`` saves): the gather
     kernel reads and writes each message row (``W_d`` int32 words: FP8 payload | scales | int64 top-k ids |
     float32 weights, padded to 16 words), then ``recv_x`` and the scales are unpacked contiguous (read + write)."""
     words = hidden // 4 + hidden // 128 + 2 * topk + topk
@@ -313,7 +318,9 @@ def memory_rows(rec, prefill_tokens, decode_tokens, ranks_list, hidden=HIDDEN, t
 
 
 TIMED = ("Buffer dispatch (layout + dispatch)", "ElasticBuffer dispatch (normal)", "ElasticBuffer dispatch (expanded)",
+         "ElasticBuffer dispatch (normal, recv_as_view)", "ElasticBuffer dispatch (expanded, recv_as_view)",
          "Buffer combine", "ElasticBuffer combine (normal)", "ElasticBuffer combine (expanded)")
+BASELINES = {name: TIMED[0] if "dispatch" in name else TIMED[5] for name in TIMED}  # what each row is compared with
 
 
 def time_rank(rank, world, backend, tokens, hidden, experts, topk, iters, device="cpu"):
@@ -342,9 +349,9 @@ def time_rank(rank, world, backend, tokens, hidden, experts, topk, iters, device
         return buf.dispatch(q, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                             topk_idx=idx, topk_weights=w)
 
-    def elastic(expand):
+    def elastic(expand, view=False):
         return eb.dispatch(q, idx, w, num_experts=experts, expert_alignment=128 if expand else 1, do_expand=expand,
-                           use_tma_aligned_col_major_sf=expand)
+                           use_tma_aligned_col_major_sf=expand, recv_as_view=view)
 
     base = buffer_dispatch()
     normal, expanded = elastic(False), elastic(True)
@@ -356,16 +363,22 @@ def time_rank(rank, world, backend, tokens, hidden, experts, topk, iters, device
     has = first < slots.shape[1]
     rows = torch.arange(slots.shape[0], device=device)[has]
     y[slots[rows, first[has]]] = z[rows]
-    fns = [buffer_dispatch, lambda: elastic(False), lambda: elastic(True), lambda: buf.combine(z, base[4]),
-           lambda: eb.combine(z, normal[3]), lambda: eb.combine(y, expanded[3])]
+    fns = [buffer_dispatch, lambda: elastic(False), lambda: elastic(True), lambda: elastic(False, True),
+           lambda: elastic(True, True), lambda: buf.combine(z, base[4]), lambda: eb.combine(z, normal[3]),
+           lambda: eb.combine(y, expanded[3])]
     out = {}
     for name, fn in zip(TIMED, fns):
         out[name] = C.time_ranks(fn, device, iters=iters, warmup=1)
-    # checks (outside the timed region): receive, expansion and combines against Buffer's own results
-    ref = buf.combine(z, base[4])[0]
+    # checks (outside the timed region): receive, expansion and combines against Buffer's own results; a view is
+    # checked before the next call (which may reuse its rows)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731
+    v = elastic(False, True)[0]
+    ok = torch.equal(u8(v[0]), u8(base[0][0])) and torch.equal(v[1], base[0][1])
+    v = elastic(True, True)[0]
+    ok = ok and torch.equal(u8(v[0]), u8(expanded[0][0])) and torch.equal(v[1], expanded[0][1])
+    ref = buf.combine(z, base[4])[0]
     ex = expanded[0][0]
-    ok = torch.equal(u8(normal[0][0]), u8(base[0][0])) and torch.equal(normal[0][1], base[0][1])
+    ok = ok and torch.equal(u8(normal[0][0]), u8(base[0][0])) and torch.equal(normal[0][1], base[0][1])
     sel = slots >= 0
     ok = ok and torch.equal(u8(ex[slots[sel]]), u8(base[0][0]).unsqueeze(1).expand(-1, slots.shape[1], -1)[sel])
     ok = ok and torch.equal(u8(eb.combine(z, normal[3])[0]), u8(ref))
@@ -379,10 +392,10 @@ def timing_rows(rec, say, results, backend, world, tokens, hidden, experts, topk
     valid = all(r["valid"] for r in results)
     r0 = results[0]
     case = f"{backend} EP{world} T={tokens} H={hidden} E={experts} top-{topk} ({where})"
-    for i, name in enumerate(TIMED):
+    for name in TIMED:
         t, per_rank = r0[name]
-        base = r0[TIMED[0] if i < 3 else TIMED[3]][0]
-        is_base = i in (0, 3)
+        base = r0[BASELINES[name]][0]
+        is_base = BASELINES[name] == name
         rec.add(case, name, t.median, "us", p10=t.p10, p90=t.p90, iterations=t.n,
                 baseline=None if is_base else base.median, ratio=None if is_base else t.median / base.median,
                 valid=valid, per_rank_medians=per_rank, note=note)
@@ -505,12 +518,20 @@ def main(argv=None) -> int:
               f"| {(ek + eo) / max(pk + po, 1):.2f} |")
         print(f"| {case} | glue MB read + written | {pr / 1e6:.1f} + {pw / 1e6:.1f} | {er / 1e6:.1f} + {ew / 1e6:.1f} "
               f"| {(er + ew) / max(pr + pw, 1):.2f} |")
-        m, _, _ = routing_counts(args.tokens, ranks)
-        view = symm_receive_copy_bytes(m)
-        rec.add(f"dsv3 prefill T={args.tokens} EP{ranks}", "symm receive copy bytes a receive-as-view would save",
-                view, "B", baseline=view, limit=0, note="no receive-as-view option in the symm backend (this release)")
-        print(f"| dsv3 prefill T={args.tokens} EP{ranks} | symm receive copy MB (a view: 0; not exposed) | "
-              f"{view / 1e6:.1f} | {view / 1e6:.1f} | 1.00 |")
+    print(C.table_header(["case", "metric", "copying receive", "recv_as_view", "fused limit", "view / copy"]))
+    for ranks in args.ranks:
+        m, s, a = routing_counts(args.tokens, ranks)
+        case = f"dsv3 prefill T={args.tokens} EP{ranks}"
+        copy = symm_receive_copy_bytes(m)
+        rec.add(case, "symm receive copy bytes (recv_as_view=True saves them)", 0, "B", baseline=copy, limit=0,
+                ratio=0.0, recv_rows=m, note="counted: the copying receive's gather + unpack vs none with the view")
+        expand = (s + a) * row  # the expansion reads each selection's row and writes the aligned layout
+        rec.add(case, "symm expanded receive bytes after the link (read + written)", expand, "B",
+                baseline=copy + expand, limit=a * row, ratio=expand / (copy + expand), recv_rows=m, selections=s,
+                expanded_rows=a, note="counted: copy + expansion gather vs the gather from the view vs a fused kernel")
+        print(f"| {case} | symm receive copy MB (rows {m}) | {copy / 1e6:.1f} | 0.0 | 0.0 | 0.00 |")
+        print(f"| {case} | symm expanded receive MB after the link | {(copy + expand) / 1e6:.1f} | {expand / 1e6:.1f} "
+              f"| {a * row / 1e6:.1f} | {expand / (copy + expand):.2f} |")
     return rec.finish(prog)
 
 

@@ -8,7 +8,8 @@
 # backends nvshmem and symm, DeepEP when importable) when there are >= 2, else one line says it needs a
 # cluster; its cluster runs are perf/launch_internode.sh on every node (perf/RESULTS.md, owed list).
 # bench_mega_moe.py runs under torchrun (--standalone, one process per local GPU; EP8 on 8 GPUs) when there
-# are >= 2, else one line says it needs them.
+# are >= 2, else one line says it needs them. bench_elastic.py likewise (its timed section: ElasticBuffer vs
+# Buffer, copying receive vs recv_as_view); with fewer GPUs only its counted tables run.
 #
 # Writes perf/out/<UTC date-time>-<gpu name | cpu-smoke>.md (the report) and .jsonl (every bench's JSON
 # lines: a header object, then one object per row), never overwriting a file (a -2, -3 ... suffix is
@@ -129,6 +130,17 @@ for b in perf/bench_*.py; do
       continue
     fi
     cmd=("${TORCHRUN:-torchrun}" --standalone --nproc-per-node "$ngpu" perf/bench_mega_moe.py --launcher torchrun)
+  fi
+  if [ "$smoke" = 0 ] && [ "$name" = bench_elastic.py ]; then
+    # timed on GPUs: one process per GPU (torchrun, NCCL; torch and symm backends, copying receive and
+    # recv_as_view); with fewer than 2 GPUs only the counted tables (bytes, launches, memory) run
+    if [ "$ngpu" -ge 2 ]; then
+      cmd=("${TORCHRUN:-torchrun}" --standalone --nproc-per-node "$ngpu" perf/bench_elastic.py --launcher torchrun)
+    else
+      say "timing skipped: the ElasticBuffer timing runs one process per GPU and needs at least 2 GPUs; this" \
+          "machine has $ngpu (the counted tables run)"
+      cmd=("$PY" "$b" --time-ranks 0)
+    fi
   fi
   say "\`${cmd[*]} --json ...\` (timeout $bench_timeout s)"
   echo "running ${cmd[*]} ..." >&2

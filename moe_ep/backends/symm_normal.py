@@ -16,6 +16,10 @@ Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message
 
     (W_d, W_c rounded up to 16 words = 64 bytes so the kernels move rows in 16-byte vectors)
 
+    receive as a view (``recv_view=True``): the dispatch area holds planes instead, P = as many rows as fit,
+    [P][payload words] | [P][scale words] | [P][2K id words] | [P][K + padding words] (each plane 64-byte
+    aligned); source s's rows start at row sum_{s' < s} count(s' -> d), so plane_0[:M] is recv_x
+
 A rank may send at most ``min(cap_d, cap_c)`` tokens per call (checked before anything is written;
 :meth:`SymmNormal.size_hint` gives the bytes for a token count). DeepSeek-V3 prefill (4096 tokens
 per rank, hidden 7168, top-8, EP8): ``size_hint`` = 2 * 8 * 4096 * 14464 = 948 MB per rank (rows of
