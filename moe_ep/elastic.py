@@ -40,13 +40,14 @@ allocation or rendezvous). Construct before capturing, or wrap a Buffer made bef
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from . import validate as V
 from .buffer import Buffer
+from .elastic_handle import EPHandle
 from .elastic_expand import combine_plan, expand_plan, expert_counts, gather_rows, sum_expanded
 from .elastic_memory import elastic_memory_per_rank, elastic_num_bytes
 from .events import EventOverlap
@@ -56,77 +57,6 @@ __all__ = ["ElasticBuffer", "EPHandle"]
 
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
-
-
-class EPHandle:
-    """What :meth:`ElasticBuffer.dispatch` returns for :meth:`~ElasticBuffer.combine` and cached dispatch.
-
-    V2's fields:
-        do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms (as passed; unused here).
-        topk_idx: the dispatching rank's `[num_tokens, num_topk]` top-k (a clone with ``do_handle_copy``).
-        num_recv_tokens: received rows (the worst case ``num_max_tokens_per_rank * num_ranks`` without CPU sync).
-        num_expanded_tokens: rows of the expanded layout (worst case without CPU sync); 0 when not expanded.
-        num_recv_tokens_per_expert_list: Python list, per local expert, of received selections rounded up to
-            ``expert_alignment`` (``None`` without CPU sync).
-        psum_num_recv_tokens_per_scaleup_rank: `[num_ranks]` int32, inclusive prefix sum of rows received
-            from each source rank (a token counts once per rank); the last entry is the number received.
-        psum_num_recv_tokens_per_expert: `[L]` int32. Not expanded: inclusive prefix sum of the aligned
-            per-expert counts. Expanded: ``align(psum[i-1]) + count[i]`` (start of expert ``i``'s block plus its
-            real count), so ``align(psum[i], expert_alignment)`` is where expert ``i+1`` starts.
-        num_unaligned_recv_tokens_per_expert: `[L]` int32 real counts (expanded mode only, else ``None``).
-        recv_src_metadata: `[num_recv_tokens, 2 + num_topk]` int64: column 0 the source global token index
-            ``src_rank * num_max_tokens_per_rank + token`` (-1 on worst-case padding rows), column 1 the
-            source rank, columns ``2 + k`` the row of ``recv_x`` that carries selection ``k`` (the same row when
-            not expanded, its expanded row otherwise; -1 where the expert is not on this rank).
-        dst_buffer_slot_idx, token_metadata_at_forward, channel_linked_list: V2 kernel internals with no
-            counterpart here (``None``).
-
-    Extensions: ``m_indices`` (`[num_expanded_tokens]` int32, local expert of each expanded row, -1 on
-    padding; ``None`` when not expanded), ``recv_topk_idx`` (`[num_recv_tokens, num_topk]` local / -1).
-    """
-
-    def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
-                 num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: Optional[list],
-                 psum_num_recv_tokens_per_scaleup_rank: torch.Tensor, psum_num_recv_tokens_per_expert: torch.Tensor,
-                 num_unaligned_recv_tokens_per_expert: Optional[torch.Tensor], recv_src_metadata: torch.Tensor,
-                 dst_buffer_slot_idx: Optional[torch.Tensor] = None,
-                 token_metadata_at_forward: Optional[torch.Tensor] = None,
-                 channel_linked_list: Optional[torch.Tensor] = None):
-        self.do_expand = do_expand
-        self.num_experts = num_experts
-        self.expert_alignment = expert_alignment
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.num_sms = num_sms
-        self.topk_idx = topk_idx
-        self.num_recv_tokens = num_recv_tokens
-        self.num_expanded_tokens = num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = dst_buffer_slot_idx
-        self.token_metadata_at_forward = token_metadata_at_forward
-        self.channel_linked_list = channel_linked_list
-        # this implementation's state
-        self.m_indices: Optional[torch.Tensor] = None
-        self.recv_topk_idx: Optional[torch.Tensor] = None
-        self._owner: Optional[int] = None
-        self._buffer_handle = None
-        self._slot: Optional[torch.Tensor] = None  # [M, K] row of the expanded layout per selection, -1 none
-        self._exp_src: Optional[torch.Tensor] = None  # [num_expanded] received row of each expanded row, -1 pad
-        self._exp_k: Optional[torch.Tensor] = None  # [num_expanded] top-k slot of each expanded row
-        # expanded combine plan (ElasticBuffer._combine_plan / _sum_expanded): _comb_src [M, min(K, L)] the
-        # expanded rows of each received row's selections, k ascending, packed to the left (-1 after them);
-        # with host-known counts (a CPU-synced handle) also _comb_order (received rows by selection count,
-        # descending), _comb_sorted_src (_comb_src in that order) and _comb_rows[j] (rows with more than j
-        # selections); None otherwise
-        self._comb_src: Optional[torch.Tensor] = None
-        self._comb_order: Optional[torch.Tensor] = None
-        self._comb_sorted_src: Optional[torch.Tensor] = None
-        self._comb_rows: Optional[List[int]] = None
-        self._hidden = 0
 
 
 def _capture_device() -> torch.device:

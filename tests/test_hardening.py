@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from moe_ep.testing import launch
+from moe_ep.testing import launch, outcome
 from moe_ep.testing.inputs import make_rank_inputs
 
 
@@ -16,15 +16,6 @@ def _layout_args(buf, inp, num_experts):
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(inp.topk_idx, num_experts)
     return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                 topk_idx=inp.topk_idx, topk_weights=inp.topk_weights)
-
-
-def _outcome(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-        return ("ok", "", time.monotonic() - t0)
-    except Exception as exc:  # noqa: BLE001 - the test inspects the type by name
-        return (type(exc).__name__, str(exc), time.monotonic() - t0)
 
 
 # ---------------------------------------------------------------------------------------------- 1: signatures
@@ -35,7 +26,7 @@ def _mismatched_hidden(rank, world):
     hidden = 256 if rank == 0 else 128
     inp = make_rank_inputs(rank, 6, hidden, 8, 2, seed=1, world_size=world)
     args = _layout_args(buf, inp, 8)
-    first = _outcome(lambda: buf.dispatch(inp.x, **args))
+    first = outcome(lambda: buf.dispatch(inp.x, **args))
     # the Buffer stays in step: a matching call afterwards works on every rank
     inp2 = make_rank_inputs(rank, 6, 128, 8, 2, seed=2, world_size=world)
     recv = buf.dispatch(inp2.x, **_layout_args(buf, inp2, 8))[0]
@@ -57,8 +48,8 @@ def _different_calls(rank, world):
     buf = moe_ep.Buffer(None, low_latency_mode=True, backend="torch", timeout_s=20)
     inp = make_rank_inputs(rank, 4, 128, 8, 2, seed=1, world_size=world)
     if rank == 0:
-        return _outcome(lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, 8)))
-    return _outcome(lambda: buf.low_latency_dispatch(inp.x, inp.topk_idx, 8, 8))
+        return outcome(lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, 8)))
+    return outcome(lambda: buf.low_latency_dispatch(inp.x, inp.topk_idx, 8, 8))
 
 
 def test_ranks_in_different_operations_all_raise():
@@ -74,7 +65,7 @@ def _mismatched_topk_ll(rank, world):
     buf = moe_ep.Buffer(None, low_latency_mode=True, backend="torch", timeout_s=20)
     k = 2 if rank == 0 else 3
     inp = make_rank_inputs(rank, 4, 128, 8, k, seed=1, world_size=world)
-    return _outcome(lambda: buf.low_latency_dispatch(inp.x, inp.topk_idx, 8, 8))
+    return outcome(lambda: buf.low_latency_dispatch(inp.x, inp.topk_idx, 8, 8))
 
 
 def test_low_latency_ranks_with_different_topk_all_raise():
@@ -93,11 +84,11 @@ def _one_rank_refuses(rank, world, what):
         args["num_tokens_per_rank"] = args["num_tokens_per_rank"] + 1  # disagrees with is_token_in_rank
     if rank == 1 and what == "weights":
         recv_x, _, recv_w, _, handle, _ = buf.dispatch(inp.x, **args)
-        return _outcome(lambda: buf.combine(recv_x, handle, topk_weights=torch.cat([recv_w, recv_w], 1)))
+        return outcome(lambda: buf.combine(recv_x, handle, topk_weights=torch.cat([recv_w, recv_w], 1)))
     if what == "weights":
         recv_x, _, recv_w, _, handle, _ = buf.dispatch(inp.x, **args)
-        return _outcome(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
-    return _outcome(lambda: buf.dispatch(inp.x, **args))
+        return outcome(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
+    return outcome(lambda: buf.dispatch(inp.x, **args))
 
 
 @pytest.mark.parametrize("what", ["layout", "weights"])
@@ -117,7 +108,7 @@ def _late_rank(rank, world):
     args = _layout_args(buf, inp, 8)
     if rank == 1:
         time.sleep(2.5)  # past the peer's timeout
-    return _outcome(lambda: buf.dispatch(inp.x, **args))
+    return outcome(lambda: buf.dispatch(inp.x, **args))
 
 
 def test_a_rank_arriving_after_the_peers_gave_up_raises_instead_of_hanging():
@@ -136,7 +127,7 @@ def _symm_wide_weights(rank, world):
                         num_nvl_bytes=SymmBackend.get_normal_size_hint(8, 128, 2, world))
     inp = make_rank_inputs(rank, 6, 128, 8, 2, seed=1, world_size=world)
     recv_x, _, recv_w, _, handle, _ = buf.dispatch(inp.x, **_layout_args(buf, inp, 8))
-    wide = _outcome(lambda: buf.combine(recv_x, handle, topk_weights=torch.cat([recv_w, recv_w], 1)))
+    wide = outcome(lambda: buf.combine(recv_x, handle, topk_weights=torch.cat([recv_w, recv_w], 1)))
     out, w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)  # nothing was written by the refused call
     torch.testing.assert_close(w, torch.where(inp.topk_idx >= 0, inp.topk_weights, 0.0), rtol=0, atol=0)
     return wide
@@ -185,7 +176,7 @@ def _cached_dispatch(rank, world, backend):
     recv2 = buf.dispatch(x2, handle=handle)[0]
     assert recv2.shape == recv_x.shape == (16, 128)
     torch.testing.assert_close(recv2.float(), recv_x.float() * 2, rtol=0, atol=0)
-    bad = _outcome(lambda: buf.dispatch(x2, handle=handle, num_worst_tokens=32))
+    bad = outcome(lambda: buf.dispatch(x2, handle=handle, num_worst_tokens=32))
     # without num_worst_tokens: the handle knows the counts, so the cached dispatch reads nothing on the host
     recv_x, _, _, _, handle, _ = buf.dispatch(inp.x, **args)
     with host_reads_trapped():
@@ -262,7 +253,7 @@ def _combine_without_peer(rank, world):
     if rank == 1:
         return "skipped the combine"
     out = torch.zeros(6, 128, dtype=torch.bfloat16)
-    kind, msg, _ = _outcome(lambda: buf.low_latency_combine(recv_x, inp.topk_idx, inp.topk_weights, handle, out=out))
+    kind, msg, _ = outcome(lambda: buf.low_latency_combine(recv_x, inp.topk_idx, inp.topk_weights, handle, out=out))
     return kind, msg, bool(torch.isnan(out.float()).all())
 
 
@@ -284,12 +275,12 @@ def _flags(rank, world, what):
     if what == "bad_expert":
         idx = inp.topk_idx.clone()
         idx[0, 0] = 8 + rank  # >= num_experts; the host checks are off
-        first = _outcome(lambda: buf.get_dispatch_layout(idx, 8))
-        second = _outcome(lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, 8)))
+        first = outcome(lambda: buf.get_dispatch_layout(idx, 8))
+        second = outcome(lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, 8)))
         return first[0], second[:2]
     args = _layout_args(buf, inp, 8)
     # one row of worst-case room: any rank receiving more must report it (the CPU guard or the device flag)
-    return _outcome(lambda: buf.dispatch(inp.x, num_worst_tokens=1, **args))[:2]
+    return outcome(lambda: buf.dispatch(inp.x, num_worst_tokens=1, **args))[:2]
 
 
 def test_expert_ids_out_of_range_with_checks_off_are_reported_not_silent():
@@ -379,7 +370,7 @@ def _symm_normal_mismatch(rank, world):
                         num_nvl_bytes=SymmBackend.get_normal_size_hint(8, 256, 2, world))
     hidden = 256 if rank == 0 else 128
     inp = make_rank_inputs(rank, 5, hidden, 8, 2, seed=2, world_size=world)
-    return _outcome(lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, 8)))
+    return outcome(lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, 8)))
 
 
 def test_symm_normal_ranks_with_different_hidden_all_raise_naming_the_field():
@@ -418,7 +409,7 @@ def _trap_flag(rank, world):
     buf = moe_ep.Buffer(None, backend="symm", low_latency_mode=True, provider="shm", trap_on_error=True,
                         num_rdma_bytes=SymmBackend.get_low_latency_size_hint(4, 128, world, 4, 2))
     flags = [int(b.status[2]) for b in buf._impl._buffers]
-    refused = _outcome(lambda: moe_ep.Buffer(None, backend="torch", trap_on_error=True))
+    refused = outcome(lambda: moe_ep.Buffer(None, backend="torch", trap_on_error=True))
     return flags, refused[0]
 
 

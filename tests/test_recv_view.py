@@ -6,12 +6,11 @@ is refused before any communication; the sequential virtual-rank path (release p
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
 
-from moe_ep.testing import assert_bitwise_equal, launch
+from moe_ep.testing import assert_bitwise_equal, launch, outcome
 from moe_ep.testing.inputs import make_all_inputs, make_rank_inputs
 from moe_ep.testing.refs import ref_combine, ref_dispatch
 
@@ -83,19 +82,10 @@ def test_torch_backend_accepts_the_flag_and_returns_fresh_tensors():
     assert launch(_view_steps, 2, "torch", timeout_s=120) == [True, True]
 
 
-def _outcome(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-        return ("ok", "", time.monotonic() - t0)
-    except Exception as exc:  # noqa: BLE001 - the test inspects the type by name
-        return (type(exc).__name__, str(exc), time.monotonic() - t0)
-
-
 def _mixed_modes(rank, world):
     buf = _buffer(world)
     inp = make_rank_inputs(rank, 4, HIDDEN, E, K, seed=3, world_size=world)
-    return _outcome(lambda: buf.dispatch(inp.x, **_layout(buf, inp), recv_as_view=rank == 0))
+    return outcome(lambda: buf.dispatch(inp.x, **_layout(buf, inp), recv_as_view=rank == 0))
 
 
 def test_ranks_that_disagree_on_the_view_all_raise_naming_it():
@@ -107,7 +97,7 @@ def test_ranks_that_disagree_on_the_view_all_raise_naming_it():
 def _too_many_worst_rows(rank, world):
     buf = _buffer(world)
     inp = make_rank_inputs(rank, 4, HIDDEN, E, K, seed=4, world_size=world)
-    first = _outcome(lambda: buf.dispatch(inp.x, **_layout(buf, inp), num_worst_tokens=10**4, recv_as_view=True))
+    first = outcome(lambda: buf.dispatch(inp.x, **_layout(buf, inp), num_worst_tokens=10**4, recv_as_view=True))
     # nothing was sent: the Buffer still works, a worst-case view that fits pads with -1 routing
     recv, idx, _, _, _, _ = buf.dispatch(inp.x, **_layout(buf, inp), num_worst_tokens=2 * N_MAX, recv_as_view=True)
     return first, recv.shape[0], bool((idx[int((idx >= 0).any(1).sum()):] == -1).all())

@@ -228,7 +228,8 @@ class SymmNormal:
         """``recv_view``: the receivers get views of their own buffer (every rank must ask; the area stays
         theirs until their next dispatch or combine). ``num_worst_tokens``: checked against the view's rows.
         ``release``: run :meth:`dispatch_release` after the checks, before the sends (callers that run the
-        ranks' phases one after another in one process call it for every rank first and pass False)."""
+        ranks' phases one after another in one process call it for every rank first and pass False, then send
+        in ascending rank order: a view's sender waits for the lower ranks' count words)."""
         self.symm.check_usable()
         R, (n, hidden) = self.symm.world_size, x.shape
         if (hidden * x.element_size()) % 4:

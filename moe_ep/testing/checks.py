@@ -81,3 +81,16 @@ def assert_close_ulp(actual: torch.Tensor, expected: torch.Tensor, ulps: float, 
             f"{name}: {int(bad.sum())} of {bad.numel()} elements off by more than {ulps} ulp ({dtype}); "
             f"first at {_index_str(first, actual.shape)}: got {a[first].item()}, expected {e[first].item()}; "
             f"worst at {_index_str(worst, actual.shape)}: got {a[worst].item()}, expected {e[worst].item()}")
+
+
+def outcome(fn) -> tuple:
+    """Run ``fn()``: ``("ok", "", seconds)``, or ``(exception type name, message, seconds)`` when it raised (for
+    multi-rank tests whose ranks report how a call ended instead of failing the launch)."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        fn()
+        return ("ok", "", time.monotonic() - t0)
+    except Exception as exc:  # noqa: BLE001 - the caller inspects the type by name
+        return (type(exc).__name__, str(exc), time.monotonic() - t0)
