@@ -668,3 +668,48 @@ def _expanded_sum_random(rank, world, seed):
 @pytest.mark.parametrize("seed", [1, 2])
 def test_expanded_combine_sum_equals_the_plain_k_pass_sum(seed):
     assert all(launch(_expanded_sum_random, 2, seed, timeout_s=120))
+
+
+# ---------------------------------------------------------------------------------------------- stream options
+def _stream_options(rank, world, backend, view):
+    """previous_event, async_with_compute_stream, allocate_on_comm_stream and do_handle_copy=False give the plain
+    call's results, and the stream-order checker (streams modelled on CPU) finds no unordered read or early free."""
+    from moe_ep.testing.streams import checked_streams
+    from moe_ep.testing.streams import launch as report
+
+    eb = _make(backend, world)
+    ins = make_all_inputs(world, [5, 7, 2, 4][:world], HIDDEN, 8, 3, seed=21)
+    inp = ins[rank]
+    plain_x, plain_idx, plain_w, plain_h, _ = eb.dispatch(inp.x, inp.topk_idx, inp.topk_weights, num_experts=8)
+    plain_x = plain_x.clone()  # (a view would be reused by the next call)
+    y_plain = (plain_x.float() * (rank + 2)).to(torch.bfloat16)
+    plain_c, plain_cw, _ = eb.combine(y_plain, plain_h, topk_weights=plain_w)
+    with checked_streams(strict=False) as chk:
+        x, idx, w = inp.x.clone(), inp.topk_idx.clone(), inp.topk_weights.clone()
+        report(writes=(x, idx, w), what="router")
+        rx, ridx, rw, h, ev = eb.dispatch(x, idx, w, num_experts=8, previous_event=eb.capture(),
+                                          async_with_compute_stream=True, allocate_on_comm_stream=True,
+                                          do_handle_copy=False, recv_as_view=view)
+        assert h.topk_idx is idx  # do_handle_copy=False keeps the caller's tensor
+        del x, w  # dropped while the dispatch may still be in flight
+        ev.current_stream_wait()
+        y = (rx.float() * (rank + 2)).to(torch.bfloat16)
+        report(reads=(rx, rw), writes=y, what="experts")
+        got = (rx.clone(), ridx.clone(), rw.clone())
+        c, cw, ev = eb.combine(y, h, topk_weights=rw, previous_event=eb.capture(), async_with_compute_stream=True,
+                               allocate_on_comm_stream=True)
+        del y
+        ev.current_stream_wait()
+        report(reads=(c, cw), what="next layer")
+        out = (got, c.clone(), cw.clone())
+        del rx, ridx, rw, h, c, cw, ev, idx
+    (rx, ridx, rw), c, cw = out
+    assert torch.equal(rx.view(torch.uint8), plain_x.view(torch.uint8)) and torch.equal(ridx, plain_idx)
+    assert torch.equal(rw, plain_w)
+    assert torch.equal(c.view(torch.uint8), plain_c.view(torch.uint8)) and torch.equal(cw, plain_cw)
+    return chk.messages()
+
+
+@pytest.mark.parametrize("backend,view", [("torch", False), ("symm", False), ("symm", True)])
+def test_stream_options_give_the_plain_results_in_stream_order(backend, view):
+    assert launch(_stream_options, 2, backend, view, timeout_s=120) == [[], []]
