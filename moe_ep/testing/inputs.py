@@ -12,7 +12,7 @@ import torch
 
 from ..fp8 import per_token_group_quant_fp8_ref
 
-__all__ = ["RankInputs", "make_rank_inputs", "make_all_inputs", "make_expert_weights"]
+__all__ = ["RankInputs", "make_rank_inputs", "make_all_inputs", "make_expert_weights", "make_elastic_buffer"]
 
 
 @dataclasses.dataclass
@@ -67,3 +67,18 @@ def make_expert_weights(num_experts: int, hidden: int, intermediate: int, seed: 
     w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5
     w2 = torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate ** 0.5
     return w13, w2
+
+
+def make_elastic_buffer(backend: str, world_size: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
+                        **kwargs):
+    """A :class:`moe_ep.ElasticBuffer` for forked CPU ranks: ``symm`` on shared memory sized by the size hint
+    for these shapes, ``torch`` as is; a 30 s timeout unless ``kwargs`` says otherwise."""
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    if backend == "symm":
+        kwargs.update(provider="shm", num_bytes=SymmBackend.get_normal_size_hint(num_max_tokens_per_rank, hidden,
+                                                                                   num_topk, world_size))
+    kwargs.setdefault("timeout_s", 30)
+    return moe_ep.ElasticBuffer(None, num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
+                                num_topk=num_topk, backend=backend, **kwargs)
