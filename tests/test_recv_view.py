@@ -94,6 +94,23 @@ def test_ranks_that_disagree_on_the_view_all_raise_naming_it():
         assert secs < 15
 
 
+def _mismatch_after_a_view(rank, world):
+    """The signature check still works on the calls after a view (the release must not clear this call's own
+    signature): a view dispatch, then ranks that disagree on hidden."""
+    buf = _buffer(world)
+    inp = make_rank_inputs(rank, 4, HIDDEN, E, K, seed=5, world_size=world)
+    buf.dispatch(inp.x, **_layout(buf, inp), recv_as_view=True)
+    hidden = HIDDEN if rank == 0 else HIDDEN // 2
+    bad = make_rank_inputs(rank, 4, hidden, E, K, seed=6, world_size=world)
+    return outcome(lambda: buf.dispatch(bad.x, **_layout(buf, bad), recv_as_view=True))
+
+
+def test_ranks_that_disagree_after_a_view_still_raise_naming_the_field():
+    for kind, msg, secs in launch(_mismatch_after_a_view, 2, timeout_s=120):
+        assert kind == "CallMismatchError" and "hidden" in msg, msg
+        assert secs < 15
+
+
 def _too_many_worst_rows(rank, world):
     buf = _buffer(world)
     inp = make_rank_inputs(rank, 4, HIDDEN, E, K, seed=4, world_size=world)

@@ -269,9 +269,9 @@ class SymmNormal:
         L = self.sig
         flags = 1 | int(x_scales is not None) << 1 | int(x_scales is not None and x_scales.dtype == torch.int32) << 2 \
             | int(handle is not None) << 3 | int(bool(recv_view)) << 4
-        self._write_signature("DISP_SIG", (hidden, words, (num_experts or 0) * 256 + k, flags))
-        if release:
+        if release:  # before the signature: the release clears the held sources' entries, this rank's own too
             self.dispatch_release()
+        self._write_signature("DISP_SIG", (hidden, words, (num_experts or 0) * 256 + k, flags))
         if recv_view:
             self._view_used = True
         _scatter_send_kernel[(R, max(1, triton.cdiv(n, bt)))](
