@@ -1,0 +1,124 @@
+"""The shared case machinery of ``perf/sm90_report.py``: the sm90 target (:data:`H100`, :data:`TARGET_CC`), one
+shipped configuration (:class:`Case`), :func:`_case` (a case specialised like a launch would be), the constants the
+communication-kernel cases share, and the HOOK that collects ``sm90_cases()`` from the kernel modules
+(:func:`_hook_cases`).
+
+Imported by the report (and :mod:`_sm90_families`) after its ``TRITON_INTERPRET`` check; not a script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import re
+from typing import Any, Optional
+
+# H100 SXM per-SM limits (CUDA C Programming Guide, "Compute capability 9.0" table; occupancy calculator).
+H100 = {
+    "regs_per_sm": 65536,
+    "reg_alloc_unit": 256,  # registers are allocated per warp in units of 256
+    "max_regs_per_thread": 255,
+    "smem_per_sm": 228 * 1024,
+    "smem_per_block": 227 * 1024,  # the most one block may use
+    "smem_reserved_per_block": 1024,  # taken by the CUDA runtime from the SM's shared memory for every block
+    "max_warps_per_sm": 64,
+    "max_blocks_per_sm": 32,
+    "num_sms": 132,
+}
+TARGET_CC = 90
+
+
+@dataclasses.dataclass
+class Case:
+    """One shipped configuration: what a launcher passes for a given shape."""
+
+    name: str  # the op, e.g. "quant"
+    config: str  # shape and variant; contains "PDL" exactly when the launch uses PDL
+    kernel: Any
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int = 3
+    attrs: Optional[dict] = None
+    options: Optional[dict] = None
+    error: Optional[str] = None  # set when the case could not even be built (reported as a FAILED row)
+
+
+def _case(name: str, config: str, kernel, pointers: dict, scalars: dict, constexprs: dict, num_warps: int = 4,
+          num_stages: int = 3, options: Optional[dict] = None) -> Case:
+    """A case specialised like a launch would: pointers (torch allocations, 256-byte aligned) and integers
+    divisible by 16 get ``tt.divisibility`` 16, integers equal to 1 become constexpr, the rest i32 / i64."""
+    names = list(kernel.arg_names)
+    scalars, constexprs = dict(scalars), dict(constexprs)
+    for prm in kernel.params:  # arguments with a default (e.g. TRANSPORT) take it unless the case says otherwise
+        if prm.name not in pointers and prm.name not in scalars and prm.name not in constexprs and prm.has_default:
+            (constexprs if prm.is_constexpr else scalars)[prm.name] = prm.default
+    given = {**pointers, **scalars, **constexprs}
+    missing, extra = set(names) - set(given), set(given) - set(names)
+    if missing or extra:
+        raise ValueError(f"{kernel.__name__}: case '{config}' misses {sorted(missing)} / has unknown {sorted(extra)}")
+    sig, const, div16 = {}, dict(constexprs), []
+    for n, v in scalars.items():
+        if v == 1:
+            const[n] = 1
+        elif v % 16 == 0:
+            div16.append(n)
+    for n in names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in pointers:
+            sig[n] = pointers[n]
+            div16.append(n)
+        else:
+            sig[n] = "i32" if -2**31 <= scalars[n] < 2**31 else "i64"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return Case(name, config, kernel, sig, const, num_warps, num_stages, attrs, options)
+
+
+_SYMM_PTRS = {"buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32"}
+_TIMEOUT_NS = 100 * 10**9  # int64 at launch, as the symm buffer's default timeout is
+_RANK = 3  # a rank that is neither 0 nor 1: no accidental specialisation
+
+
+HOOK_PACKAGE = "moe_ep.kernels"
+
+
+def _hook_modules() -> list[str]:
+    """Modules of :data:`HOOK_PACKAGE` whose source defines ``sm90_cases()``, sorted by name (found by reading the
+    sources, so modules without cases, e.g. ones that need an optional package, are never imported here)."""
+    import pkgutil
+
+    spec = importlib.util.find_spec(HOOK_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    found = []
+    for info in pkgutil.iter_modules(spec.submodule_search_locations):
+        path = os.path.join(info.module_finder.path, info.name + ".py")
+        try:
+            with open(path, encoding="utf-8") as f:
+                if re.search(r"^def sm90_cases\(", f.read(), re.MULTILINE):
+                    found.append(f"{HOOK_PACKAGE}.{info.name}")
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def _hook_cases() -> list[Case]:
+    """HOOK: cases from ``sm90_cases()`` of every module :func:`_hook_modules` finds (the grouped GEMM, the
+    mega-MoE kernel).
+
+    Each item is a dict with keys ``name, config, kernel, signature, constexprs, num_warps, num_stages`` and
+    optional ``attrs`` / ``options``. A module that fails to import, or whose cases are malformed, gives one
+    FAILED row (not a skip, and not a crash that would hide the other rows)."""
+    cases: list[Case] = []
+    for name in _hook_modules():
+        try:
+            mod = importlib.import_module(name)
+            cases += [Case(**d) for d in mod.sm90_cases()]
+        except Exception as exc:  # noqa: BLE001 - reported as a row
+            short = name.rsplit(".", 1)[-1]
+            cases.append(Case(short, "sm90_cases()", None, {}, {}, 0, error=f"{type(exc).__name__}: {exc}"))
+    return cases
+
