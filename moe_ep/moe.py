@@ -17,8 +17,8 @@ SiLU-and-mul-quant -> GEMM2 on those rows, each row weighted by its top-k weight
 ``ElasticBuffer.combine`` (sums a token's rows, then over ranks). The default ``dispatch="permute"`` is the
 table's prefill row. Output: the same sum, with one more BF16 rounding (each weighted row) than the permute
 path; both are within the same bound of the dense reference (``tests/test_moe_layer.py``). On the ``symm``
-backend the expanded dispatch receives as a view of the buffer (``recv_as_view=True``: the expansion gathers the
-rows straight from where the senders wrote them, inside the dispatch call, so no view outlives it).
+backend both prefill dispatches receive as views of the buffer (``recv_as_view=True``: the expansion, or the
+permute, reads the rows straight from where the senders wrote them, before the layer's combine frees them).
 
 The same object plugs into the two-microbatch schedules: pass ``layer.experts`` as the ``experts=``
 callable of :func:`microbatch.moe_layer_schedule` (it reads the state keys the communicators write).
@@ -150,7 +150,7 @@ class MoELayer:
             per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, self.num_experts)
             recv_x, recv_idx, recv_w, counts, handle, _ = self.buffer.dispatch(
                 per_token_group_quant_fp8(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, recv_as_view=True)
             y = contiguous_experts(recv_x, recv_idx, recv_w, self.weights, num_tokens_per_expert=counts or None,
                                    use_pdl=self.use_pdl)
             out, _, _ = self.buffer.combine(y, handle)
