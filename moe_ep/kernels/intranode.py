@@ -19,13 +19,14 @@ so one send kernel and one receive kernel serve dispatch, cached dispatch and co
 
 Receive as a view (``VIEW``: the dispatch receive is handed out as views of the receiver's own buffer,
 no copy): the send kernel then writes the receiver's area as *planes* ``[P rows][width_j words]``, one per
-column segment of the message row (payload | scales | top-k ids | weights + padding), ``P`` = as many rows
-as the area holds (at least ``R * cap``), each plane 64-byte aligned, and row ``t`` of this rank lands at row ``prefix + pos[t, d]`` where ``prefix`` is
-the number of rows the lower ranks send to ``d`` (read from ``d``'s ``CNT`` words, which every sender
-writes before its rows). So rows are ordered by source rank, then source token, with no gaps:
-``plane_0[:M]`` is ``recv_x``. :func:`_view_recv_kernel` only waits, counts and checks signatures; the
-area stays held (``HELD`` words set) until this rank's next combine receive or its next dispatch
-(:func:`_release_held_kernel`, launched before the sends) frees it.
+column segment of the message row (payload | scales | top-k ids | weights + padding), ``P`` = as many
+rows as the area holds (at least ``R * cap``), each plane 64-byte aligned, and row ``t`` of this rank
+lands at row ``prefix + pos[t, d]`` where ``prefix`` is the number of rows the lower ranks send to ``d``
+(read from ``d``'s ``CNT`` words, which every sender writes before its rows). So rows are ordered by
+source rank, then source token, with no gaps: ``plane_0[:M]`` is ``recv_x``. :func:`_view_recv_kernel`
+only waits, counts and checks signatures; the area stays held (``HELD`` words set) until this rank's
+next combine receive or its next dispatch (:func:`_release_held_kernel`, launched before the sends)
+frees it.
 
 Signals (int32 words of each rank's signal region, see :func:`signal_layout`)::
 
