@@ -6,6 +6,7 @@ is refused before any communication; the sequential virtual-rank path (release p
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -158,3 +159,33 @@ def test_virtual_ranks_release_phase_then_sends(world):
     cs = [b.combine_send(y, o.handle, o.recv_topk_weights) for b, y, o in zip(bs, ys, res)]
     for r, (cx, _) in enumerate(b.combine_recv(s, ()) for b, s in zip(bs, cs)):
         assert_bitwise_equal(cx, ref_combine(r, ys, idxs, E, [o.recv_topk_weights for o in res])[0], f"rank {r}")
+
+
+def _silent_rank(rank, world, silent):
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    buf = moe_ep.Buffer(None, backend="symm", timeout_s=2.0,
+                        num_nvl_bytes=SymmBackend.get_normal_size_hint(N_MAX, HIDDEN, K, world))
+    inp = make_rank_inputs(rank, 4, HIDDEN, E, K, seed=7, world_size=world)
+    lay = _layout(buf, inp)
+    if rank == silent:
+        time.sleep(6)  # never dispatches
+        return None
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(inp.x, **lay, recv_as_view=True)
+    except moe_ep.RankTimeoutError as exc:
+        return exc.missing_ranks, time.monotonic() - t0
+    return "no error"
+
+
+@pytest.mark.parametrize("silent", [0, 3])
+def test_a_silent_rank_is_named_not_waited_for(silent):
+    """Rank 0 silent: the others' view sends wait on its count words; the last rank silent: the others wait on its rows.
+    Either way every waiting rank raises RankTimeoutError naming it within the timeout."""
+    world = 4
+    results = launch(_silent_rank, world, silent, timeout_s=60)
+    for r, res in enumerate(results):
+        if r != silent:
+            assert res != "no error" and res[0] == [silent] and res[1] < 10, (r, res)
