@@ -48,7 +48,7 @@ import torch.distributed as dist
 from . import validate as V
 from .buffer import Buffer
 from .elastic_handle import EPHandle
-from .elastic_expand import combine_plan, expand_plan, expert_counts, gather_rows, sum_expanded
+from .elastic_expand import combine_plan, expand_plan, expand_received, expert_counts, sum_expanded
 from .elastic_memory import elastic_memory_per_rank, elastic_num_bytes
 from .events import EventOverlap
 
@@ -353,7 +353,6 @@ class ElasticBuffer:
     _expert_counts = staticmethod(expert_counts)
     _expand_plan = staticmethod(expand_plan)
     _combine_plan = staticmethod(combine_plan)
-    _gather_rows = staticmethod(gather_rows)
     _sum_expanded = staticmethod(sum_expanded)
 
     # ------------------------------------------------------------------------------------------ weights transport
@@ -561,12 +560,8 @@ class ElasticBuffer:
 
     def _finish(self, h, recv_data, recv_scales, recv_idx, recv_w, zero, use_tma_sf, event):
         if h.do_expand:
-            recv_data = self._gather_rows(recv_data, h._exp_src, zero)
-            if recv_scales is not None:
-                recv_scales = self._gather_rows(recv_scales, h._exp_src, zero)
-            if recv_w is not None:
-                w = recv_w[h._exp_src.clamp(min=0), h._exp_k]
-                recv_w = torch.where(h._exp_src >= 0, w, 0.0)
+            recv_data, recv_scales, recv_w = expand_received(recv_data, recv_scales, recv_w, h._exp_src, h._exp_k,
+                                                             zero)
         if recv_scales is not None and use_tma_sf:
             from .gemm import get_mn_major_tma_aligned_tensor
 

@@ -10,7 +10,17 @@ import torch
 
 from .fp8 import FP8_DTYPE
 
-__all__ = ["expert_counts", "expand_plan", "combine_plan", "gather_rows", "sum_expanded"]
+__all__ = ["expert_counts", "expand_plan", "combine_plan", "gather_rows", "expand_received", "sum_expanded",
+           "USE_KERNELS"]
+
+#: Run the expanded layout's row gathers and the expanded combine's sum as Triton kernels
+#: (:mod:`moe_ep.kernels.expand`, one launch each): ``None`` = on CUDA tensors only (on CPU these torch ops run);
+#: tests set ``True`` to run the kernels in the Triton interpreter and compare them with the torch ops, bitwise.
+USE_KERNELS = None
+
+
+def _kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda if USE_KERNELS is None else bool(USE_KERNELS)
 
 
 def expert_counts(recv_topk_idx: torch.Tensor, num_local: int, alignment: int):
@@ -72,6 +82,25 @@ def gather_rows(t: torch.Tensor, src: torch.Tensor, zero: bool) -> torch.Tensor:
     return out.view(t.dtype) if t.dtype == FP8_DTYPE else out
 
 
+def expand_received(data: torch.Tensor, scales: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                    exp_src: torch.Tensor, exp_k: torch.Tensor, zero: bool):
+    """The received rows, their scales and 2-D top-k weights in the expanded layout: ``(data, scales, weights)``
+    (weights 1-D per expanded row, 0 on padding). Padding rows of data / scales are zero with ``zero``, else
+    unspecified. Kernels (one launch for rows + weights, one for scales) where :data:`USE_KERNELS` says so."""
+    if _kernels(data):
+        from .kernels.expand import expand_rows, words_of
+
+        if words_of(data) is not None and (scales is None or words_of(scales) is not None):
+            out, w = expand_rows(data, exp_src, zero, weights, exp_k if weights is not None else None)
+            return out, None if scales is None else expand_rows(scales, exp_src, zero)[0], w
+    out = gather_rows(data, exp_src, zero)
+    sc = None if scales is None else gather_rows(scales, exp_src, zero)
+    w = None
+    if weights is not None:
+        w = torch.where(exp_src >= 0, weights[exp_src.clamp(min=0), exp_k], 0.0)
+    return out, sc, w
+
+
 def sum_expanded(x: torch.Tensor, h) -> torch.Tensor:  # h: an expanded EPHandle
     """BF16 `[M, H]`: per received row, the float32 sum ``0 + x[s_1] + x[s_2] + ...`` over its selections'
     expanded rows, k ascending, holes skipped, rounded once to BF16. Deterministic, no host read.
@@ -83,6 +112,10 @@ def sum_expanded(x: torch.Tensor, h) -> torch.Tensor:  # h: an expanded EPHandle
     which changes nothing (a sum that starts at +0.0 is never -0.0). Starting from the first term instead
     of +0.0 can only differ in the sign of a zero; the final ``+ 0.0`` makes that +0.0 too."""
     src, order, sorted_src, pass_rows = h._comb_src, h._comb_order, h._comb_sorted_src, h._comb_rows
+    if _kernels(x) and x.dtype == torch.bfloat16 and x.dim() == 2:
+        from .kernels.expand import sum_rows
+
+        return sum_rows(x, src)
     M, H = src.shape[0], h._hidden
     if src.shape[1] == 0:
         return torch.zeros(M, H, dtype=torch.bfloat16, device=x.device)

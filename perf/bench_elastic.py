@@ -22,7 +22,9 @@ communication is a self-copy and every op past it sees that rank's real shapes),
 - ``layer launches``: Triton kernels + aten ops past the communication (each aten op a kernel launch on a GPU);
 - ``layer glue bytes``: bytes the aten ops read and write past the communication (outputs written; inputs
   read, gathers counted by the rows they take; in-place scatters by the source); the kernels' own traffic is
-  equal in both paths and left out;
+  equal in both paths and left out; ``(expand kernels: the CUDA path)`` rows: the expanded path as it runs on
+  GPUs, where the expanded layout's gathers and the expanded combine's sum are ``moe_ep.kernels.expand``
+  launches (stubbed here, counted as kernels, their bytes counted as glue since they replace glue ops);
 - ``symm receive copy``: bytes the ``symm`` normal receive copies out of the symmetric buffer (the gather into
   message rows, then the unpack of ``recv_x`` / scales into contiguous tensors): what ``recv_as_view=True``
   saves (its receive copies nothing: the senders wrote the rows where the views point);
@@ -254,11 +256,36 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
         return (torch.empty(h.shape[0], h.shape[1] // 2, dtype=FP8_DTYPE),
                 get_mn_major_tma_aligned_tensor(torch.ones(h.shape[0], h.shape[1] // 256)))
 
+    import moe_ep.elastic_expand as ee
+    import moe_ep.kernels.expand as ke
+
+    def expand_kernel(c):  # the expand kernel (GPU path): run as the torch gather, counted as one kernel + its bytes
+        def run(t, src, zero, w=None, exp_k=None):
+            out = ee.gather_rows(t, src, zero)
+            wo = None if w is None else torch.where(src >= 0, w[src.clamp(min=0), exp_k], 0.0)
+            has = int((src >= 0).sum())
+            row = t[0].numel() * t.element_size() if t.shape[0] else 0
+            c.read += has * row + 8 * src.numel() + (16 * src.numel() if w is not None else 0)
+            c.written += (src.numel() if zero else has) * row + (4 * src.numel() if w is not None else 0)
+            return out, wo
+        return run
+
+    def sum_kernel(c):  # the expanded combine's sum kernel (GPU path), likewise
+        def run(x, src):
+            acc = torch.zeros(src.shape[0], x.shape[1])
+            for j in range(src.shape[1]):
+                acc += torch.where((src[:, j] >= 0).unsqueeze(1), x[src[:, j].clamp(min=0)].float(), 0.0)
+            out = acc.to(torch.bfloat16)
+            c.read += int((src >= 0).sum()) * x.shape[1] * 2 + 8 * src.numel()
+            c.written += out.numel() * 2
+            return out
+        return run
+
     weights = fake_weights()
     buf = moe_ep.Buffer(None, backend="torch")
     results = {}
     saved = {}
-    for path in ("permute", "expanded"):
+    for path in ("permute", "expanded", "expanded+kernels"):
         c = _Counter()
         patches = [(mo, "per_token_group_quant_fp8", c.paused_call(quant, "kernels")),
                    (ex, "per_token_group_quant_fp8", c.paused_call(quant, "kernels")),
@@ -268,11 +295,15 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
                    (moe_ep.Buffer, "combine", c.paused_call(moe_ep.Buffer.combine, "comm")),
                    (moe_ep.Buffer, "get_dispatch_layout", c.paused_call(moe_ep.Buffer.get_dispatch_layout, "comm")),
                    (el.dist, "all_to_all_single", c.paused_call(el.dist.all_to_all_single, "comm"))]
+        if path == "expanded+kernels":  # what runs on CUDA tensors: moe_ep.kernels.expand
+            patches += [(ee, "USE_KERNELS", True), (ke, "expand_rows", c.paused_call(expand_kernel(c), "kernels")),
+                        (ke, "sum_rows", c.paused_call(sum_kernel(c), "kernels"))]
         for mod, name, fn in patches:
             saved[(mod, name)] = getattr(mod, name)
             setattr(mod, name, fn)
         try:
-            layer = mo.MoELayer(buf, weights, local, mode="prefill", dispatch=path, num_max_dispatch_tokens_per_rank=m)
+            layer = mo.MoELayer(buf, weights, local, mode="prefill", dispatch=path.split("+")[0],
+                                num_max_dispatch_tokens_per_rank=m)
             with c.mode:
                 layer(x, idx, w)
         finally:
@@ -507,17 +538,19 @@ def main(argv=None) -> int:
     for ranks in args.ranks:
         case = f"dsv3 prefill layer T={args.layer_tokens} EP{ranks} (rank 0)"
         r = count_layer(args.layer_tokens, ranks)
-        (pk, pc, po, pr, pw), (ek, ec, eo, er, ew) = r["permute"], r["expanded"]
-        rec.add(case, "layer launches (kernels + aten ops past the communication)", ek + eo, "launches",
-                baseline=pk + po, ratio=(ek + eo) / max(pk + po, 1), kernels=ek, aten_ops=eo, comm_calls=ec,
-                baseline_kernels=pk, baseline_aten_ops=po, baseline_comm_calls=pc)
-        rec.add(case, "layer glue bytes (aten ops past the communication, read + written)", er + ew, "B",
-                baseline=pr + pw, ratio=(er + ew) / max(pr + pw, 1), read=er, written=ew, baseline_read=pr,
-                baseline_written=pw)
-        print(f"| {case} | launches: kernels + aten ops (comm calls) | {pk} + {po} ({pc}) | {ek} + {eo} ({ec}) "
-              f"| {(ek + eo) / max(pk + po, 1):.2f} |")
-        print(f"| {case} | glue MB read + written | {pr / 1e6:.1f} + {pw / 1e6:.1f} | {er / 1e6:.1f} + {ew / 1e6:.1f} "
-              f"| {(er + ew) / max(pr + pw, 1):.2f} |")
+        pk, pc, po, pr, pw = r["permute"]
+        for path, label in (("expanded", ""), ("expanded+kernels", " (expand kernels: the CUDA path)")):
+            ek, ec, eo, er, ew = r[path]
+            rec.add(case + label, "layer launches (kernels + aten ops past the communication)", ek + eo, "launches",
+                    baseline=pk + po, ratio=(ek + eo) / max(pk + po, 1), kernels=ek, aten_ops=eo, comm_calls=ec,
+                    baseline_kernels=pk, baseline_aten_ops=po, baseline_comm_calls=pc)
+            rec.add(case + label, "layer glue bytes (aten ops past the communication, read + written)", er + ew, "B",
+                    baseline=pr + pw, ratio=(er + ew) / max(pr + pw, 1), read=er, written=ew, baseline_read=pr,
+                    baseline_written=pw)
+            print(f"| {case}{label} | launches: kernels + aten ops (comm calls) | {pk} + {po} ({pc}) | {ek} + {eo} "
+                  f"({ec}) | {(ek + eo) / max(pk + po, 1):.2f} |")
+            print(f"| {case}{label} | glue MB read + written | {pr / 1e6:.1f} + {pw / 1e6:.1f} | {er / 1e6:.1f} + "
+                  f"{ew / 1e6:.1f} | {(er + ew) / max(pr + pw, 1):.2f} |")
     print(C.table_header(["case", "metric", "copying receive", "recv_as_view", "fused limit", "view / copy"]))
     for ranks in args.ranks:
         m, s, a = routing_counts(args.tokens, ranks)

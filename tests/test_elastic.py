@@ -194,6 +194,16 @@ def test_mode_matrix_2_ranks_receive_as_view():
 
 
 @pytest.mark.parametrize("backend", ["torch", "symm"])
+def test_expanded_cases_through_the_expand_kernels(backend, monkeypatch):
+    """The expanded cases of the matrix with the expanded layout's gathers and the expanded combine's sum run as
+    Triton kernels (as on GPUs; the forked ranks inherit the switch): the same references, bitwise."""
+    from moe_ep import elastic_expand
+
+    monkeypatch.setattr(elastic_expand, "USE_KERNELS", True)
+    launch(_run_cases, 2, backend, [c for c in CASES if c["expand"]], 8, [5, 7], timeout_s=300)
+
+
+@pytest.mark.parametrize("backend", ["torch", "symm"])
 def test_4_ranks(backend):
     cases = [dict(fp8=False, expand=True, align=128, bias=2, sync=True),
              dict(fp8=True, expand=False, align=1, bias=1, sync=False),
