@@ -21,6 +21,7 @@ import torch
 
 from moe_ep.testing import launch
 from moe_ep.testing.inputs import make_expert_weights
+from moe_ep.testing.refs import ref_moe
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU ranks run the Triton kernels in the interpreter")
@@ -54,29 +55,9 @@ def _routing(rank: int, n: int, num_experts: int, k: int, seed: int, kind: str):
 
 
 def _references(x, idx, w, w13, w2, clamp=None):
-    from moe_ep.quant import (dequant_block_fp8, dequant_fp8, per_block_quant_fp8, per_token_group_quant_fp8,
-                              silu_and_mul_quant_fp8_ref)
+    from moe_ep.quant import per_block_quant_fp8
 
-    xq = dequant_fp8(*per_token_group_quant_fp8(x)).double()
-    w13q = dequant_block_fp8(*per_block_quant_fp8(w13)).double()
-    w2q = dequant_block_fp8(*per_block_quant_fp8(w2)).double()
-    emulated = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
-    dense = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for kk in range(idx.shape[1]):
-            e = int(idx[t, kk])
-            if e < 0:
-                continue
-            h1 = (xq[t:t + 1] @ w13q[e].T).to(torch.bfloat16)
-            gate, up = (x[t:t + 1].double() @ w13[e].double().T).chunk(2, dim=-1)
-            if clamp is not None:
-                g1, u1 = h1.float().chunk(2, dim=-1)
-                h1 = torch.cat([g1.clamp(max=clamp), u1.clamp(-clamp, clamp)], dim=-1)
-                gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
-            a = dequant_fp8(*silu_and_mul_quant_fp8_ref(h1)).double()
-            emulated[t] += float(w[t, kk]) * (a @ w2q[e].T).to(torch.bfloat16).double()[0]
-            dense[t] += float(w[t, kk]) * ((torch.nn.functional.silu(gate) * up) @ w2[e].double().T)[0]
-    return emulated, dense
+    return ref_moe(x, idx, w, w13, w2, per_block_quant_fp8(w13), per_block_quant_fp8(w2), clamp)
 
 
 def _errors(out, emulated, dense) -> dict:

@@ -18,6 +18,7 @@ import torch
 
 from moe_ep.testing import launch
 from moe_ep.testing.inputs import make_expert_weights
+from moe_ep.testing.refs import ref_moe
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU ranks run the Triton kernels in the interpreter")
@@ -38,28 +39,6 @@ def _inputs(rank: int, n: int, num_experts: int, k: int, seed: int):
         topk_idx[1, -1] = -1  # a selection of no expert
     topk_w = torch.rand(n, k, generator=g)
     return x, topk_idx.to(torch.int64), topk_w
-
-
-def _references(x, topk_idx, topk_w, weights_fp8, w13, w2):
-    from moe_ep.quant import dequant_block_fp8, dequant_fp8, per_token_group_quant_fp8, silu_and_mul_quant_fp8_ref
-
-    xq = dequant_fp8(*per_token_group_quant_fp8(x)).double()
-    w13q = dequant_block_fp8(*weights_fp8.w13).double()
-    w2q = dequant_block_fp8(*weights_fp8.w2).double()
-    emulated = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
-    dense = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for kk in range(topk_idx.shape[1]):
-            e = int(topk_idx[t, kk])
-            if e < 0:
-                continue
-            h1 = (xq[t:t + 1] @ w13q[e].T).to(torch.bfloat16)
-            a = dequant_fp8(*silu_and_mul_quant_fp8_ref(h1)).double()
-            y = (a @ w2q[e].T).to(torch.bfloat16).double()
-            emulated[t] += float(topk_w[t, kk]) * y[0]
-            gate, up = (x[t:t + 1].double() @ w13[e].double().T).chunk(2, dim=-1)
-            dense[t] += float(topk_w[t, kk]) * ((torch.nn.functional.silu(gate) * up) @ w2[e].double().T)[0]
-    return emulated, dense
 
 
 def _layer_rank(rank: int, world: int, case: dict) -> dict:
@@ -95,7 +74,7 @@ def _layer_rank(rank: int, world: int, case: dict) -> dict:
     layer = MoELayer(buf, weights, num_experts, mode=mode, num_max_dispatch_tokens_per_rank=T, shared_expert=shared)
     out = layer(x, topk_idx, topk_w)
     buf.destroy()
-    emulated, dense = _references(x, topk_idx, topk_w, all_weights, w13, w2)
+    emulated, dense = ref_moe(x, topk_idx, topk_w, w13, w2, all_weights.w13, all_weights.w2)
     if shared is not None:
         s = shared(x).double()
         emulated, dense = emulated + s, dense + s
@@ -184,7 +163,7 @@ def _expanded_rank(rank: int, world: int, case: dict) -> dict:
     again = expanded(x, topk_idx, topk_w)
     ref_out = permute(x, topk_idx, topk_w)
     buf.destroy()
-    emulated, dense = _references(x, topk_idx, topk_w, all_weights, w13, w2)
+    emulated, dense = ref_moe(x, topk_idx, topk_w, w13, w2, all_weights.w13, all_weights.w2)
     res = {"shape": tuple(out.shape), "dtype": str(out.dtype), "finite": bool(out.isfinite().all()),
            "bitwise_rerun": bool(torch.equal(out, again)), "emulated": 0.0, "dense": 0.0, "vs_permute": 0.0}
     if n:

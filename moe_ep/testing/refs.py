@@ -16,7 +16,8 @@ import torch
 
 from ..fp8 import pack_ue8m0, per_token_group_quant_fp8_ref
 
-__all__ = ["ref_dispatch", "ref_combine", "ref_low_latency_dispatch", "ref_low_latency_combine", "ref_routes"]
+__all__ = ["ref_dispatch", "ref_combine", "ref_low_latency_dispatch", "ref_low_latency_combine", "ref_routes",
+           "ref_moe"]
 
 
 def ref_routes(topk_idxs: list, num_experts: int) -> list:
@@ -166,3 +167,38 @@ def ref_low_latency_combine(rank: int, ys: list, topk_idxs: list, topk_weights: 
             dst, le, p = pos[(rank, t, j)]
             out[t] += topk_weights[rank][t, j] * ys[dst][le, p].float()
     return out.to(out_dtype)
+
+
+def ref_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            w13_fp8: tuple, w2_fp8: tuple, clamp: Optional[float] = None) -> tuple:
+    """Two float64 references of a routed MoE layer, ``(emulated, dense)`` `[N, H]`, token by token:
+
+    - ``emulated``: the FP8 expert path step by step: 1x128 activation quant, GEMM1 with the block-quantized
+      ``w13_fp8`` (``(q, scales)``) rounded to BF16, SiLU-and-mul + quant, GEMM2 with ``w2_fp8`` rounded to BF16,
+      then ``sum_k w[t, k] * y``;
+    - ``dense``: the same layer on the float weights ``w13`` `[E, 2I, H]` / ``w2`` `[E, H, I]`, no quantization.
+
+    ``clamp``: SwiGLU clamp of the gate (max) and up (both sides) before the activation. Selections of -1 add
+    nothing."""
+    from ..quant import dequant_block_fp8, dequant_fp8, per_token_group_quant_fp8, silu_and_mul_quant_fp8_ref
+
+    xq = dequant_fp8(*per_token_group_quant_fp8(x)).double()
+    w13q = dequant_block_fp8(*w13_fp8).double()
+    w2q = dequant_block_fp8(*w2_fp8).double()
+    emulated = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    dense = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for kk in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, kk])
+            if e < 0:
+                continue
+            h1 = (xq[t:t + 1] @ w13q[e].T).to(torch.bfloat16)
+            gate, up = (x[t:t + 1].double() @ w13[e].double().T).chunk(2, dim=-1)
+            if clamp is not None:
+                g1, u1 = h1.float().chunk(2, dim=-1)
+                h1 = torch.cat([g1.clamp(max=clamp), u1.clamp(-clamp, clamp)], dim=-1)
+                gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+            a = dequant_fp8(*silu_and_mul_quant_fp8_ref(h1)).double()
+            emulated[t] += float(topk_weights[t, kk]) * (a @ w2q[e].T).to(torch.bfloat16).double()[0]
+            dense[t] += float(topk_weights[t, kk]) * ((torch.nn.functional.silu(gate) * up) @ w2[e].double().T)[0]
+    return emulated, dense
