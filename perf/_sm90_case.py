@@ -48,33 +48,11 @@ class Case:
 
 def _case(name: str, config: str, kernel, pointers: dict, scalars: dict, constexprs: dict, num_warps: int = 4,
           num_stages: int = 3, options: Optional[dict] = None) -> Case:
-    """A case specialised like a launch would: pointers (torch allocations, 256-byte aligned) and integers
-    divisible by 16 get ``tt.divisibility`` 16, integers equal to 1 become constexpr, the rest i32 / i64."""
-    names = list(kernel.arg_names)
-    scalars, constexprs = dict(scalars), dict(constexprs)
-    for prm in kernel.params:  # arguments with a default (e.g. TRANSPORT) take it unless the case says otherwise
-        if prm.name not in pointers and prm.name not in scalars and prm.name not in constexprs and prm.has_default:
-            (constexprs if prm.is_constexpr else scalars)[prm.name] = prm.default
-    given = {**pointers, **scalars, **constexprs}
-    missing, extra = set(names) - set(given), set(given) - set(names)
-    if missing or extra:
-        raise ValueError(f"{kernel.__name__}: case '{config}' misses {sorted(missing)} / has unknown {sorted(extra)}")
-    sig, const, div16 = {}, dict(constexprs), []
-    for n, v in scalars.items():
-        if v == 1:
-            const[n] = 1
-        elif v % 16 == 0:
-            div16.append(n)
-    for n in names:
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in pointers:
-            sig[n] = pointers[n]
-            div16.append(n)
-        else:
-            sig[n] = "i32" if -2**31 <= scalars[n] < 2**31 else "i64"
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    return Case(name, config, kernel, sig, const, num_warps, num_stages, attrs, options)
+    """A case specialised like a launch would: :func:`moe_ep.testing.sm90.launch_case` (the rule the kernel
+    modules' ``sm90_cases()`` hooks use too) as a :class:`Case`."""
+    from moe_ep.testing.sm90 import launch_case
+
+    return Case(**launch_case(name, config, kernel, pointers, scalars, constexprs, num_warps, num_stages, options))
 
 
 _SYMM_PTRS = {"buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32"}

@@ -13,9 +13,9 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["compile_in_subprocess", "REPORT_PROLOGUE"]
+__all__ = ["compile_in_subprocess", "launch_case", "REPORT_PROLOGUE"]
 
 #: Start of a compile script that needs ``perf/sm90_report.py`` (the checkout's, next to the ``moe_ep`` package):
 #: imports it as ``report`` (registered in ``sys.modules``: its dataclasses look their module up), plus ``json``,
@@ -54,3 +54,37 @@ def compile_in_subprocess(script: str, cases: Any, what: str, timeout_s: float =
     if any(isinstance(r, dict) and "skip" in r for r in values):
         pytest.skip(f"ASTSource API differs in this Triton: {results}")
     return results
+
+
+def launch_case(name: str, config: str, kernel, pointers: dict, scalars: dict, constexprs: dict, num_warps: int = 4,
+                num_stages: int = 3, options: Optional[dict] = None) -> dict:
+    """One shipped configuration specialised like a launch would be, as the dict ``sm90_cases()`` hooks return
+    (the fields of ``perf/sm90_report.py``'s ``Case``): pointers (torch allocations, 256-byte aligned) and integers
+    divisible by 16 get ``tt.divisibility`` 16, integers equal to 1 become constexpr, the rest i32 / i64;
+    arguments with a default take it unless given. Every argument must be given exactly once."""
+    names = list(kernel.arg_names)
+    scalars, constexprs = dict(scalars), dict(constexprs)
+    for prm in kernel.params:  # arguments with a default (e.g. TRANSPORT) take it unless the case says otherwise
+        if prm.name not in pointers and prm.name not in scalars and prm.name not in constexprs and prm.has_default:
+            (constexprs if prm.is_constexpr else scalars)[prm.name] = prm.default
+    given = {**pointers, **scalars, **constexprs}
+    missing, extra = set(names) - set(given), set(given) - set(names)
+    if missing or extra:
+        raise ValueError(f"{kernel.__name__}: case '{config}' misses {sorted(missing)} / has unknown {sorted(extra)}")
+    sig, const, div16 = {}, dict(constexprs), []
+    for n, v in scalars.items():
+        if v == 1:
+            const[n] = 1
+        elif v % 16 == 0:
+            div16.append(n)
+    for n in names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in pointers:
+            sig[n] = pointers[n]
+            div16.append(n)
+        else:
+            sig[n] = "i32" if -2**31 <= scalars[n] < 2**31 else "i64"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return {"name": name, "config": config, "kernel": kernel, "signature": sig, "constexprs": const,
+            "num_warps": num_warps, "num_stages": num_stages, "attrs": attrs, "options": options}
