@@ -182,6 +182,7 @@ def sm90_cases() -> list[dict]:
     ``perf/sm90_report.py`` and the sm90 compile tests: dicts with ``name, config, kernel, signature,
     constexprs, num_warps, num_stages, attrs``."""
     from ..gemm import BLOCK_K, choose_gemm_config
+    from ..testing.sm90 import launch_case
 
     cases = []
     variants = [(False, 4096, False, False), (False, 4096, False, True), (False, 4096, True, True)]
@@ -189,34 +190,21 @@ def sm90_cases() -> list[dict]:
     for masked, expected_m, ue8m0, pdl in variants:
         cfg = choose_gemm_config(masked, expected_m)
         n, k, g, t = 4096, 7168, 32, 1024
-        names = grouped_fp8_gemm_kernel.arg_names
         # Scalars as a launch sees them: M-major scales give stride_sam == 1 (a constexpr), the rest are
         # multiples of 16 except the UE8M0 column count.
         scalars = {"M": t if masked else 8 * 4096, "N": n, "K": k, "G": g,
                    "stride_ag": t * k, "stride_am": k, "stride_sag": (k // 128) * t, "stride_sam": 1,
                    "stride_sak": t, "stride_bg": n * k, "stride_bn": k, "stride_sbg": (n // 128) * (k // 128),
                    "stride_sbn": k // 128, "stride_sbk": 1, "stride_dg": t * n, "stride_dm": n}
-        sig = {"a_ptr": "*fp8e4nv", "sfa_ptr": "*i32" if ue8m0 else "*fp32", "b_ptr": "*fp8e4nv",
-               "sfb_ptr": "*fp32", "d_ptr": "*bf16", "m_indices_ptr": "*i32", "masked_m_ptr": "*i32"}
+        ptrs = {"a_ptr": "*fp8e4nv", "sfa_ptr": "*i32" if ue8m0 else "*fp32", "b_ptr": "*fp8e4nv",
+                "sfb_ptr": "*fp32", "d_ptr": "*bf16", "m_indices_ptr": "*i32", "masked_m_ptr": "*i32"}
         const = {"MASKED": masked, "SWAP_AB": cfg.swap_ab, "SFA_UE8M0": ue8m0, "OUT_MODE": OUT_BF16.value,
                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": BLOCK_K, "GROUP_M": cfg.group_m,
                  "USE_PDL": pdl, "PREFETCH_K": 4}
-        div16 = list(sig)
-        for name, v in scalars.items():
-            if v == 1:
-                const[name] = 1
-            else:
-                sig[name] = "i32"
-                if v % 16 == 0:
-                    div16.append(name)
-        for name in const:
-            sig[name] = "constexpr"
         label = (f"{'masked' if masked else 'contiguous'} N={n} K={k} "
                  f"{'expected_m=' + str(expected_m) + ' ' if masked else ''}"
                  f"{cfg.block_m}x{cfg.block_n}x{BLOCK_K}{' swapAB' if cfg.swap_ab else ''}"
                  f"{' UE8M0' if ue8m0 else ''}{' PDL' if pdl else ''}")
-        cases.append({"name": "grouped_gemm", "config": label, "kernel": grouped_fp8_gemm_kernel,
-                      "signature": {nm: sig[nm] for nm in names}, "constexprs": const,
-                      "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                      "attrs": {(names.index(nm),): [["tt.divisibility", 16]] for nm in div16}})
+        cases.append(launch_case("grouped_gemm", label, grouped_fp8_gemm_kernel, ptrs, scalars, const,
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return cases
