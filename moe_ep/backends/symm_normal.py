@@ -290,38 +290,31 @@ class SymmNormal:
     def dispatch_recv(self, st: _SendState, *, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
         counts = torch.zeros(R, dtype=torch.int32, device=dev)
-        if st.view:
-            P = st.view_rows
+        if st.view:  # wait, count, check signatures; the rows stay where the senders wrote them
             _view_recv_kernel[(1,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank, R,
-                                    num_worst_tokens if num_worst_tokens > 0 else P, self.symm.timeout_ns,
+                                    num_worst_tokens if num_worst_tokens > 0 else st.view_rows, self.symm.timeout_ns,
                                     FULL=L["DISP_FULL"], HELD=L["DISP_HELD"], num_warps=1)
             self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
-            if num_worst_tokens > 0:
-                m = num_worst_tokens
-            elif st.handle is not None and st.handle.recv_counts_host is not None:
-                host = st.handle.recv_counts_host
-                m = sum(host)
+        elif num_worst_tokens == 0:
+            _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
+                                      self.symm.timeout_ns, FULL=L["DISP_FULL"])
+            self.symm.check_status("dispatch (receive)")
+        if num_worst_tokens > 0:
+            m = num_worst_tokens
+        else:
+            if st.handle is not None and st.handle.recv_counts_host is not None:
+                host = st.handle.recv_counts_host  # cached dispatch: the same routing, no host read
             else:
-                host = counts.tolist()  # NOTES: the one host read of a CPU-synced dispatch, as below
-                m = sum(host)
+                host = counts.tolist()  # NOTES: host reads happen only without num_worst_tokens (outputs sized by them)
+            m = sum(host)
+        if st.view:
+            P = st.view_rows
             words = self.symm.buffer[:(self.symm.nbytes // 2) // 4 * 4].view(torch.int32)
-            cols = (0, *st.bounds, st.words)
-            offs = (0, *st.planes)
+            cols, offs = (0, *st.bounds, st.words), (0, *st.planes)
             segs = [words[o:o + P * (cols[j + 1] - cols[j])].view(P, cols[j + 1] - cols[j])[:m]
                     for j, o in enumerate(offs)]
         else:
-            if num_worst_tokens > 0:
-                m = num_worst_tokens
-                max_rows = min(st.cap, m)
-            else:
-                _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
-                                          self.symm.timeout_ns, FULL=L["DISP_FULL"])
-                self.symm.check_status("dispatch (receive)")
-                if st.handle is not None and st.handle.recv_counts_host is not None:
-                    host = st.handle.recv_counts_host  # cached dispatch: the same routing, no host read
-                else:
-                    host = counts.tolist()  # NOTES: host reads happen only without num_worst_tokens (outputs sized by them)
-                m, max_rows = sum(host), max(host)
+            max_rows = min(st.cap, m) if num_worst_tokens > 0 else max(host)
             out = torch.zeros(m, st.words, dtype=torch.int32, device=dev)
             bt, bw = self._blocks(st.words)
             _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
