@@ -95,20 +95,28 @@ def _words(ptrs, r):
 
 
 @triton.jit
+def _free_source(my_sig, signal_ptrs, rank, sp, base, clear, FULL: tl.constexpr, BUSY: tl.constexpr,
+                 CNT: tl.constexpr):
+    """Source ``sp``'s block here is read: reset its full (and count) word and, unless an error left it for the
+    host to name, its signature entry; then free it on ``sp`` (busy = 0 there, release: the resets come first, and
+    ``sp`` writes nothing else of ours before its next send)."""
+    tl.atomic_xchg(my_sig + FULL + sp, 0, sem="relaxed", scope="sys")
+    if CNT >= 0:
+        tl.atomic_xchg(my_sig + CNT + sp, 0, sem="relaxed", scope="sys")
+    if clear:
+        for w in tl.static_range(4):
+            tl.store(my_sig + base + 4 * sp + w, 0)
+    signal_release(_words(signal_ptrs, sp) + BUSY + rank, 0)
+
+
+@triton.jit
 def _release_blocks(my_sig, signal_ptrs, status_ptr, rank, R, FULL: tl.constexpr, BUSY: tl.constexpr,
                     CNT: tl.constexpr = -1):
-    """Receiver done: reset our full (and count) words, then free our block on every sender (busy = 0 there)."""
+    """Receiver done: free every source's block (:func:`_free_source`)."""
     base = _sig_base(R, FULL)
     clear = tl.load(status_ptr, volatile=True) == 0  # after an error the host names the differing fields
     for sp in range(R):
-        tl.atomic_xchg(my_sig + FULL + sp, 0, sem="relaxed", scope="sys")
-        if CNT >= 0:
-            tl.atomic_xchg(my_sig + CNT + sp, 0, sem="relaxed", scope="sys")
-        if clear:
-            for w in tl.static_range(4):
-                tl.store(my_sig + base + 4 * sp + w, 0)
-    for sp in range(R):
-        signal_release(_words(signal_ptrs, sp) + BUSY + rank, 0)
+        _free_source(my_sig, signal_ptrs, rank, sp, base, clear, FULL, BUSY, CNT)
 
 
 @triton.jit
@@ -120,12 +128,7 @@ def _release_held(my_sig, signal_ptrs, status_ptr, rank, R, FULL: tl.constexpr, 
     clear = tl.load(status_ptr, volatile=True) == 0
     for sp in range(R):
         if tl.atomic_xchg(my_sig + HELD + sp, 0, sem="acq_rel", scope="sys") != 0:
-            tl.atomic_xchg(my_sig + FULL + sp, 0, sem="relaxed", scope="sys")
-            tl.atomic_xchg(my_sig + CNT + sp, 0, sem="relaxed", scope="sys")
-            if clear:
-                for w in tl.static_range(4):
-                    tl.store(my_sig + base + 4 * sp + w, 0)
-            signal_release(_words(signal_ptrs, sp) + BUSY + rank, 0)
+            _free_source(my_sig, signal_ptrs, rank, sp, base, clear, FULL, BUSY, CNT)
 
 
 @triton.jit
