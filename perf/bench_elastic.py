@@ -256,13 +256,21 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
         return (torch.empty(h.shape[0], h.shape[1] // 2, dtype=FP8_DTYPE),
                 get_mn_major_tma_aligned_tensor(torch.ones(h.shape[0], h.shape[1] // 256)))
 
+    import types
+
     import moe_ep.elastic_expand as ee
     import moe_ep.kernels.expand as ke
 
+    def torch_path(fn, *a):  # the CPU path's torch ops, for a stubbed kernel (the switch is on while counting)
+        ee.USE_KERNELS = False
+        try:
+            return fn(*a)
+        finally:
+            ee.USE_KERNELS = True
+
     def expand_kernel(c):  # the expand kernel (GPU path): run as the torch gather, counted as one kernel + its bytes
         def run(t, src, zero, w=None, exp_k=None):
-            out = ee.gather_rows(t, src, zero)
-            wo = None if w is None else torch.where(src >= 0, w[src.clamp(min=0), exp_k], 0.0)
+            out, _, wo = torch_path(ee.expand_received, t, None, w, src, exp_k, zero)
             has = int((src >= 0).sum())
             row = t[0].numel() * t.element_size() if t.shape[0] else 0
             c.read += has * row + 8 * src.numel() + (16 * src.numel() if w is not None else 0)
@@ -272,10 +280,9 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
 
     def sum_kernel(c):  # the expanded combine's sum kernel (GPU path), likewise
         def run(x, src):
-            acc = torch.zeros(src.shape[0], x.shape[1])
-            for j in range(src.shape[1]):
-                acc += torch.where((src[:, j] >= 0).unsqueeze(1), x[src[:, j].clamp(min=0)].float(), 0.0)
-            out = acc.to(torch.bfloat16)
+            plan = types.SimpleNamespace(_comb_src=src, _comb_order=None, _comb_sorted_src=None, _comb_rows=None,
+                                         _hidden=x.shape[1])  # the worst-case form of the handle's plan
+            out = torch_path(ee.sum_expanded, x, plan)
             c.read += int((src >= 0).sum()) * x.shape[1] * 2 + 8 * src.numel()
             c.written += out.numel() * 2
             return out
