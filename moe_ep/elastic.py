@@ -48,7 +48,7 @@ import torch.distributed as dist
 from . import validate as V
 from .buffer import Buffer
 from .elastic_handle import EPHandle
-from .elastic_expand import combine_plan, expand_plan, expand_received, expert_counts, sum_expanded
+from .elastic_expand import combine_plan, expand_plan, expand_received, expert_counts, sum_expanded, uses_kernels
 from .elastic_memory import elastic_memory_per_rank, elastic_num_bytes
 from .events import EventOverlap
 
@@ -465,15 +465,17 @@ class ElasticBuffer:
         psum_rank, src_global, src_rank = self._source_metadata(bh, M, num_max, in_rank, data.device)
         passes = min(K, num_local)  # a row holds an expert at most once: at most this many selections a row
         key, counts, aligned = self._expert_counts(recv_idx, num_local, alignment)
-        per_row = (recv_idx >= 0).sum(1) if do_expand else None
+        # the torch sum of the expanded combine takes its passes from the host; the sum kernel needs no plan
+        exact_sum = do_expand and not uses_kernels(data)
+        per_row = (recv_idx >= 0).sum(1) if exact_sum else None
         per_expert_list, pass_rows = None, None
         num_expanded = _align(M * passes + num_local * (alignment - 1), alignment)  # worst case
         if do_cpu_sync:  # the one host read of a CPU-synced dispatch: aligned counts (+ rows per combine pass)
             parts = [aligned]
-            if do_expand:
+            if exact_sum:
                 parts.append((per_row.unsqueeze(1) > torch.arange(passes, device=data.device)).sum(0))
             host = torch.cat(parts).tolist()
-            per_expert_list, pass_rows = host[:num_local], host[num_local:]
+            per_expert_list, pass_rows = host[:num_local], (host[num_local:] if exact_sum else None)
             num_expanded = sum(per_expert_list)
         if do_expand:
             slot, exp_src, exp_k, m_idx = self._expand_plan(key, counts, aligned, K, num_expanded)

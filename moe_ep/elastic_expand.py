@@ -11,7 +11,7 @@ import torch
 from .fp8 import FP8_DTYPE
 
 __all__ = ["expert_counts", "expand_plan", "combine_plan", "gather_rows", "expand_received", "sum_expanded",
-           "USE_KERNELS"]
+           "USE_KERNELS", "uses_kernels"]
 
 #: Run the expanded layout's row gathers and the expanded combine's sum as Triton kernels
 #: (:mod:`moe_ep.kernels.expand`, one launch each): ``None`` = on CUDA tensors only (on CPU these torch ops run);
@@ -19,7 +19,8 @@ __all__ = ["expert_counts", "expand_plan", "combine_plan", "gather_rows", "expan
 USE_KERNELS = None
 
 
-def _kernels(t: torch.Tensor) -> bool:
+def uses_kernels(t: torch.Tensor) -> bool:
+    """Whether the expanded layout of ``t``'s device runs as kernels (see :data:`USE_KERNELS`)."""
     return t.is_cuda if USE_KERNELS is None else bool(USE_KERNELS)
 
 
@@ -62,7 +63,7 @@ def combine_plan(slot: torch.Tensor, per_row: torch.Tensor, passes: int, pass_ro
     """The expanded combine's gather plan: the handle's ``(_comb_src, _comb_order, _comb_sorted_src,
     _comb_rows)``. ``slot`` `[M, K]`, ``per_row`` `[M]` selections per received row, ``passes`` =
     min(K, local experts), ``pass_rows[j]`` = rows with more than ``j`` selections (host ints) or ``None``
-    when not known on the host. Device ops only."""
+    when not known on the host or not needed (the sum kernel; ``per_row`` may then be ``None``). Device ops only."""
     # each row's selections, k ascending, packed to the left: a stable sort that moves the holes right
     cols = torch.sort((slot < 0).to(torch.uint8), dim=1, stable=True).indices[:, :passes]
     src = slot.gather(1, cols).contiguous()
@@ -87,7 +88,7 @@ def expand_received(data: torch.Tensor, scales: Optional[torch.Tensor], weights:
     """The received rows, their scales and 2-D top-k weights in the expanded layout: ``(data, scales, weights)``
     (weights 1-D per expanded row, 0 on padding). Padding rows of data / scales are zero with ``zero``, else
     unspecified. Kernels (one launch for rows + weights, one for scales) where :data:`USE_KERNELS` says so."""
-    if _kernels(data):
+    if uses_kernels(data):
         from .kernels.expand import expand_rows, words_of
 
         if words_of(data) is not None and (scales is None or words_of(scales) is not None):
@@ -112,7 +113,7 @@ def sum_expanded(x: torch.Tensor, h) -> torch.Tensor:  # h: an expanded EPHandle
     which changes nothing (a sum that starts at +0.0 is never -0.0). Starting from the first term instead
     of +0.0 can only differ in the sign of a zero; the final ``+ 0.0`` makes that +0.0 too."""
     src, order, sorted_src, pass_rows = h._comb_src, h._comb_order, h._comb_sorted_src, h._comb_rows
-    if _kernels(x) and x.dtype == torch.bfloat16 and x.dim() == 2:
+    if uses_kernels(x) and x.dtype == torch.bfloat16 and x.dim() == 2:
         from .kernels.expand import sum_rows
 
         return sum_rows(x, src)
