@@ -1,0 +1,286 @@
+"""The one command for a short GPU lease (``bash perf/gpu_lease.sh``): stages in priority order under one budget.
+
+    bash perf/gpu_lease.sh [--budget SECONDS] [--dry-run] [--only STAGE ...]
+
+Each stage is a subprocess with a deadline taken from what is left of the budget (``min(cap, left - reserve)``);
+it writes its rows as it goes and its summary row the moment it ends, so a timeout, a crash or a lost machine
+still leaves every earlier answer. Stages (GPU):
+
+1. ``env``: versions (python, torch, CUDA, triton, numpy, NVSHMEM, CuPy, nvcc) and the device (name, SMs, L2,
+   memory, driver, clocks);
+2. ``kernels-small`` / ``kernels-dsv3``: compiled kernels against their references (``perf/lease_cases.py``):
+   quant and SiLU quant (bitwise), grouped GEMMs contiguous and masked, low-latency and normal dispatch /
+   combine and the combine formats on virtual ranks (bitwise), the expand gather, ``map_topk``, mega-MoE;
+3. ``graphs``: the CUDA-graph tests (``pytest -m gpu -k graph``: decode MoELayer, two-microbatch decode,
+   symm low-latency virtual ranks, ``map_topk``), every replay equal to eager;
+4. ``time``: the headline numbers at short iteration counts, each with its limit measured in the same run;
+5. ``pytest-gpu``: the rest of ``pytest -m gpu`` (DeepSeek-V3 shapes, NaN/Inf, PDL);
+6. ``sanitizer``: compute-sanitizer memcheck then racecheck on one low-latency case, with what is left.
+
+``--dry-run`` (a CPU machine): the same machinery into the same files under the Triton interpreter at tiny
+shapes, plus ``compile``: how long the kernels of each stage take to compile ahead of time for sm90 with a
+cold cache (``perf/sm90_report.py --filter``), which is what a cold lease pays before its first row.
+
+Output: ``$OUT`` when set, else ``perf/out/lease-<UTC time>/``; at most 8 plain files: ``env.txt``,
+``records.jsonl`` (every row), ``summary.md``, ``stages.log`` (each stage's output), ``pytest.log``. The last
+lines printed are the summary table (stage, result, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = os.environ.get("PYTHON") or sys.executable
+RESERVE_S = 5.0  # kept back for the summary
+MIN_STAGE_S = 15.0  # a stage is not started with less than this left
+MIN_BUDGET_S = 30.0
+FILES = ("env.txt", "records.jsonl", "summary.md", "stages.log", "pytest.log")
+# kernel families each stage compiles (perf/sm90_report.py --filter), for the dry run's compile-time table
+COMPILE_FILTERS = {
+    "kernels": ["quant", "grouped_fp8", "_ll_", "_scatter_send", "_gather_recv", "_combine_recv_kernel", "_layout",
+                "_expand_rows", "mega_moe"],
+    "graphs": ["_ll_", "quant", "grouped_fp8"],
+    "time": ["quant", "grouped_fp8", "_ll_"],
+}
+
+
+class Stage:
+    def __init__(self, name: str, cap_s: float, cmd: list, log: str = "stages.log", env: dict | None = None,
+                 parse=None):
+        self.name, self.cap_s, self.cmd, self.log, self.env, self.parse = name, cap_s, cmd, log, env or {}, parse
+
+
+def _lease_checks(what: str, out: str, *extra) -> list:
+    return [PY, os.path.join(ROOT, "perf", "lease_checks.py"), what, "--json", os.path.join(out, "records.jsonl"),
+            *extra]
+
+
+def _pytest(out: str, *args) -> list:
+    return [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE", "--durations=5", *args]
+
+
+def _rows_result(out: str, stage: str):
+    def parse(rc: int, text: str) -> str:
+        rows = [r for r in _records(out) if r.get("stage") == stage]
+        bad = [r["case"] for r in rows if not r.get("ok")]
+        if not rows:
+            return f"no rows (exit {rc})"
+        return f"{len(rows) - len(bad)}/{len(rows)} ok" + (f"; FAILED: {', '.join(bad)[:300]}" if bad else "")
+    return parse
+
+
+def _pytest_result(rc: int, text: str) -> str:
+    tail = [ln for ln in text.strip().splitlines() if re.search(r"\b(passed|failed|skipped|error|no tests ran)\b", ln)]
+    summary = tail[-1].strip("= ") if tail else f"exit {rc}"
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
+    return summary + (f"; FAILED: {', '.join(failed)[:300]}" if failed else "")
+
+
+def _sanitizer_result(rc: int, text: str) -> str:
+    parts = re.findall(r"^== (\w+): ERROR SUMMARY: (\d+) error", text, re.M)
+    found = re.findall(r"========= ERROR SUMMARY: (\d+) error", text)
+    if parts:
+        return ", ".join(f"{tool}: {n} errors" for tool, n in parts)
+    if found:
+        return f"{', '.join(found)} errors"
+    return f"exit {rc}"
+
+
+def stages(out: str, dry: bool) -> list[Stage]:
+    lc = os.path.join(ROOT, "perf", "lease_checks.py")
+    rec = os.path.join(out, "records.jsonl")
+    if dry:
+        interp = {"TRITON_INTERPRET": "1"}
+        return [
+            Stage("env", 60, _lease_checks("env", out, "--text", os.path.join(out, "env.txt")), env=interp,
+                  parse=lambda rc, t: "written" if rc == 0 else f"exit {rc}"),
+            Stage("kernels-tiny", 120, _lease_checks("checks", out, "--shapes", "tiny"), env=interp,
+                  parse=_rows_result(out, "checks")),
+            Stage("graphs", 60, _pytest(out, "-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")),
+                  log="pytest.log", parse=_pytest_result),
+            Stage("time", 60, _lease_checks("time", out, "--shapes", "tiny", "--iters", "2"), env=interp,
+                  parse=_rows_result(out, "time")),
+            Stage("compile", 120, [PY, os.path.join(ROOT, "perf", "gpu_lease.py"), "--compile-times", rec],
+                  parse=_rows_result(out, "compile")),
+            Stage("pytest-gpu", 60, _pytest(out, "-m", "gpu", "-k", "not graph", os.path.join(ROOT, "tests")),
+                  log="pytest.log", parse=_pytest_result),
+            Stage("sanitizer", 30, [PY, "-c", "print('no GPU: compute-sanitizer needs one')"],
+                  parse=lambda rc, t: "skipped: no GPU (dry run)"),
+        ]
+    san = []
+    for tool in ("memcheck", "racecheck"):
+        san += ["compute-sanitizer", "--tool", tool, "--error-exitcode", "0", "--print-limit", "20",
+                PY, lc, "checks", "--shapes", "small", "--only", "ll fp8", "--json", rec, "--tag", tool, ";"]
+    return [
+        Stage("env", 60, _lease_checks("env", out, "--text", os.path.join(out, "env.txt")),
+              parse=lambda rc, t: "written" if rc == 0 else f"exit {rc}"),
+        Stage("kernels-small", 150, _lease_checks("checks", out, "--shapes", "small"), parse=_rows_result(out, "checks")),
+        Stage("graphs", 120, _pytest(out, "-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")), log="pytest.log",
+              parse=_pytest_result),
+        Stage("kernels-dsv3", 150, _lease_checks("checks", out, "--shapes", "dsv3", "--stage", "checks-dsv3"),
+              parse=_rows_result(out, "checks-dsv3")),
+        Stage("time", 120, _lease_checks("time", out, "--iters", "10"), parse=_rows_result(out, "time")),
+        Stage("pytest-gpu", 240, _pytest(out, "-m", "gpu", "-k", "not graph", os.path.join(ROOT, "tests")),
+              log="pytest.log", parse=_pytest_result),
+        Stage("sanitizer", 150, ["bash", "-c", " ".join(f"'{a}'" if a != ";" else ";" for a in san)],
+              parse=_sanitizer_result),
+    ]
+
+
+def _records(out: str) -> list:
+    path = os.path.join(out, "records.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    return rows
+
+
+def _append(path: str, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def run_stage(st: Stage, out: str, timeout_s: float) -> tuple[str, int, float]:
+    log = os.path.join(out, st.log)
+    _append(log, f"\n===== stage {st.name} (deadline {timeout_s:.0f} s): {' '.join(st.cmd)}\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           **st.env}
+    t0 = time.monotonic()
+    with open(log, "a") as f:
+        try:
+            p = subprocess.Popen(st.cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        except OSError as exc:
+            return f"not run: {exc}", 127, 0.0
+        try:
+            rc = p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = 124
+    secs = time.monotonic() - t0
+    with open(log) as f:
+        text = f.read().split(f"===== stage {st.name} (deadline")[-1]
+    try:
+        result = st.parse(rc, text) if st.parse else f"exit {rc}"
+    except Exception as exc:  # noqa: BLE001 - a broken parser is a result, not a crash of the kit
+        result = f"exit {rc} (result unreadable: {exc})"
+    if rc == 124:
+        result = f"TIMEOUT after {timeout_s:.0f} s; {result}"
+    elif rc not in (0, 1, 5) and "FAIL" not in result:
+        result = f"exit {rc}; {result}"
+    return result, rc, secs
+
+
+def write_summary(out: str, header: list, table: list) -> str:
+    lines = [*header, "", "| stage | result | seconds |", "| --- | --- | --- |"]
+    lines += [f"| {n} | {r.replace('|', '/')} | {s:.0f} |" for n, r, s in table]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def compile_times(rec: str) -> int:
+    """Dry run: cold-cache sm90 compile time of each stage's kernel families, one row per family."""
+    import tempfile
+
+    seen = {}
+    for stage, filters in COMPILE_FILTERS.items():
+        total = 0.0
+        for flt in filters:
+            if flt not in seen:
+                with tempfile.TemporaryDirectory() as cache:
+                    t0 = time.monotonic()
+                    p = subprocess.run([PY, os.path.join(ROOT, "perf", "sm90_report.py"), "--filter", flt],
+                                       capture_output=True, text=True, cwd=ROOT, env={**os.environ,
+                                       "TRITON_CACHE_DIR": cache, "PYTHONPATH": ROOT})
+                    n = sum(1 for ln in p.stdout.splitlines() if ln.startswith("|") and "---" not in ln) - 1
+                    seen[flt] = (time.monotonic() - t0, p.returncode, max(n, 0))
+                    row = {"stage": "compile", "case": f"sm90 {flt}", "ok": p.returncode == 0,
+                           "seconds": round(seen[flt][0], 2), "kernels": seen[flt][2],
+                           "detail": f"{seen[flt][2]} configurations" if p.returncode == 0 else p.stderr[-300:]}
+                    _append(rec, json.dumps(row) + "\n")
+                    print(f"compile {flt}: {seen[flt][0]:.1f} s, {seen[flt][2]} configurations", flush=True)
+            total += seen[flt][0]
+        _append(rec, json.dumps({"stage": "compile", "case": f"stage {stage}", "ok": True, "seconds": round(total, 2),
+                                 "detail": f"cold-cache sm90 compile of {', '.join(filters)}"}) + "\n")
+        print(f"compile stage {stage}: {total:.1f} s", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_lease.sh", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", type=float, default=420.0, help="seconds for every stage together")
+    p.add_argument("--dry-run", action="store_true", help="CPU: the same machinery, interpreter, tiny shapes")
+    p.add_argument("--only", nargs="*", help="run only these stages (env always runs)")
+    p.add_argument("--compile-times", metavar="RECORDS", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.compile_times:
+        return compile_times(args.compile_times)
+    if args.budget < MIN_BUDGET_S:
+        p.error(f"--budget {args.budget:g}: at least {MIN_BUDGET_S:g} seconds")
+    start = time.monotonic()
+    out = os.environ.get("OUT") or os.path.join(ROOT, "perf", "out",
+                                                 "lease-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    os.makedirs(out, exist_ok=True)
+    for name in FILES:  # a fresh run: this run's rows only
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    if not args.dry_run:
+        probe = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True) if _which("nvidia-smi") else None
+        if probe is None or probe.returncode != 0:
+            print("gpu_lease.sh: error: no GPU (nvidia-smi found none); --dry-run runs the same stages on CPU",
+                  file=sys.stderr)
+            return 2
+    header = [f"# moe-ep GPU lease kit{' (dry run: CPU, Triton interpreter, tiny shapes)' if args.dry_run else ''}",
+              "", f"budget {args.budget:.0f} s, output {out}"]
+    table = []
+    plan = stages(out, args.dry_run)
+    for st in plan:
+        if args.only and st.name != "env" and not any(st.name.startswith(o) for o in args.only):
+            continue
+        left = args.budget - (time.monotonic() - start) - RESERVE_S
+        if left < MIN_STAGE_S:
+            table.append((st.name, f"skipped: {max(left, 0):.0f} s of the budget left", 0.0))
+            write_summary(out, header, table)
+            continue
+        print(f"gpu_lease: stage {st.name} (deadline {min(st.cap_s, left):.0f} s) ...", file=sys.stderr, flush=True)
+        result, _rc, secs = run_stage(st, out, min(st.cap_s, left))
+        table.append((st.name, result, secs))
+        if st.name == "env" and os.path.exists(os.path.join(out, "env.txt")):
+            with open(os.path.join(out, "env.txt")) as f:
+                env = dict(ln.split(": ", 1) for ln in f.read().splitlines() if ": " in ln)
+            header.append(f"{env.get('device', '?')}, commit {env.get('commit', '?')}, {env.get('date', '')}; python "
+                          f"{env.get('python')}, torch {env.get('torch')} (CUDA {env.get('torch.cuda')}), triton "
+                          f"{env.get('triton')}, NVSHMEM {env.get('nvshmem')}")
+        write_summary(out, header, table)  # after every stage: a kill keeps what ended
+    text = write_summary(out, header, table)
+    files = sorted(os.listdir(out))
+    print(f"\n{len(files)} files in {out}: {', '.join(files)}\n")
+    print(text, end="")
+    return 0
+
+
+def _which(cmd: str) -> bool:
+    import shutil
+
+    return shutil.which(cmd) is not None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,490 @@
+"""The cases of the GPU lease kit (``perf/lease_checks.py``): each returns ``{"ok": bool, "detail": str, ...}``.
+
+Correctness cases compare a compiled kernel (on a GPU; the interpreter on CPU) with its torch reference
+from ``moe_ep.fp8`` / ``moe_ep.testing.refs``: bitwise where the kernel is specified bitwise (FP8 quant,
+fused SiLU quant with SiLU-exact gates, low-latency and normal dispatch / combine on virtual ranks, the expand
+gather, ``map_topk``), within the float32 accumulation bound for the GEMMs (the bound of tests/test_gemm.py),
+and within 1e-2 of the emulated-FP8 reference for the whole-layer mega-MoE. Timed cases check their output
+too and carry the limit measured in the same run (device copy bandwidth, ``torch._scaled_mm`` FP8 peak).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import _common
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = torch.device("cpu") if INTERPRET or not torch.cuda.is_available() else torch.device("cuda")
+
+# name -> (world, T or M, hidden, experts, topk, intermediate)
+SHAPES = {
+    "tiny": dict(world=2, T=4, H=256, E=8, K=2, I=128, M=8),
+    "small": dict(world=4, T=16, H=512, E=16, K=4, I=256, M=256),
+    "dsv3": dict(world=8, T=128, H=7168, E=256, K=8, I=2048, M=4096),
+}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = (torch.empty(t.numel(), dtype=t.dtype).copy_(t.cpu().reshape(-1)) for t in (a, b))  # stride 1, any layout
+    return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+
+
+def _fail(what: str) -> dict:
+    return {"ok": False, "detail": what}
+
+
+# ------------------------------------------------------------------------------------------- quant
+QUANT_LAYOUTS = {"row": {}, "round": {"round_scale": True}, "ue8m0": {"use_ue8m0": True}}
+
+
+def _quant_input(m, k, seed):
+    g = _gen(seed)
+    mag = 10.0 ** torch.randint(-6, 4, (m, k // 128, 1), generator=g).float()
+    return (torch.randn(m, k // 128, 128, generator=g) * mag).reshape(m, k).to(torch.bfloat16)
+
+
+def quant(m, k, layout):
+    from moe_ep.fp8 import per_token_group_quant_fp8_ref
+    from moe_ep.quant import per_token_group_quant_fp8
+
+    opts = QUANT_LAYOUTS[layout]
+    x = _quant_input(m, k, m + k)
+    q, s = per_token_group_quant_fp8(x.to(DEV), **opts)
+    q_ref, s_ref = per_token_group_quant_fp8_ref(x.float(), 128, opts.get("round_scale", False) or
+                                                 opts.get("use_ue8m0", False), opts.get("use_ue8m0", False))
+    if not _bitwise(q, q_ref):
+        return _fail(f"x_fp8 differs in {int((q.cpu().view(torch.uint8) != q_ref.view(torch.uint8)).sum())} bytes")
+    if not _bitwise(s.contiguous(), s_ref):
+        return _fail("scales differ")
+    return {"detail": "bitwise"}
+
+
+def silu_quant(m, i):
+    from moe_ep.quant import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_ref
+
+    g = _gen(m + i)
+    # gates whose SiLU is exact in float32 everywhere: >= 20 (silu = g), 0, <= -104 (-0.0)
+    choice = torch.tensor([20.0, 24.0, 0.0, -110.0])
+    gate = choice[torch.randint(0, 4, (m, i), generator=g)]
+    up = torch.randn(m, i, generator=g) * 3
+    x = torch.cat([gate, up], dim=1).to(torch.bfloat16)
+    q, s = silu_and_mul_quant_fp8(x.to(DEV))
+    q_ref, s_ref = silu_and_mul_quant_fp8_ref(x)
+    if not (_bitwise(q, q_ref) and _bitwise(s.contiguous(), s_ref)):
+        return _fail("differs from silu_and_mul_quant_fp8_ref")
+    return {"detail": "bitwise"}
+
+
+# ------------------------------------------------------------------------------------------- GEMMs
+def _weights(g, n, k, seed):
+    from moe_ep.quant import dequant_block_fp8, per_block_quant_fp8
+
+    gen = _gen(seed)
+    w = torch.randn(g, n, k, generator=gen) * torch.rand(g, n, 1, generator=gen)
+    wq, ws = per_block_quant_fp8(w)
+    return wq, ws, dequant_block_fp8(wq, ws)
+
+
+def _gemm_err(d, xd, wd):
+    """Max over elements of |d - ref| / (1e-5 * sum|a w| + bf16 ulp(ref)): <= 1 passes (tests/test_gemm.py)."""
+    from moe_ep.testing import ulp
+
+    xd, wd = xd.to(DEV, torch.float64), wd.to(DEV, torch.float64)
+    ref = xd @ wd.T
+    bound = xd.abs() @ wd.abs().T
+    tol = bound * 1e-5 + 1e-30
+    if d.dtype == torch.bfloat16:
+        tol = tol + ulp(ref, torch.bfloat16)
+    return float(((d.double() - ref).abs() / tol).max()) if d.numel() else 0.0
+
+
+def gemm_contiguous(groups, n, k, rows):
+    from moe_ep import gemm
+    from moe_ep.quant import dequant_fp8, per_token_group_quant_fp8
+
+    wq, ws, wd = _weights(groups, n, k, 1)
+    align = gemm.get_m_alignment_for_contiguous_layout()
+    counts = [max(0, rows + (17 * g) % 37 - 18) for g in range(groups)]
+    m = sum(-(-c // align) * align for c in counts)
+    x = (torch.randn(m, k, generator=_gen(2)) * 4).to(torch.bfloat16)
+    idx = torch.full((m,), -1, dtype=torch.int32)
+    start = 0
+    for g, c in enumerate(counts):
+        idx[start:start + c] = g
+        start += -(-c // align) * align
+    xq, xs = per_token_group_quant_fp8(x.to(DEV), tma_aligned_scales=True)
+    d = torch.full((m, n), 7.0, dtype=torch.bfloat16, device=DEV)
+    gemm.m_grouped_fp8_gemm_nt_contiguous((xq, xs), (wq.to(DEV), ws.to(DEV)), d, idx.to(DEV))
+    xd = dequant_fp8(xq, xs.contiguous()).float()
+    worst, start = 0.0, 0
+    for g, c in enumerate(counts):
+        worst = max(worst, _gemm_err(d[start:start + c], xd[start:start + c], wd[g]))
+        start += -(-c // align) * align
+    pad_zero = bool((d[idx.to(DEV) < 0] == 0).all())
+    return {"ok": worst <= 1 and pad_zero, "detail": f"err/bound {worst:.3f} (<= 1), padding zero {pad_zero}",
+            "rows": m}
+
+
+def gemm_masked(groups, n, k, t):
+    from moe_ep import gemm
+    from moe_ep.quant import dequant_fp8, per_token_group_quant_fp8
+
+    wq, ws, wd = _weights(groups, n, k, 3)
+    x = (torch.randn(groups, t, k, generator=_gen(4)) * 4).to(torch.bfloat16)
+    masked = torch.tensor([(t * (g + 1)) // groups - (g % 2) for g in range(groups)], dtype=torch.int32).clamp(0, t)
+    xq, xs = per_token_group_quant_fp8(x.to(DEV), column_major_scales=True, tma_aligned_scales=True)
+    d = torch.full((groups, t, n), 7.0, dtype=torch.bfloat16, device=DEV)
+    gemm.m_grouped_fp8_gemm_nt_masked((xq, xs), (wq.to(DEV), ws.to(DEV)), d, masked.to(DEV), t)
+    worst, untouched = 0.0, True
+    for g in range(groups):
+        c = int(masked[g])
+        xd = dequant_fp8(xq[g, :c], xs[g, :c].contiguous()).float()
+        worst = max(worst, _gemm_err(d[g, :c], xd, wd[g]))
+        untouched &= bool((d[g, c:] == 7.0).all())
+    return {"ok": worst <= 1 and untouched, "detail": f"err/bound {worst:.3f} (<= 1), rows past masked_m untouched "
+            f"{untouched}"}
+
+
+# ------------------------------------------------------------------------------ dispatch / combine
+LL_FORMATS = {"bf16": (False, False, False), "fp8": (True, False, False), "ue8m0": (True, True, True)}
+
+
+def _ll_paths(world, T, H, E, K):
+    from moe_ep.backends.symm_ll import SymmLowLatency
+    from moe_ep.symm import create_virtual_symm_buffers
+
+    bufs = create_virtual_symm_buffers(world, SymmLowLatency.size_hint(T, H, world, E, K),
+                                       SymmLowLatency.num_signals(world), device=DEV, timeout_s=30)
+    return bufs, [SymmLowLatency(b, owner=0) for b in bufs]
+
+
+def low_latency(world, T, H, E, K, fmt, combine_fmt=None):
+    """Dispatch + combine of ``world`` virtual ranks (two steps: the signals must come back to zero) against
+    ref_low_latency_dispatch / ref_low_latency_combine, bitwise; ``combine_fmt``: a low-bit combine format."""
+    from moe_ep.testing.inputs import make_all_inputs
+    from moe_ep.testing.refs import ref_low_latency_combine, ref_low_latency_dispatch
+    from moe_ep.backends.symm_ll import virtual_low_latency_step
+
+    use_fp8, rs, ue = LL_FORMATS[fmt]
+    bufs, paths = _ll_paths(world, T, H, E, K)
+    for step, n in enumerate(([T] * world, [T if r % 3 == 0 else (r * 7) % (T + 1) for r in range(world)])):
+        inputs = make_all_inputs(world, n, H, E, K, 40 + step)
+        xs, idxs, ws = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
+        refs = [ref_low_latency_dispatch(r, xs, idxs, T, E, use_fp8, rs, ue) for r in range(world)]
+        ys = [(refs[r][0].float() if not use_fp8 else refs[r][0].float()).mul(r + 1).to(torch.bfloat16)
+              for r in range(world)]
+        ys_dev = [y.to(DEV) for y in ys]
+        results, outs = virtual_low_latency_step(
+            paths, [x.to(DEV) for x in xs], [i.to(DEV) for i in idxs], [w.to(DEV) for w in ws], T, E,
+            use_fp8=use_fp8, round_scale=rs, use_ue8m0=ue, expert_fn=lambda r, _res: ys_dev[r], fmt=combine_fmt)
+        for r, b in enumerate(bufs):
+            b.check_status("lease step", blocking=True)
+            if int(b.signals.abs().sum()) != 0:
+                return _fail(f"step {step} rank {r}: signal words not back to zero")
+            ex_x, ex_s, ex_count, _ = refs[r]
+            if not _bitwise(results[r].recv_count, ex_count):
+                return _fail(f"step {step} rank {r}: recv_count")
+            for e in range(E // world):
+                c = int(ex_count[e])
+                if not _bitwise(results[r].recv_x[e, :c], ex_x[e, :c]):
+                    return _fail(f"step {step} rank {r} expert {e}: recv_x")
+                if use_fp8 and not _bitwise(results[r].recv_x_scales[e, :c].contiguous(), ex_s[e, :c].contiguous()):
+                    return _fail(f"step {step} rank {r} expert {e}: scales")
+            want = ref_low_latency_combine(r, ys, idxs, ws, T, E, fmt=combine_fmt) if combine_fmt is not None \
+                else ref_low_latency_combine(r, ys, idxs, ws, T, E)
+            got = outs[r].cpu()
+            if not _bitwise(got.masked_fill(got.isnan(), 0), want.masked_fill(want.isnan(), 0)):
+                return _fail(f"step {step} rank {r}: combined_x")
+    return {"detail": "bitwise, 2 steps, signals reset"}
+
+
+def normal(world, N, H, E, K, fp8):
+    """symm normal-mode dispatch + combine on virtual ranks against ref_dispatch / ref_combine."""
+    from moe_ep.backends.symm import SymmBackend, virtual_backends
+    from moe_ep.testing.inputs import make_all_inputs
+    from moe_ep.testing.refs import ref_combine, ref_dispatch
+
+    bs = virtual_backends(world, num_nvl_bytes=SymmBackend.get_normal_size_hint(N, H, K, world), device=DEV,
+                          timeout_s=30)
+    inputs = make_all_inputs(world, [N if r != 1 else N // 3 for r in range(world)], H, E, K, 7)
+    xs, idxs, ws = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
+    layouts = [b.get_dispatch_layout(i.to(DEV), E) for b, i in zip(bs, idxs)]
+    st = []
+    for b, inp, lay in zip(bs, inputs, layouts):
+        x, s = (inp.x_fp8, inp.x_scales) if fp8 else (inp.x, None)
+        st.append(b.dispatch_send(x.to(DEV), s.to(DEV) if s is not None else None, handle=None,
+                                  num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                                  topk_idx=inp.topk_idx.to(DEV), topk_weights=inp.topk_weights.to(DEV), num_experts=E))
+    res = [b.dispatch_recv(s, expert_alignment=1, num_worst_tokens=0) for b, s in zip(bs, st)]
+    ys = []
+    for r, out in enumerate(res):
+        rx = [i.x_fp8 for i in inputs] if fp8 else xs
+        ex = ref_dispatch(r, rx, idxs, ws, E, [i.x_scales for i in inputs] if fp8 else None)
+        n = ex[0].shape[0]
+        if not _bitwise(out.recv_x[:n], ex[0]):
+            return _fail(f"rank {r}: recv_x ({tuple(out.recv_x.shape)} vs {tuple(ex[0].shape)})")
+        if fp8 and not _bitwise(out.recv_x_scales[:n].contiguous(), ex[1]):
+            return _fail(f"rank {r}: scales")
+        if not (_bitwise(out.recv_topk_idx[:n], ex[2]) and _bitwise(out.recv_topk_weights[:n], ex[3])):
+            return _fail(f"rank {r}: recv_topk_idx / weights")
+        if list(out.num_recv_tokens_per_expert_list) != list(ex[4]):
+            return _fail(f"rank {r}: num_recv_tokens_per_expert_list")
+        ys.append((ex[0].float() * (r + 1)).to(torch.bfloat16))
+    cst = [b.combine_send(y.to(DEV), o.handle, o.recv_topk_weights) for b, y, o in zip(bs, ys, res)]
+    comb = [b.combine_recv(s, ()) for b, s in zip(bs, cst)]
+    for r, c in enumerate(comb):
+        want, _ = ref_combine(r, ys, idxs, E, [o.recv_topk_weights.cpu() for o in res])
+        got = (c[0] if isinstance(c, tuple) else c).cpu()
+        if not _bitwise(got, want):
+            return _fail(f"rank {r}: combined_x")
+    return {"detail": "bitwise (rows, scales, top-k, per-expert counts, combine)"}
+
+
+# ------------------------------------------------------------------------------------------ others
+def expand(m, n, hidden):
+    from moe_ep.elastic_expand import gather_rows
+    from moe_ep.fp8 import FP8_DTYPE
+    from moe_ep.kernels.expand import expand_rows
+
+    g = _gen(m)
+    t = torch.randn(m, hidden, generator=g).to(FP8_DTYPE)
+    src = torch.randint(0, m, (n,), generator=g)
+    src[torch.rand(n, generator=g) < 0.3] = -1
+    ks = torch.randint(0, 8, (n,), generator=g)
+    w = torch.randn(m, 8, generator=g)
+    got, got_w = expand_rows(t.to(DEV), src.to(DEV), True, w.to(DEV), ks.to(DEV))
+    ok = _bitwise(got, gather_rows(t, src, True)) and _bitwise(got_w, torch.where(src >= 0, w[src.clamp(min=0), ks], 0.0))
+    return {"ok": ok, "detail": "bitwise vs the torch gather" if ok else "differs from the torch gather"}
+
+
+def _placement(E, P, G, seed):
+    import numpy as np
+
+    import eplb
+
+    rng = np.random.default_rng(seed)
+    w = rng.random((1, E)) ** 3 * 100
+    _, log2phy, logcnt = eplb.rebalance_experts(w, P, 1, 1, G)
+    return log2phy[0], logcnt[0]
+
+
+def map_topk(n, E, K, P, G):
+    import eplb
+    from eplb.dispatch import POLICIES
+
+    log2phy, logcnt = _placement(E, P, G, 0)
+    topk = torch.randint(0, E, (n, K), generator=_gen(n))
+    bad = []
+    for policy in POLICIES:
+        kw = dict(seed=3, num_gpus=G, num_slots=P)
+        a = eplb.map_topk(topk, log2phy, logcnt, policy, impl="torch", **kw)
+        b = eplb.map_topk(topk.to(DEV), log2phy.to(DEV), logcnt.to(DEV), policy, impl="triton",
+                          max_replicas=int(logcnt.max()), **kw)
+        if not _bitwise(a, b):
+            bad.append(policy)
+    return {"ok": not bad, "detail": f"policies differing from torch: {bad}" if bad else f"bitwise, {len(POLICIES)} policies"}
+
+
+def mega_moe(T, H, inter, E, K):
+    """fp8_mega_moe on a one-rank group (the world one GPU holds) against the emulated-FP8 reference."""
+    import torch.distributed as dist
+
+    from moe_ep.gemm import fp8_mega_moe, get_symm_buffer_for_mega_moe, transform_weights_for_mega_moe
+    from moe_ep.quant import per_block_quant_fp8, per_token_group_quant_fp8
+    from moe_ep.testing.inputs import make_expert_weights
+    from moe_ep.testing.refs import ref_moe
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if DEV.type == "cpu" else "nccl", init_method="tcp://127.0.0.1:29531",
+                                rank=0, world_size=1)
+    w13, w2 = make_expert_weights(E, H, inter, 5)
+    l1, l2 = per_block_quant_fp8(w13), per_block_quant_fp8(w2)
+    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, inter, device=DEV, timeout_s=30)
+    g = _gen(T)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    q, s = per_token_group_quant_fp8(x.to(DEV))
+    buf.x[:T].copy_(q)
+    buf.x_sf[:T].copy_(s)
+    buf.topk_idx[:T].copy_(idx.to(DEV))
+    buf.topk_weights[:T].copy_(w.to(DEV))
+    tl1, tl2 = transform_weights_for_mega_moe(tuple(t.to(DEV) for t in l1), tuple(t.to(DEV) for t in l2))
+    y = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fp8_mega_moe(y, tl1, tl2, buf)
+    emulated, _dense = ref_moe(x, idx, w, w13, w2, l1, l2, None)
+    scale = max(float(emulated.abs().max()), 1e-6)
+    err = float((y.cpu().double() - emulated.double()).abs().max()) / scale
+    buf.destroy()
+    return {"ok": err < 1e-2 and bool(y.isfinite().all()), "detail": f"rel err vs emulated FP8 {err:.2e} (< 1e-2)"}
+
+
+def check_cases(shapes: str):
+    """(name, fn, kwargs) of one shape set, in priority order."""
+    out = []
+    for s in [shapes]:
+        c = SHAPES[s]
+        world, T, H, E, K, inter, M = (c[k] for k in ("world", "T", "H", "E", "K", "I", "M"))
+        for layout in QUANT_LAYOUTS:
+            out.append((f"quant {layout} {M}x{H}", quant, dict(m=M, k=H, layout=layout)))
+        out.append((f"silu_quant {M}x{2 * inter}", silu_quant, dict(m=M, i=inter)))
+        groups = E // world
+        out.append((f"gemm contiguous G{groups} {2 * inter}x{H}", gemm_contiguous, dict(groups=groups, n=2 * inter, k=H,
+                                                                                  rows=max(M // groups, 8))))
+        out.append((f"gemm masked G{groups} {H}x{inter} T{world * T}", gemm_masked, dict(groups=groups, n=H, k=inter,
+                                                                                     t=world * T)))
+        # DeepSeek-V3: one format here (the torch references loop on the host); pytest-gpu runs the others
+        for fmt in LL_FORMATS if s != "dsv3" else ["fp8"]:
+            out.append((f"ll {fmt} EP{world} T{T} H{H}", low_latency, dict(world=world, T=T, H=H, E=E, K=K, fmt=fmt)))
+        for cf in ("fp8", "logfmt") if s != "dsv3" else ["logfmt"]:
+            out.append((f"ll combine {cf} EP{world} T{T}", low_latency, dict(world=world, T=T, H=H, E=E, K=K,
+                                                                              fmt="bf16", combine_fmt=_wire(cf))))
+        n_norm = 4 * T if s != "dsv3" else 512
+        for fp8 in (False, True):
+            out.append((f"normal {'fp8' if fp8 else 'bf16'} EP{world} N{n_norm}", normal,
+                        dict(world=world, N=n_norm, H=H, E=E, K=K, fp8=fp8)))
+        out.append((f"expand {M} rows H{H}", expand, dict(m=M, n=2 * M, hidden=H)))
+        out.append((f"map_topk {M}x{K} E{E}", map_topk, dict(n=M, E=E, K=K, P=E + 2 * world,
+                                                              G=world)))
+        # one rank holds E/world experts; at DeepSeek-V3 hidden size 8 experts of I=512 keep the host reference short
+        mE, mI = (8, 512) if s == "dsv3" else (E // world, inter)
+        out.append((f"mega_moe 1 rank T{min(T, 32)} E{mE} H{H} I{mI}", mega_moe,
+                    dict(T=min(T, 32), H=H, inter=mI, E=mE, K=min(K, mE // 2))))
+    return out
+
+
+def _wire(name):
+    from moe_ep.kernels.logfmt import FORMATS
+
+    return FORMATS[name]
+
+
+# ------------------------------------------------------------------------------------------ timings
+def _limits():
+    return _common.measure_limits(DEV, peer=False)
+
+
+def time_quant(m, k, iters, limits):
+    from moe_ep.fp8 import per_token_group_quant_fp8_ref
+    from moe_ep.quant import per_token_group_quant_fp8
+
+    x = _quant_input(m, k, 1).to(DEV)
+    t = _common.time_us(lambda: per_token_group_quant_fp8(x, tma_aligned_scales=True), DEV, iters=iters)
+    q, _ = per_token_group_quant_fp8(x)
+    ok = _bitwise(q, per_token_group_quant_fp8_ref(x.float().cpu(), 128)[0])
+    nbytes = m * k * 3 + m * k // 128 * 4
+    gbps = nbytes / t.median / 1e3
+    return {"ok": ok, "detail": f"{t.median:.1f} us, {gbps:.0f} GB/s = {gbps / limits['copy_gbps']:.2f} of copy",
+            "us": round(t.median, 2), "GBps": round(gbps, 1), "limit_GBps": round(limits["copy_gbps"], 1)}
+
+
+def time_gemm_masked(groups, n, k, t_rows, iters, limits):
+    from moe_ep import gemm
+    from moe_ep.quant import per_token_group_quant_fp8
+
+    wq, ws, _ = _weights(groups, n, k, 3)
+    wq, ws = wq.to(DEV), ws.to(DEV)
+    x = (torch.randn(groups, t_rows, k) * 4).to(torch.bfloat16).to(DEV)
+    xq, xs = per_token_group_quant_fp8(x, column_major_scales=True, tma_aligned_scales=True)
+    masked = torch.full((groups,), t_rows, dtype=torch.int32, device=DEV)
+    d = torch.empty(groups, t_rows, n, dtype=torch.bfloat16, device=DEV)
+    t = _common.time_us(lambda: gemm.m_grouped_fp8_gemm_nt_masked((xq, xs), (wq, ws), d, masked, t_rows), DEV, iters=iters)
+    tflops = 2 * groups * t_rows * n * k / t.median / 1e6
+    wd = torch.stack([(wq[g].float().view(n // 128, 128, k // 128, 128) * ws[g][:, None, :, None]).reshape(n, k)
+                      for g in range(groups)])
+    ref_bf16 = torch.bmm(x.float(), wd.transpose(1, 2))
+    bf16_w = wd.to(torch.bfloat16)
+    tb = _common.time_us(lambda: torch.bmm(x, bf16_w.transpose(1, 2)), DEV, iters=iters)
+    err = _common.rel_err(d, ref_bf16)
+    peak = limits.get("fp8_tflops") or float("nan")
+    return {"ok": err < 0.05, "detail": f"{t.median:.1f} us, {tflops:.0f} TFLOP/s = {tflops / peak:.2f} of _scaled_mm; "
+            f"BF16 bmm {tb.median:.1f} us; rel err vs BF16 {err:.3f}", "us": round(t.median, 2),
+            "tflops": round(tflops, 1), "fp8_peak_tflops": round(peak, 1), "bf16_bmm_us": round(tb.median, 2)}
+
+
+def time_ll(world, T, H, E, K, iters, limits):
+    from moe_ep.backends.symm_ll import virtual_low_latency_step
+    from moe_ep.testing.inputs import make_all_inputs
+
+    _, paths = _ll_paths(world, T, H, E, K)
+    inputs = make_all_inputs(world, T, H, E, K, 9)
+    xs = [i.x.to(DEV) for i in inputs]
+    idxs = [i.topk_idx.to(DEV) for i in inputs]
+    ws = [i.topk_weights.to(DEV) for i in inputs]
+    T_, E_ = T, E
+
+    def dispatch():
+        st = [p.dispatch_send(x, i, T_, E_, use_fp8=True, round_scale=False, use_ue8m0=False)
+              for p, x, i in zip(paths, xs, idxs)]
+        return [p.dispatch_recv(s) for p, s in zip(paths, st)]
+
+    res = dispatch()
+    ys = [r.recv_x.to(torch.bfloat16) for r in res]
+
+    def combine():
+        st = [p.combine_send(y, i, w, r.handle) for p, y, i, w, r in zip(paths, ys, idxs, ws, res)]
+        return [p.combine_recv(s) for p, s in zip(paths, st)]
+
+    td = _common.time_us(dispatch, DEV, iters=iters)
+    tc = _common.time_us(combine, DEV, iters=iters)
+    _, ref_out = virtual_low_latency_step(paths, xs, idxs, ws, T, E)
+    outs = combine()
+    ok = all(_bitwise(a, b) for a, b in zip(outs, ref_out))
+    sel = sum(int((i >= 0).sum()) for i in idxs)
+    dbytes, cbytes = sel * (H + H // 32 + 16), sel * 2 * H
+    floor_d = dbytes / limits["copy_gbps"] / 1e3
+    return {"ok": ok, "detail": f"EP{world} virtual ranks (one GPU, no NVLink): dispatch {td.median:.1f} us "
+            f"(copy floor {floor_d:.1f}), combine {tc.median:.1f} us (floor {cbytes / limits['copy_gbps'] / 1e3:.1f})",
+            "dispatch_us": round(td.median, 2), "combine_us": round(tc.median, 2), "virtual": True}
+
+
+def time_map_topk(n, E, K, P, G, iters, limits):
+    import eplb
+
+    log2phy, logcnt = _placement(E, P, G, 0)
+    topk = torch.randint(0, E, (n, K), generator=_gen(1)).to(DEV)
+    log2phy, logcnt = log2phy.to(DEV), logcnt.to(DEV)
+    mr = int(logcnt.max())
+    out = {}
+    for policy in ("static", "balanced"):
+        t = _common.time_us(lambda: eplb.map_topk(topk, log2phy, logcnt, policy, num_gpus=G, num_slots=P,
+                                                  max_replicas=mr), DEV, iters=iters)
+        out[f"{policy}_us"] = round(t.median, 2)
+    a = eplb.map_topk(topk, log2phy, logcnt, "balanced", num_gpus=G, num_slots=P, max_replicas=mr)
+    b = eplb.map_topk(topk.cpu(), log2phy.cpu(), logcnt.cpu(), "balanced", num_gpus=G, num_slots=P, impl="torch")
+    return {"ok": _bitwise(a, b), "detail": " ".join(f"{k} {v}" for k, v in out.items()), **out}
+
+
+def time_cases(shapes: str, iters: int):
+    c = SHAPES["tiny" if shapes == "tiny" else "dsv3"]
+    world, T, H, E, K, inter, M = (c[k] for k in ("world", "T", "H", "E", "K", "I", "M"))
+    box = {}
+
+    def limits():
+        box["limits"] = _limits()
+        lim = box["limits"]
+        return {"detail": f"copy {lim['copy_gbps']:.0f} GB/s, FP8 _scaled_mm {lim.get('fp8_tflops') or 0:.0f} TFLOP/s",
+                **{k: v for k, v in lim.items() if v is not None}}
+
+    def lazy(fn):
+        def run(**kw):
+            return fn(**kw, limits=box.get("limits") or _limits())
+        return run
+
+    return [
+        ("limits (copy, FP8 peak)", limits, {}),
+        (f"quant {M}x{H}", lazy(time_quant), dict(m=M, k=H, iters=iters)),
+        (f"gemm masked G{E // world} T{world * T} {2 * inter}x{H}", lazy(time_gemm_masked),
+         dict(groups=E // world, n=2 * inter, k=H, t_rows=world * T, iters=iters)),
+        (f"ll EP{world} T{T} dispatch+combine", lazy(time_ll), dict(world=world, T=T, H=H, E=E, K=K, iters=iters)),
+        (f"map_topk {M}x{K}", lazy(time_map_topk), dict(n=M, E=E, K=K, P=E + 2 * world, G=world, iters=iters)),
+    ]

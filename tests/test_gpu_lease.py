@@ -1,0 +1,76 @@
+"""perf/gpu_lease.sh: the dry run writes the promised files and summary; the stage machinery keeps every earlier
+answer when a stage times out, crashes or the budget runs out."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _kit():
+    spec = importlib.util.spec_from_file_location("gpu_lease", os.path.join(ROOT, "perf", "gpu_lease.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_files_and_summary(tmp_path):
+    out = tmp_path / "lease"
+    env = {**os.environ, "OUT": str(out), "TRITON_INTERPRET": "1"}
+    p = subprocess.run(["bash", "perf/gpu_lease.sh", "--dry-run", "--only", "kernels", "time"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    files = sorted(os.listdir(out))
+    assert len(files) <= 8 and all((out / f).is_file() for f in files)
+    assert {"env.txt", "records.jsonl", "summary.md", "stages.log"} <= set(files), files
+    # the last lines printed are the summary table
+    tail = p.stdout.strip().splitlines()
+    assert tail[-4:-3] == ["| --- | --- | --- |"] and tail[-3].startswith("| env | written |"), tail[-6:]
+    assert tail[-2].startswith("| kernels-tiny | ") and " ok" in tail[-2] and "FAILED" not in tail[-2], tail[-2]
+    assert tail[-1].startswith("| time | 5/5 ok"), tail[-1]
+    rows = [json.loads(ln) for ln in (out / "records.jsonl").read_text().splitlines()]
+    checks = [r for r in rows if r["stage"] == "checks"]
+    assert len(checks) >= 14 and all(r["ok"] for r in checks), [r for r in checks if not r["ok"]]
+    assert {"quant", "silu_quant", "gemm", "ll", "normal", "expand", "map_topk", "mega_moe"} <= \
+        {r["case"].split()[0] for r in checks}
+    assert "triton" in (out / "env.txt").read_text()
+
+
+def test_timeout_crash_and_budget_keep_earlier_answers(tmp_path, monkeypatch):
+    kit = _kit()
+    py = sys.executable
+    plan = [
+        kit.Stage("env", 10, [py, "-c", "print('hi')"]),
+        kit.Stage("slow", 2, [py, "-c", "import time; time.sleep(30)"]),
+        kit.Stage("crash", 10, [py, "-c", "raise SystemExit(3)"]),
+        kit.Stage("late", 100, [py, "-c", "import time; time.sleep(30)"]),
+        kit.Stage("never", 10, [py, "-c", "print('never')"]),
+    ]
+    monkeypatch.setattr(kit, "stages", lambda out, dry: plan)
+    monkeypatch.setattr(kit, "MIN_STAGE_S", 1.0)
+    monkeypatch.setattr(kit, "RESERVE_S", 0.5)
+    monkeypatch.setattr(kit, "MIN_BUDGET_S", 1.0)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert kit.main(["--dry-run", "--budget", "8"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| env | exit 0 |" in summary
+    assert "| slow | TIMEOUT after 2 s" in summary
+    assert "| crash | exit 3" in summary
+    assert "| late | TIMEOUT after" in summary  # cut at what was left of the 8 s, not its own cap
+    assert "| never | skipped: " in summary
+    assert "===== stage crash" in (tmp_path / "stages.log").read_text()
+
+
+def test_budget_too_small_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        _kit().main(["--dry-run", "--budget", "5"])
+    assert e.value.code == 2
+    assert "at least 30 seconds" in capsys.readouterr().err
