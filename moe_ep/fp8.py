@@ -91,7 +91,9 @@ def per_token_group_quant_fp8_ref(
     xg = _group_view(x.float(), group_size)
     # NOTES: amax and clamp both propagate NaN, so a group holding a NaN gets a NaN scale.
     amax = xg.abs().amax(dim=-1).clamp(min=AMAX_MIN)
-    scale = amax / FP8_MAX
+    # NOTES: divided by a tensor, not the Python scalar: on CUDA, torch turns ``t / scalar`` into ``t * (1 / scalar)``
+    # (1 ulp off IEEE division for some amax, measured on an H200), and the reference must be IEEE on every device.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if round_scale or use_ue8m0:
         scale = ceil_to_pow2(scale)
     q = (xg / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

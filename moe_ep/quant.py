@@ -407,7 +407,7 @@ def per_block_quant_fp8(w: torch.Tensor, block_size: int = 128, *,
     wp = torch.nn.functional.pad(w.float(), (0, kb * block_size - k, 0, nb * block_size - n))
     blocks = wp.reshape(*lead, nb, block_size, kb, block_size)
     amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=AMAX_MIN)  # [*lead, nb, kb]
-    scales = amax / FP8_MAX
+    scales = amax / torch.full_like(amax, FP8_MAX)  # IEEE on CUDA too (moe_ep.fp8.per_token_group_quant_fp8_ref)
     if round_scale:
         scales = ceil_to_pow2(scales)
     q = (blocks / scales[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -94,17 +94,33 @@ def _weights(g, n, k, seed):
     return wq, ws, dequant_block_fp8(wq, ws)
 
 
+# |d - ref| <= ACC_BOUND * sum_k |a_k w_k| + one BF16 ulp. The interpreter sums each 128-deep K block exactly in
+# float32 (1e-5, tests/test_gemm.py). Hopper's FP8 tensor cores keep about 14 bits in the accumulator inside a
+# block (DeepSeek-V3 report, section 3.3.2), so compiled on sm90 the bound is 2^-12; measured on an H200 the
+# worst case was 6.4e-5 (a quarter of it). DeepGEMM's own check, calc_diff < 1e-3, is reported beside it.
+ACC_BOUND = 1e-5 if DEV.type == "cpu" else 2.0 ** -12
+
+
+def calc_diff(x, y) -> float:
+    """DeepGEMM's similarity check: 1 - 2 sum(x y) / sum(x^2 + y^2) (float64)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if float(denom) > 0 else 0.0
+
+
 def _gemm_err(d, xd, wd):
-    """Max over elements of |d - ref| / (1e-5 * sum|a w| + bf16 ulp(ref)): <= 1 passes (tests/test_gemm.py)."""
+    """(max over elements of |d - ref| / (ACC_BOUND * sum|a w| + bf16 ulp(ref)): <= 1 passes, calc_diff)."""
     from moe_ep.testing import ulp
 
     xd, wd = xd.to(DEV, torch.float64), wd.to(DEV, torch.float64)
     ref = xd @ wd.T
     bound = xd.abs() @ wd.abs().T
-    tol = bound * 1e-5 + 1e-30
+    tol = bound * ACC_BOUND + 1e-30
     if d.dtype == torch.bfloat16:
         tol = tol + ulp(ref, torch.bfloat16)
-    return float(((d.double() - ref).abs() / tol).max()) if d.numel() else 0.0
+    if not d.numel():
+        return 0.0, 0.0
+    return float(((d.double() - ref).abs() / tol).max()), calc_diff(d, ref)
 
 
 def gemm_contiguous(groups, n, k, rows):
@@ -125,13 +141,15 @@ def gemm_contiguous(groups, n, k, rows):
     d = torch.full((m, n), 7.0, dtype=torch.bfloat16, device=DEV)
     gemm.m_grouped_fp8_gemm_nt_contiguous((xq, xs), (wq.to(DEV), ws.to(DEV)), d, idx.to(DEV))
     xd = dequant_fp8(xq, xs.contiguous()).float()
-    worst, start = 0.0, 0
+    worst, diff, start = 0.0, 0.0, 0
     for g, c in enumerate(counts):
-        worst = max(worst, _gemm_err(d[start:start + c], xd[start:start + c], wd[g]))
+        e, cd = _gemm_err(d[start:start + c], xd[start:start + c], wd[g])
+        worst, diff = max(worst, e), max(diff, cd)
         start += -(-c // align) * align
     pad_zero = bool((d[idx.to(DEV) < 0] == 0).all())
-    return {"ok": worst <= 1 and pad_zero, "detail": f"err/bound {worst:.3f} (<= 1), padding zero {pad_zero}",
-            "rows": m}
+    return {"ok": worst <= 1 and diff < 1e-3 and pad_zero,
+            "detail": f"err/bound {worst:.3f} (<= 1, bound {ACC_BOUND:.1e}), calc_diff {diff:.1e} (< 1e-3), padding "
+            f"zero {pad_zero}", "rows": m}
 
 
 def gemm_masked(groups, n, k, t):
@@ -144,14 +162,16 @@ def gemm_masked(groups, n, k, t):
     xq, xs = per_token_group_quant_fp8(x.to(DEV), column_major_scales=True, tma_aligned_scales=True)
     d = torch.full((groups, t, n), 7.0, dtype=torch.bfloat16, device=DEV)
     gemm.m_grouped_fp8_gemm_nt_masked((xq, xs), (wq.to(DEV), ws.to(DEV)), d, masked.to(DEV), t)
-    worst, untouched = 0.0, True
+    worst, diff, untouched = 0.0, 0.0, True
     for g in range(groups):
         c = int(masked[g])
         xd = dequant_fp8(xq[g, :c], xs[g, :c].contiguous()).float()
-        worst = max(worst, _gemm_err(d[g, :c], xd, wd[g]))
+        e, cd = _gemm_err(d[g, :c], xd, wd[g])
+        worst, diff = max(worst, e), max(diff, cd)
         untouched &= bool((d[g, c:] == 7.0).all())
-    return {"ok": worst <= 1 and untouched, "detail": f"err/bound {worst:.3f} (<= 1), rows past masked_m untouched "
-            f"{untouched}"}
+    return {"ok": worst <= 1 and diff < 1e-3 and untouched,
+            "detail": f"err/bound {worst:.3f} (<= 1, bound {ACC_BOUND:.1e}), calc_diff {diff:.1e} (< 1e-3), rows past "
+            f"masked_m untouched {untouched}"}
 
 
 # ------------------------------------------------------------------------------ dispatch / combine
@@ -306,7 +326,7 @@ def mega_moe(T, H, inter, E, K):
     if not dist.is_initialized():
         dist.init_process_group("gloo" if DEV.type == "cpu" else "nccl", init_method="tcp://127.0.0.1:29531",
                                 rank=0, world_size=1)
-    w13, w2 = make_expert_weights(E, H, inter, 5)
+    w13, w2 = (w.to(DEV) for w in make_expert_weights(E, H, inter, 5))
     l1, l2 = per_block_quant_fp8(w13), per_block_quant_fp8(w2)
     buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, inter, device=DEV, timeout_s=30)
     g = _gen(T)
@@ -318,12 +338,12 @@ def mega_moe(T, H, inter, E, K):
     buf.x_sf[:T].copy_(s)
     buf.topk_idx[:T].copy_(idx.to(DEV))
     buf.topk_weights[:T].copy_(w.to(DEV))
-    tl1, tl2 = transform_weights_for_mega_moe(tuple(t.to(DEV) for t in l1), tuple(t.to(DEV) for t in l2))
+    tl1, tl2 = transform_weights_for_mega_moe(l1, l2)
     y = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
     fp8_mega_moe(y, tl1, tl2, buf)
-    emulated, _dense = ref_moe(x, idx, w, w13, w2, l1, l2, None)
+    emulated, _dense = ref_moe(x.to(DEV), idx.to(DEV), w.to(DEV), w13, w2, l1, l2, None)
     scale = max(float(emulated.abs().max()), 1e-6)
-    err = float((y.cpu().double() - emulated.double()).abs().max()) / scale
+    err = float((y.double() - emulated.double()).abs().max()) / scale
     buf.destroy()
     return {"ok": err < 1e-2 and bool(y.isfinite().all()), "detail": f"rel err vs emulated FP8 {err:.2e} (< 1e-2)"}
 
@@ -434,17 +454,25 @@ def time_ll(world, T, H, E, K, iters, limits):
         st = [p.combine_send(y, i, w, r.handle) for p, y, i, w, r in zip(paths, ys, idxs, ws, res)]
         return [p.combine_recv(s) for p, s in zip(paths, st)]
 
-    td = _common.time_us(dispatch, DEV, iters=iters)
-    tc = _common.time_us(combine, DEV, iters=iters)
-    _, ref_out = virtual_low_latency_step(paths, xs, idxs, ws, T, E)
-    outs = combine()
+    te = _common.time_us(lambda: (dispatch(), combine()), DEV, iters=iters)  # eager: with Python launch overhead
+    # CUDA-graph replays (what a decode step runs): kernel time without Python launch overhead
+    d_replay, _, d_note = _common.graph_fn(dispatch, DEV)
+    td = _common.time_us(d_replay, DEV, iters=iters)
+    c_replay, outs, c_note = _common.graph_fn(combine, DEV)
+    tc = _common.time_us(c_replay, DEV, iters=iters)
+    c_replay()
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    _, ref_out = virtual_low_latency_step(paths, xs, idxs, ws, T, E, use_fp8=True)
     ok = all(_bitwise(a, b) for a, b in zip(outs, ref_out))
     sel = sum(int((i >= 0).sum()) for i in idxs)
     dbytes, cbytes = sel * (H + H // 32 + 16), sel * 2 * H
     floor_d = dbytes / limits["copy_gbps"] / 1e3
-    return {"ok": ok, "detail": f"EP{world} virtual ranks (one GPU, no NVLink): dispatch {td.median:.1f} us "
-            f"(copy floor {floor_d:.1f}), combine {tc.median:.1f} us (floor {cbytes / limits['copy_gbps'] / 1e3:.1f})",
-            "dispatch_us": round(td.median, 2), "combine_us": round(tc.median, 2), "virtual": True}
+    how = d_note or c_note or "CUDA graph replays"
+    return {"ok": ok, "detail": f"EP{world} virtual ranks (one GPU, no NVLink; {how}): dispatch {td.median:.1f} us "
+            f"(copy floor {floor_d:.1f}), combine {tc.median:.1f} us (floor {cbytes / limits['copy_gbps'] / 1e3:.1f}); "
+            f"eager launches both {te.median:.0f} us", "dispatch_us": round(td.median, 2),
+            "combine_us": round(tc.median, 2), "eager_us": round(te.median, 2), "virtual": True}
 
 
 def time_map_topk(n, E, K, P, G, iters, limits):

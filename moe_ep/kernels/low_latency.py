@@ -365,7 +365,16 @@ def _ll_dispatch_recv_kernel(
              mask=(offs_t < T)[:, None] & k_ok[None, :])
 
     # Step 4: copy the payload to every local selection's row (scales column-major).
-    any_local = tl.max(valid.to(tl.int32), axis=1) > 0
+    # NOTES: each selection's destination is read back from slot_row (written just above by this program) as
+    # a [BLOCK_T] vector per k, never extracted from the [BLOCK_T, KP] tile by a cross-thread reduction inside
+    # the copy loop: on an H200 with triton 3.6 those reductions raced in shared memory (compute-sanitizer
+    # racecheck) and sent whole rows, or 16-word pieces of scale rows, to the wrong place at DeepSeek-V3 shapes.
+    tl.debug_barrier()  # this program's slot_row stores are visible to all of its threads
+    srow = slot_row_ptr + (s * T + offs_t).to(tl.int64) * K
+    t_in = offs_t < T
+    any_local = offs_t < 0
+    for k in tl.static_range(K):
+        any_local = any_local | (tl.load(srow + k, mask=t_in, other=-1) >= 0)
     for h0 in range(0, H, HC):
         offs_h = h0 + tl.arange(0, HC)
         h_ok = offs_h < H
@@ -375,7 +384,7 @@ def _ll_dispatch_recv_kernel(
             v = tl.load(buf_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + (row_b // 2)[:, None] + offs_h[None, :],
                         mask=any_local[:, None] & h_ok[None, :])
         for k in tl.static_range(K):
-            dest = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+            dest = tl.load(srow + k, mask=t_in, other=-1)
             m = (dest >= 0)[:, None] & h_ok[None, :]
             tl.store(recv_x_ptr + dest.to(tl.int64)[:, None] * H + offs_h[None, :], v, mask=m)
     if IS_FP8:
@@ -383,7 +392,7 @@ def _ll_dispatch_recv_kernel(
         w_ok = offs_w < SW
         sv = tl.load(buf32 + ((row_b + H) // 4)[:, None] + offs_w[None, :], mask=any_local[:, None] & w_ok[None, :])
         for k in tl.static_range(K):
-            dest = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+            dest = tl.load(srow + k, mask=t_in, other=-1)
             d_ok = dest >= 0
             e_k = tl.where(d_ok, dest // RT, 0).to(tl.int64)
             r_k = tl.where(d_ok, dest % RT, 0).to(tl.int64)

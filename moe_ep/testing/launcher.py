@@ -93,7 +93,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("fork")
+    # NOTES: fork, except where this process has initialised CUDA already (a CUDA context cannot cross a fork:
+    # "Cannot re-initialize CUDA in forked subprocess", seen on an H200 when an earlier test used the GPU in the
+    # same pytest process); spawn then needs ``fn`` and its arguments to pickle (module-level functions do).
+    import torch
+
+    ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     # NOTES: a FileStore, not a TCPStore hosted here: a TCPStore server runs a thread in this process,
     # and a child forked while that thread holds a lock (it serves the ranks already started) can
     # block forever on it (seen at 8 ranks: a child stuck in torch.set_num_threads). The parent runs
