@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -56,9 +57,31 @@ def _reports_refusal(what: str):
     return deco
 
 
-def _tensor_key(*tensors) -> tuple:
-    """Identity and version of tensors: equal keys mean the same memory, unmodified since."""
-    return tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
+class _CheckedLayout:
+    """The routing tensors of the last value-checked :meth:`Buffer.get_dispatch_layout`: a dispatch given
+    these very tensor objects, unmodified since (same version counter), needs no second value check.
+
+    Tensor objects are held by weak reference and compared by identity, not address: a new tensor that
+    the caching allocator placed at a freed one's address is a different object. Inference tensors (made
+    under ``torch.inference_mode()``, as engines make every forward's tensors) have no version counter,
+    so an in-place write since the check could not be told from no write: they are never remembered
+    (:meth:`of` returns ``None``) and their dispatch checks the values again."""
+
+    def __init__(self, num_experts: int, tensors: tuple):
+        self.num_experts = num_experts
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.versions = tuple(t._version for t in tensors)
+
+    @classmethod
+    def of(cls, num_experts: int, *tensors: torch.Tensor) -> Optional["_CheckedLayout"]:
+        if any(t.is_inference() for t in tensors):
+            return None
+        return cls(num_experts, tensors)
+
+    def covers(self, num_experts: int, *tensors: torch.Tensor) -> bool:
+        return (num_experts == self.num_experts and len(tensors) == len(self.refs)
+                and all(r() is t for r, t in zip(self.refs, tensors))
+                and all(not t.is_inference() and t._version == v for t, v in zip(tensors, self.versions)))
 
 
 def _capturing(device: torch.device) -> bool:
@@ -157,7 +180,7 @@ class Buffer:
             self._impl.trap_on_error()
         self._mask_seen = [0] * self.group_size  # host copy of the mask after the last low-latency call
         self._comm_streams: dict = {}
-        self._checked_layout = None  # key of the last get_dispatch_layout whose topk_idx was value-checked
+        self._checked_layout: Optional[_CheckedLayout] = None  # the last value-checked get_dispatch_layout
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
@@ -350,7 +373,7 @@ class Buffer:
         out, event = self._run(lambda: self._impl.get_dispatch_layout(topk_idx, num_experts), topk_idx.device,
                                previous_event, async_finish, allocate_on_comm_stream, inputs=(topk_idx,))
         # A dispatch with this topk_idx and these (unmodified) layout tensors needs no second value check.
-        self._checked_layout = (num_experts, _tensor_key(topk_idx, out[0], out[2], out[3])) if checked else None
+        self._checked_layout = _CheckedLayout.of(num_experts, topk_idx, out[0], out[2], out[3]) if checked else None
         return (*out, event)
 
     @_reports_refusal("dispatch")
@@ -444,8 +467,9 @@ class Buffer:
                         bool((num_tokens_per_rank.to(torch.int64) != is_token_in_rank.sum(0)).any()):
                     raise ValueError("num_tokens_per_rank disagrees with is_token_in_rank.sum(0)")
             else:
-                key = (num_experts, _tensor_key(topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
-                if self._value_checks(data.device) and key != self._checked_layout:
+                done = self._checked_layout is not None and self._checked_layout.covers(
+                    num_experts, topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
+                if self._value_checks(data.device) and not done:
                     V.check_dispatch_values(topk_idx, num_experts, self.group_size, num_tokens_per_rank,
                                             is_token_in_rank, num_tokens_per_expert)
 
