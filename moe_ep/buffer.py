@@ -160,7 +160,11 @@ class Buffer:
         comm: DeepEP's mpi4py alternative to ``group``; not supported (must be ``None``).
         backend: ``"torch"`` (all_to_all_single over gloo/NCCL, any topology), ``"symm"`` (Triton kernels
             over symmetric memory, one node), ``"nvshmem"`` (low-latency mode only: the ``symm`` kernels over
-            NVSHMEM, across nodes; :mod:`moe_ep.backends.nvshmem`) or ``"auto"`` (``"torch"`` in this release).
+            NVSHMEM, across nodes; :mod:`moe_ep.backends.nvshmem`) or ``"auto"``: the CUDA-graph capturable
+            backend where one fits (``"symm"`` when all ranks are on one node with CUDA peer access and the sizes
+            it needs were given, ``"nvshmem"`` across nodes for a low-latency-only Buffer where NVSHMEM is usable),
+            else ``"torch"`` (always on CPU / gloo; a low-latency Buffer on CUDA then warns once);
+            :mod:`moe_ep.backends.choose`. The chosen one is ``buffer.backend_name``.
         timeout_s: bound on every wait; a rank that does not arrive makes the call raise
             :class:`moe_ep.sync.RankTimeoutError` (a ``TimeoutError``) naming it.
         check_inputs: value checks of ``topk_idx`` (range, duplicates) read the tensor on the host; they
@@ -210,7 +214,9 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self.enable_shrink = enable_shrink
         self._destroyed = False
-        self.backend_name = "torch" if backend == "auto" else backend
+        if backend == "auto":
+            backend = self._choose_backend(low_latency_mode, num_nvl_bytes, num_rdma_bytes, backend_kwargs)
+        self.backend_name = backend
         common = dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                       low_latency_mode=low_latency_mode, timeout_s=self.timeout_s)
         if self.backend_name == "torch":
@@ -237,6 +243,23 @@ class Buffer:
         self._checked_layout: Optional[_CheckedLayout] = None  # the last value-checked get_dispatch_layout
 
     # ---------------------------------------------------------------- helpers
+    def _choose_backend(self, low_latency_mode: bool, num_nvl_bytes: int, num_rdma_bytes: int,
+                        backend_kwargs: dict) -> str:
+        """``backend="auto"`` (:func:`moe_ep.backends.choose.choose_backend`): ``symm`` on one node with CUDA peer
+        access, ``nvshmem`` across nodes for a low-latency-only Buffer where NVSHMEM is usable, else ``torch``
+        (always on CPU / gloo, and with backend keyword arguments: name the backend they are for). A low-latency
+        Buffer on CUDA that ends up on ``torch`` warns once (not CUDA-graph capturable)."""
+        from .backends.choose import choose_backend, gather_facts, warn_not_capturable
+
+        if backend_kwargs:
+            return "torch"
+        facts = gather_facts(self.group)
+        name = choose_backend(facts, low_latency_mode=low_latency_mode, num_nvl_bytes=num_nvl_bytes,
+                              num_rdma_bytes=num_rdma_bytes)
+        if name == "torch" and low_latency_mode and facts.cuda:
+            warn_not_capturable(facts)
+        return name
+
     @staticmethod
     def is_sm90_compiled() -> bool:
         """DeepEP: whether the SM90 (Hopper) kernels were built. Here kernels are compiled by Triton at run
