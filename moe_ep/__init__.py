@@ -7,15 +7,15 @@ import torch as _torch
 
 from .buffer import Buffer, Config
 from .events import EventOverlap
-from .sync import RankTimeoutError
+from .sync import CallMismatchError, RankTimeoutError, RemoteRankError
 
 __version__ = "0.1.0"
 
 #: dtype of ``topk_idx`` everywhere (DeepEP's ``deep_ep.topk_idx_t``)
 topk_idx_t = _torch.int64
 
-__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventOverlap", "MoELayer", "RankTimeoutError", "__version__",
-           "topk_idx_t"]
+__all__ = ["Buffer", "CallMismatchError", "Config", "ElasticBuffer", "EPHandle", "EventOverlap", "MoELayer",
+           "RankTimeoutError", "RemoteRankError", "__version__", "topk_idx_t"]
 
 
 def __getattr__(name):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -25,17 +26,71 @@ BACKENDS = ("auto", "torch", "symm", "nvshmem")
 
 
 class Config:
-    """DeepEP-style tuning config (``num_sms``, chunk sizes). The ``torch`` backend ignores it; it is
-    accepted everywhere so engine code written for DeepEP runs unchanged."""
+    """DeepEP-style tuning config (``num_sms``, chunk sizes) and DeepEP's buffer size hints. The kernels of this
+    release take no tuning from it (the ``torch`` backend allocates per call; ``symm`` sizes its work from the
+    call's shapes); it is accepted everywhere so engine code written for DeepEP runs unchanged.
+
+    ``num_max_tokens_per_rank`` and ``num_max_topk`` (keyword-only, an extension) are what
+    :meth:`get_nvl_buffer_size_hint` sizes for; see there."""
+
+    #: DeepEP's ``kNumMaxTopK``: the top-k its size hints assume (ours too, by default)
+    NUM_MAX_TOPK = 128
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
-                 num_max_rdma_chunked_recv_tokens: int = 256):
+                 num_max_rdma_chunked_recv_tokens: int = 256, *, num_max_tokens_per_rank: Optional[int] = None,
+                 num_max_topk: int = NUM_MAX_TOPK):
+        for name, v in (("num_sms", num_sms), ("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens),
+                        ("num_max_topk", num_max_topk)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Config: {name} must be a positive int, got {v!r}")
+        if num_max_tokens_per_rank is not None and (not isinstance(num_max_tokens_per_rank, int)
+                                                    or num_max_tokens_per_rank <= 0):
+            raise ValueError(f"Config: num_max_tokens_per_rank must be a positive int or None, got "
+                             f"{num_max_tokens_per_rank!r}")
         self.num_sms = num_sms
         self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
         self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+        # DeepEP's NVL buffer holds, per destination rank, num_sms / 2 channels of num_max_nvl_chunked_recv_tokens
+        # tokens in flight; our normal-mode buffer holds a whole call, so that is the default call size sized for.
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank if num_max_tokens_per_rank is not None else \
+            max(num_sms // 2, 1) * num_max_nvl_chunked_recv_tokens
+        self.num_max_topk = num_max_topk
+
+    @staticmethod
+    def _check_hint_args(hidden_bytes, num_ranks) -> None:
+        if not isinstance(hidden_bytes, int) or hidden_bytes <= 0:
+            raise ValueError(f"hidden_bytes must be a positive int (hidden * bytes per element, e.g. hidden * 2 for "
+                             f"BF16), got {hidden_bytes!r}")
+        if not isinstance(num_ranks, int) or num_ranks <= 0:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """DeepEP: ``num_nvl_bytes`` for normal-mode calls. Here: the bytes per rank of the ``symm`` backend's
+        normal-mode buffer (:meth:`moe_ep.backends.symm.SymmBackend.get_normal_size_hint`, the exact layout its
+        kernels address: a dispatch area and a combine area, each ``num_ranks`` slots of whole calls) when every
+        rank sends up to ``num_max_tokens_per_rank`` tokens per call, rows of ``hidden_bytes`` (BF16 payloads,
+        ``hidden = ceil(hidden_bytes / 2)``; FP8 ones need less) with up to ``num_max_topk`` top-k entries.
+
+        Unlike DeepEP's chunked ring, the buffer holds a whole call: a call with more tokens raises ``ValueError``
+        naming the bytes it needs (pass ``Config(num_max_tokens_per_rank=...)`` to size for your largest batch).
+        The ``torch`` backend ignores the number (it allocates per call)."""
+        from .backends.symm_normal import SymmNormal
+
+        self._check_hint_args(hidden_bytes, num_ranks)
+        hidden = (hidden_bytes + 1) // 2
+        hidden += hidden % 2  # symm rows are int32 words: an even number of BF16 channels
+        return SymmNormal.size_hint(self.num_max_tokens_per_rank, hidden, self.num_max_topk, num_ranks)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """DeepEP: ``num_rdma_bytes`` for normal-mode calls across nodes. Here ``0``: no normal-mode kernel of this
+        release addresses an RDMA buffer (``symm`` is one node; the ``torch`` backend, node-aware or not, moves
+        data through the process group). ``num_rdma_bytes`` sizes the low-latency buffer instead: take the max
+        with :meth:`Buffer.get_low_latency_rdma_size_hint`, as DeepEP-based engines already do."""
+        self._check_hint_args(hidden_bytes, num_ranks)
+        return 0
 
 
 def _reports_refusal(what: str):
@@ -56,9 +111,31 @@ def _reports_refusal(what: str):
     return deco
 
 
-def _tensor_key(*tensors) -> tuple:
-    """Identity and version of tensors: equal keys mean the same memory, unmodified since."""
-    return tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
+class _CheckedLayout:
+    """The routing tensors of the last value-checked :meth:`Buffer.get_dispatch_layout`: a dispatch given
+    these very tensor objects, unmodified since (same version counter), needs no second value check.
+
+    Tensor objects are held by weak reference and compared by identity, not address: a new tensor that
+    the caching allocator placed at a freed one's address is a different object. Inference tensors (made
+    under ``torch.inference_mode()``, as engines make every forward's tensors) have no version counter,
+    so an in-place write since the check could not be told from no write: they are never remembered
+    (:meth:`of` returns ``None``) and their dispatch checks the values again."""
+
+    def __init__(self, num_experts: int, tensors: tuple):
+        self.num_experts = num_experts
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.versions = tuple(t._version for t in tensors)
+
+    @classmethod
+    def of(cls, num_experts: int, *tensors: torch.Tensor) -> Optional["_CheckedLayout"]:
+        if any(t.is_inference() for t in tensors):
+            return None
+        return cls(num_experts, tensors)
+
+    def covers(self, num_experts: int, *tensors: torch.Tensor) -> bool:
+        return (num_experts == self.num_experts and len(tensors) == len(self.refs)
+                and all(r() is t for r, t in zip(self.refs, tensors))
+                and all(not t.is_inference() and t._version == v for t, v in zip(tensors, self.versions)))
 
 
 def _capturing(device: torch.device) -> bool:
@@ -83,7 +160,11 @@ class Buffer:
         comm: DeepEP's mpi4py alternative to ``group``; not supported (must be ``None``).
         backend: ``"torch"`` (all_to_all_single over gloo/NCCL, any topology), ``"symm"`` (Triton kernels
             over symmetric memory, one node), ``"nvshmem"`` (low-latency mode only: the ``symm`` kernels over
-            NVSHMEM, across nodes; :mod:`moe_ep.backends.nvshmem`) or ``"auto"`` (``"torch"`` in this release).
+            NVSHMEM, across nodes; :mod:`moe_ep.backends.nvshmem`) or ``"auto"``: the CUDA-graph capturable
+            backend where one fits (``"symm"`` when all ranks are on one node with CUDA peer access and the sizes
+            it needs were given, ``"nvshmem"`` across nodes for a low-latency-only Buffer where NVSHMEM is usable),
+            else ``"torch"`` (always on CPU / gloo; a low-latency Buffer on CUDA then warns once);
+            :mod:`moe_ep.backends.choose`. The chosen one is ``buffer.backend_name``.
         timeout_s: bound on every wait; a rank that does not arrive makes the call raise
             :class:`moe_ep.sync.RankTimeoutError` (a ``TimeoutError``) naming it.
         check_inputs: value checks of ``topk_idx`` (range, duplicates) read the tensor on the host; they
@@ -133,7 +214,9 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self.enable_shrink = enable_shrink
         self._destroyed = False
-        self.backend_name = "torch" if backend == "auto" else backend
+        if backend == "auto":
+            backend = self._choose_backend(low_latency_mode, num_nvl_bytes, num_rdma_bytes, backend_kwargs)
+        self.backend_name = backend
         common = dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                       low_latency_mode=low_latency_mode, timeout_s=self.timeout_s)
         if self.backend_name == "torch":
@@ -157,9 +240,26 @@ class Buffer:
             self._impl.trap_on_error()
         self._mask_seen = [0] * self.group_size  # host copy of the mask after the last low-latency call
         self._comm_streams: dict = {}
-        self._checked_layout = None  # key of the last get_dispatch_layout whose topk_idx was value-checked
+        self._checked_layout: Optional[_CheckedLayout] = None  # the last value-checked get_dispatch_layout
 
     # ---------------------------------------------------------------- helpers
+    def _choose_backend(self, low_latency_mode: bool, num_nvl_bytes: int, num_rdma_bytes: int,
+                        backend_kwargs: dict) -> str:
+        """``backend="auto"`` (:func:`moe_ep.backends.choose.choose_backend`): ``symm`` on one node with CUDA peer
+        access, ``nvshmem`` across nodes for a low-latency-only Buffer where NVSHMEM is usable, else ``torch``
+        (always on CPU / gloo, and with backend keyword arguments: name the backend they are for). A low-latency
+        Buffer on CUDA that ends up on ``torch`` warns once (not CUDA-graph capturable)."""
+        from .backends.choose import choose_backend, gather_facts, warn_not_capturable
+
+        if backend_kwargs:
+            return "torch"
+        facts = gather_facts(self.group)
+        name = choose_backend(facts, low_latency_mode=low_latency_mode, num_nvl_bytes=num_nvl_bytes,
+                              num_rdma_bytes=num_rdma_bytes)
+        if name == "torch" and low_latency_mode and facts.cuda:
+            warn_not_capturable(facts)
+        return name
+
     @staticmethod
     def is_sm90_compiled() -> bool:
         """DeepEP: whether the SM90 (Hopper) kernels were built. Here kernels are compiled by Triton at run
@@ -274,10 +374,12 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP: the normal-mode dispatch config for ``num_ranks`` (its size hints: :class:`Config`)."""
         return Config(Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP: the normal-mode combine config for ``num_ranks`` (its size hints: :class:`Config`)."""
         return Config(Buffer.num_sms)
 
     @staticmethod
@@ -350,7 +452,7 @@ class Buffer:
         out, event = self._run(lambda: self._impl.get_dispatch_layout(topk_idx, num_experts), topk_idx.device,
                                previous_event, async_finish, allocate_on_comm_stream, inputs=(topk_idx,))
         # A dispatch with this topk_idx and these (unmodified) layout tensors needs no second value check.
-        self._checked_layout = (num_experts, _tensor_key(topk_idx, out[0], out[2], out[3])) if checked else None
+        self._checked_layout = _CheckedLayout.of(num_experts, topk_idx, out[0], out[2], out[3]) if checked else None
         return (*out, event)
 
     @_reports_refusal("dispatch")
@@ -444,8 +546,9 @@ class Buffer:
                         bool((num_tokens_per_rank.to(torch.int64) != is_token_in_rank.sum(0)).any()):
                     raise ValueError("num_tokens_per_rank disagrees with is_token_in_rank.sum(0)")
             else:
-                key = (num_experts, _tensor_key(topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
-                if self._value_checks(data.device) and key != self._checked_layout:
+                done = self._checked_layout is not None and self._checked_layout.covers(
+                    num_experts, topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
+                if self._value_checks(data.device) and not done:
                     V.check_dispatch_values(topk_idx, num_experts, self.group_size, num_tokens_per_rank,
                                             is_token_in_rank, num_tokens_per_expert)
 

@@ -34,6 +34,9 @@ from .base import Backend, LowLatencyDispatchResult
 
 __all__ = ["SymmBackend", "virtual_backends"]
 
+# torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _normal_path():
     from .symm_normal import SymmNormal
@@ -135,7 +138,28 @@ class SymmBackend(Backend):
         return self.normal.dispatch_send(x, x_scales, **kwargs)
 
     def dispatch_recv(self, state, *, expert_alignment: int, num_worst_tokens: int):
-        return self.normal.dispatch_recv(state, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+        res = self.normal.dispatch_recv(state, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+        if state.num_tokens_per_expert is not None and self.group is not None:
+            # A layout-only dispatch (DeepEP's top-k-less call): as DeepEP, the per-expert list is the sum of
+            # the senders' num_tokens_per_expert for this rank's experts. Its rows carry no top-k, so the counts
+            # are gathered over the group (the ranks agreed on this call's kind in the receive's signature
+            # check; without num_worst_tokens the receive has already read its counts on the host). Virtual
+            # ranks (no group) keep the empty list.
+            per_expert = self._gather_expert_counts(state.num_tokens_per_expert, expert_alignment)
+            res.handle.num_recv_tokens_per_expert_list = per_expert
+            res.num_recv_tokens_per_expert_list = list(per_expert)
+        return res
+
+    def _gather_expert_counts(self, num_tokens_per_expert: torch.Tensor, expert_alignment: int) -> list:
+        R, E = self.world_size, num_tokens_per_expert.shape[0]
+        L = E // R
+        nccl = "nccl" in str(dist.get_backend(self.group)).lower()
+        dev = num_tokens_per_expert.device if nccl else torch.device("cpu")
+        mine = num_tokens_per_expert.to(device=dev, dtype=torch.int64).contiguous()
+        every = torch.empty(R * E, dtype=torch.int64, device=dev)
+        _all_gather(every, mine, group=self.group)
+        counts = every.view(R, R, L)[:, self.rank].sum(0).tolist()  # [source, destination, local expert]
+        return [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]
 
     #: normal-mode dispatch can hand the receive out as views of this rank's buffer (``recv_view=True``)
     supports_recv_view = True

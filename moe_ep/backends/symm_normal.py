@@ -131,6 +131,7 @@ class _SendState:
     bounds: tuple = ()  # (S1, S2, S3): first columns of the scales / top-k ids / weights segments
     planes: tuple = ()  # (O1, O2, O3): word offsets of their planes
     view_rows: int = 0  # P: rows of each plane
+    num_tokens_per_expert: torch.Tensor = None  # [E] of a layout-only dispatch that exchanges it (flag bit 5)
 
 
 @dataclasses.dataclass
@@ -267,8 +268,11 @@ class SymmNormal:
                              "smaller num_worst_tokens")
         bt, bw = self._blocks(words)
         L = self.sig
+        # bit 5: a layout-only dispatch (no top-k) without num_worst_tokens, whose per-expert counts the ranks
+        # exchange on the host after the receive (SymmBackend.dispatch_recv): every rank must enter it
+        exchange = handle is None and k == 0 and num_worst_tokens == 0
         flags = 1 | int(x_scales is not None) << 1 | int(x_scales is not None and x_scales.dtype == torch.int32) << 2 \
-            | int(handle is not None) << 3 | int(bool(recv_view)) << 4
+            | int(handle is not None) << 3 | int(bool(recv_view)) << 4 | int(exchange) << 5
         if release:  # before the signature: the release clears the held sources' entries, this rank's own too
             self.dispatch_release()
         self._write_signature("DISP_SIG", (hidden, words, (num_experts or 0) * 256 + k, flags))
@@ -285,7 +289,7 @@ class SymmNormal:
                           is_token_in_rank, num_tokens_per_rank,
                           scale_dtype=x_scales.dtype if x_scales is not None else torch.float32,
                           scale_cols=scale_cols, view=bool(recv_view), bounds=bounds, planes=planes,
-                          view_rows=view_rows)
+                          view_rows=view_rows, num_tokens_per_expert=num_tokens_per_expert if exchange else None)
 
     def dispatch_recv(self, st: _SendState, *, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
@@ -347,7 +351,8 @@ class SymmNormal:
                 recv_w = torch.where(is_local, w, torch.zeros_like(w))
             if num_worst_tokens > 0 or k == 0:
                 # NOTES: like DeepEP: no host read with num_worst_tokens, so no list; a layout-only dispatch
-                # (no top-k) carries no per-expert information on this backend
+                # (no top-k) carries no per-expert information in its rows: SymmBackend.dispatch_recv fills
+                # the list from the senders' num_tokens_per_expert
                 per_expert = []
             else:
                 c = torch.bincount(recv_idx[recv_idx >= 0], minlength=num_local).tolist()

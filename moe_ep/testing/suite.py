@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .checks import assert_bitwise_equal, assert_close_ulp
@@ -19,19 +21,29 @@ def _check_combined(actual, expected, ulps: int, name: str) -> None:
 
 
 def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch", *,
-                      modes: tuple = ("normal", "low_latency"), combine_ulps: int = 0, **buffer_kwargs) -> bool:
+                      modes: tuple = ("normal", "low_latency"), combine_ulps: int = 0, inference_mode: bool = True,
+                      **buffer_kwargs) -> bool:
     """Normal dispatch (BF16 and FP8), combine, cached dispatch, num_worst_tokens, and low-latency
     dispatch/combine for one case on ``moe_ep.Buffer(backend=backend)``; every output is checked
     against :mod:`moe_ep.testing.refs` (bitwise). Run it on every rank, e.g. through
     :func:`moe_ep.testing.launch`. ``modes`` selects the normal and/or low-latency checks.
     ``combine_ulps``: BF16 ulps the normal combine may differ by (0: bitwise; backends that regroup the
     float32 sum, like the node-aware one, state theirs).
+    ``inference_mode``: the Buffer is made outside it, the calls (and their inputs, inference tensors then)
+    run inside ``torch.inference_mode()``, as serving engines run every forward (default); ``False``: plain
+    autograd mode (tests/test_inference_mode.py checks both give the same bits).
 
     ``case`` keys: seed, n (int or per-rank list), hidden, E, k, routing (see
     :func:`moe_ep.testing.inputs.make_rank_inputs`), and optional align, worst (num_worst_tokens), T.
     """
     import moe_ep
 
+    buf = moe_ep.Buffer(None, low_latency_mode=True, backend=backend, timeout_s=30, **buffer_kwargs)
+    with torch.inference_mode() if inference_mode else contextlib.nullcontext():
+        return _check_case(buf, rank, world, case, modes, combine_ulps)
+
+
+def _check_case(buf, rank: int, world: int, case: dict, modes: tuple, combine_ulps: int) -> bool:
     seed, n, hidden, num_experts, k, routing = (case[key] for key in ("seed", "n", "hidden", "E", "k", "routing"))
     inputs = make_all_inputs(world, n, hidden, num_experts, k, seed, routing)
     dev = torch.device(case.get("device", "cpu"))
@@ -43,8 +55,6 @@ def check_buffer_case(rank: int, world: int, case: dict, backend: str = "torch",
     xs = [i.x for i in inputs]
     idxs = [i.topk_idx for i in inputs]
     ws = [i.topk_weights for i in inputs]
-    buf = moe_ep.Buffer(None, low_latency_mode=True, backend=backend, timeout_s=30, **buffer_kwargs)
-
     num_local = num_experts // world
     if "normal" in modes:
         # layout
