@@ -39,7 +39,7 @@ def test_maps_to_a_replica_of_the_expert(policy):
 
 def test_static_is_first_replica_and_seeds():
     topk, _, log2phy, logcnt, G, P = _case(1)
-    out = eplb.map_topk(topk, log2phy, logcnt)
+    out = eplb.map_topk(topk, log2phy, logcnt, "static")
     ok = topk >= 0
     assert torch.equal(out[ok], log2phy[topk[ok], 0])
     a = eplb.map_topk(topk, log2phy, logcnt, "random", seed=1)
@@ -156,7 +156,8 @@ def _even_split_busiest(topk, log2phy, logcnt, G, P):
     for i, e in enumerate(flat.tolist()):
         rank[i] = seen[e]
         seen[e] += 1
-    rep = rank * logcnt[flat] // counts[flat]
+    n = logcnt[flat]
+    rep = (rank * n // counts[flat] + flat) % n  # balanced takes expert e's replicas rotated by e (seed 0, rank 0)
     return _gpu_loads(log2phy[flat, rep], G, P).max().item()
 
 
