@@ -5,7 +5,7 @@ file directly, before torch or this package are installed::
 
     python moe_ep/_env.py choose-python     # prints "<kind> <python>", see choose_python()
     python moe_ep/_env.py missing torch numpy ...   # prints the modules that cannot be found
-    python moe_ep/_env.py installed ROOT    # exit 0 when moe_ep, eplb and microbatch import from ROOT
+    python moe_ep/_env.py installed ROOT    # exit 0 when moe_ep, eplb, microbatch and serving import from ROOT
     python moe_ep/_env.py build-isolation   # prints "no" when the local setuptools can build an editable install
 """
 
@@ -16,7 +16,7 @@ import sys
 import sysconfig
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("moe_ep", "eplb", "microbatch")
+PACKAGES = ("moe_ep", "eplb", "microbatch", "serving")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def missing_modules(names) -> list[str]:
 
 
 def installed_from(root: str) -> bool:
-    """``moe_ep``, ``eplb`` and ``microbatch`` import from ``root`` (editable install of this checkout)."""
+    """``moe_ep``, ``eplb``, ``microbatch`` and ``serving`` import from ``root`` (editable install of this checkout)."""
     import importlib.util
 
     root = os.path.realpath(root)

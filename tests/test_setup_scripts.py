@@ -17,7 +17,7 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("moe_ep", "eplb", "microbatch")
+PACKAGES = ("moe_ep", "eplb", "microbatch", "serving")
 OFFLINE = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "",
            "PIP_EXTRA_INDEX_URL": ""}
 
@@ -165,7 +165,7 @@ def test_setup_on_externally_managed_python_uses_checkout_venv(tmp_path):
     seed.mkdir()
     for d in _site_dirs():
         for entry in os.listdir(d):
-            if entry.startswith(("__editable__", "moe_ep", "eplb", "microbatch")) or (seed / entry).exists():
+            if entry.startswith(("__editable__",) + PACKAGES) or (seed / entry).exists():
                 continue
             (seed / entry).symlink_to(os.path.join(d, entry))
     _check_externally_managed_setup(tmp_path, py, {"PYTHONPATH": str(seed)})
@@ -334,3 +334,46 @@ def test_require_triton_device_passes_with_interpreter(monkeypatch):
     else:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             env_mod.require_triton_device("x")
+
+
+# --------------------------------------------------------------------------------------------------
+# Packaging (issue 30): licence, typed markers, serving in the package, console scripts
+
+
+def _setup_kwargs(monkeypatch):
+    """setup.py's setup() keywords, by running it with setuptools.setup replaced (no build, no metadata)."""
+    import runpy
+
+    import setuptools
+
+    seen = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("MOE_EP_NO_CUDA_EXT", "1")
+    runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    return seen
+
+
+def test_setup_py_ships_serving_licence_and_typed_markers(monkeypatch):
+    kw = _setup_kwargs(monkeypatch)
+    pkgs = set(kw["packages"])
+    assert {"moe_ep", "eplb", "microbatch", "serving"} <= pkgs
+    assert not any(p.startswith(("tests", "perf", "scripts")) for p in pkgs)
+    assert kw["license"] == "MIT" and (ROOT / "LICENSE").read_text().startswith("MIT License")
+    assert "moe-ep authors" in (ROOT / "LICENSE").read_text()
+    cls = kw["classifiers"]
+    assert any(c.startswith("Programming Language :: Python :: 3.1") for c in cls)
+    assert any(c.startswith("Operating System ::") for c in cls) and any(c.startswith("Topic ::") for c in cls)
+    for name in ("moe_ep", "eplb", "microbatch", "serving"):
+        assert kw["package_data"][name] == ["py.typed"] and (ROOT / name / "py.typed").is_file()
+    assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
+
+
+def test_console_scripts_resolve_to_callables(monkeypatch):
+    import importlib
+
+    scripts = dict(s.replace(" ", "").split("=") for s in _setup_kwargs(monkeypatch)["entry_points"]["console_scripts"])
+    assert set(scripts) == {"moe-ep", "moe-ep-eplb", "moe-ep-serving"}
+    for target in scripts.values():
+        module, attr = target.split(":")
+        assert callable(getattr(importlib.import_module(module), attr)), target
