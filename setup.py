@@ -9,6 +9,7 @@ import glob
 import os
 import shutil
 
+import setuptools
 from setuptools import find_packages, setup
 
 
@@ -29,20 +30,56 @@ def _cuda_extensions():
 
 ext_modules, cmdclass = _cuda_extensions()
 
+# The importable top-level packages (each ships a py.typed marker), and the three command lines
+# (tests/test_setup_scripts.py imports each callable).
+TOP_LEVEL = ["moe_ep", "eplb", "microbatch", "serving"]
+PACKAGES = [p for name in TOP_LEVEL for p in (name, name + ".*")]
+# setuptools >= 77 writes license="MIT" as an SPDX License-Expression and deprecates the licence classifier
+# (a warning on every build); older ones need the classifier to show the licence on PyPI.
+_ST = tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit())
+LICENSE_CLASSIFIER = [] if _ST >= (77, 0) else ["License :: OSI Approved :: MIT License"]
+CONSOLE_SCRIPTS = [
+    "moe-ep = moe_ep.__main__:main",          # python -m moe_ep (demo)
+    "moe-ep-eplb = eplb.cli:main",            # python -m eplb (plan / report / simulate)
+    "moe-ep-serving = serving.__main__:main",  # python -m serving (adp / plan)
+]
+
 setup(
     name="moe-ep",
     version="0.1.0",
-    description="Expert-parallel dispatch/combine, FP8 kernels, EPLB and microbatch overlap for MoE inference",
+    description=("Expert-parallel dispatch/combine, FP8 kernels, EPLB, microbatch overlap and serving "
+                 "policies for MoE inference"),
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["moe_ep", "moe_ep.*", "eplb", "eplb.*", "microbatch", "microbatch.*"]),
+    license="MIT",
+    license_files=["LICENSE"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        *LICENSE_CLASSIFIER,
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+        "Typing :: Typed",
+    ],
+    packages=find_packages(include=PACKAGES),
+    package_data={name: ["py.typed"] for name in TOP_LEVEL},
+    entry_points={"console_scripts": CONSOLE_SCRIPTS},
     python_requires=">=3.10",
     # Every third-party module the packages import (tests/test_setup_scripts.py checks it). Triton ships
     # Linux wheels only; without a GPU its kernels run in the interpreter (TRITON_INTERPRET=1).
     install_requires=["torch>=2.6", "numpy", 'triton>=3.4; platform_system == "Linux"'],
     extras_require={
         "test": ["pytest", "hypothesis"],          # moe_ep.testing.sm90 imports pytest
-        "plot": ["matplotlib"],                    # python -m eplb plan --png
+        "plot": ["matplotlib"],                    # python -m eplb plan --png, python -m serving adp's figures
+        "serving": ["pyyaml", "matplotlib"],       # python -m serving plan's YAML configs, adp's figures
         "progress": ["tqdm"],
         # internode low-latency EP (backend="nvshmem"): the NVSHMEM device bitcode Triton links (moe_ep/nvshmem.py)
         "nvshmem": ["nvidia-nvshmem-cu12==3.8.0"],

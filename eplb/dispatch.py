@@ -12,14 +12,22 @@ selection whose expert has no live replica maps to -1 and is counted in ``lost_o
 - ``static``: always the expert's first live replica.
 - ``random``: a live replica drawn by a counter-based hash of (token, k, seed); deterministic given the
   seed, identical on CPU and GPU. ``seed`` may be a 0-dim int64 tensor (vary it inside a graph).
-- ``round_robin``: the j-th selection of an expert in this batch (token-major order) goes to live
-  replica ``(j + seed) mod live_count``.
+- ``round_robin`` (the default): the j-th selection of an expert in this batch (token-major order) goes
+  to live replica ``(j + seed + rank) mod live_count``.
 - ``balanced``: splits every expert's selections over its live replicas by damped water-filling on
   the GPU loads (``iters`` rounds, all experts at once, in fixed point: 1/2^20 selection units, int64,
   so every sum is exact and independent of reduction order), hands out the j-th selection of an expert
   to the replica whose cumulative share covers j, and keeps that only if its busiest GPU, counted in
   whole selections, carries no more than with the even split (the j-th of an expert's c selections to
-  live replica ``j * n // c``). So ``balanced`` is never worse than that even split, exactly.
+  live replica ``j * n // c``). So ``balanced`` is never worse than that even split, exactly. Each
+  expert's live replicas are taken in an order rotated by ``(seed + rank + expert) mod live_count``:
+  ranks that each map only their own few tokens (32 per rank at EP144 decode) balance them against
+  different replicas instead of all breaking ties (and the even split) towards the same ones.
+
+``rank=`` (this rank's index in the EP group) makes ``random``, ``round_robin`` and ``balanced`` start
+from rank-dependent replicas without any communication or host read (``rank=0``, the default, adds
+nothing). As deployed, per rank at EP144 / 288 slots, ``balanced`` is then at least ``round_robin``
+(perf/bench_eplb.py's per-rank table; README).
 """
 
 from __future__ import annotations
@@ -175,28 +183,43 @@ def _busiest(live2phy, safe, rep, off, num_gpus: int, slots_per_gpu: int) -> tor
     return per_gpu[:num_gpus].max()
 
 
-def _map_torch(ids, log2phy, logcnt, policy, seed, num_gpus, num_slots, iters, slot_mask, width):
+def _rotate(live2phy: torch.Tensor, livecnt: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Each expert's live replicas rotated left by ``offset`` (`[E]` or a scalar) modulo its live count,
+    -1 padding kept: row e becomes ``live[(r + offset[e]) % livecnt[e]]`` for r < livecnt[e]."""
+    R = live2phy.shape[1]
+    cols = torch.arange(R, device=live2phy.device)[None, :]
+    n = livecnt.clamp_min(1)[:, None]
+    src = (cols + offset.reshape(-1, 1) % n) % n
+    return torch.where(cols < livecnt[:, None], live2phy.gather(1, src), torch.full_like(live2phy, -1))
+
+
+def _map_torch(ids, log2phy, logcnt, policy, seed, num_gpus, num_slots, iters, slot_mask, width, ep_rank=0):
     N, K = ids.shape
     E = log2phy.shape[0]
     dev = ids.device
     live2phy, livecnt = live_replicas(log2phy, logcnt, slot_mask, width)
+    seed_t = torch.as_tensor(seed, device=dev, dtype=torch.int64)
+    if policy == "balanced":
+        # Rank-dependent replica preference: ranks that map their own tokens independently start each
+        # expert at a different replica (ties and the even split follow this order), not all at the
+        # first; the expert id in the offset decorrelates the experts of one rank.
+        live2phy = _rotate(live2phy, livecnt, seed_t + ep_rank + torch.arange(E, device=dev))
     is_none = ids < 0
     safe = torch.where(is_none, torch.zeros_like(ids), ids)
     lc = livecnt[safe]
     lost = (lc == 0) & ~is_none
     cnt = lc.clamp_min(1)  # [N, K]
-    seed_t = torch.as_tensor(seed, device=dev, dtype=torch.int64)
     if policy == "static":
         rep = torch.zeros_like(ids)
     elif policy == "random":
         base = torch.arange(N * K, device=dev, dtype=torch.int64).view(N, K)
-        rep = _hash(_hash(base + seed_t * 0x9E3779B1)) % cnt
+        rep = _hash(_hash(base + seed_t * 0x9E3779B1) + ep_rank * 0x9E3779B1) % cnt
     else:
         flat = torch.where(is_none, torch.full_like(ids, E), ids).reshape(-1)
         rank, counts = _rank_in_expert(flat, E)
         rank = rank.view(N, K)
         if policy == "round_robin":
-            rep = (rank + seed_t) % cnt
+            rep = (rank + seed_t + ep_rank) % cnt
         else:
             spg = num_slots // num_gpus
             shares = _shares_fx(counts[:E], live2phy, livecnt, num_gpus, spg, iters)
@@ -215,17 +238,18 @@ def _map_torch(ids, log2phy, logcnt, policy, seed, num_gpus, num_slots, iters, s
     return torch.where(is_none, torch.full_like(phy, -1), phy), lost.sum()
 
 
-def map_topk(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, policy: str = "static", *,
+def map_topk(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, policy: str = "round_robin", *,
              seed: Union[int, torch.Tensor] = 0, num_gpus: Optional[int] = None, num_slots: Optional[int] = None,
              iters: int = 8, slot_mask: Optional[torch.Tensor] = None, lost_out: Optional[torch.Tensor] = None,
-             max_replicas: Optional[int] = None, impl: str = "auto") -> torch.Tensor:
+             max_replicas: Optional[int] = None, impl: str = "auto", rank: int = 0) -> torch.Tensor:
     """Map logical expert ids to physical slots (live replicas) for one MoE layer.
 
     Arguments:
         topk_idx: `[num_tokens, topk]` with `torch.int64`, logical expert ids, -1 = no expert.
         log2phy: `[num_experts, max_replicas]` with `torch.int64`, one layer of `rebalance_experts`'s
             ``log2phy`` (slots, -1 padded); logcnt: `[num_experts]` with `torch.int64`.
-        policy: ``"static"``, ``"random"``, ``"round_robin"`` or ``"balanced"`` (see the module doc).
+        policy: ``"round_robin"`` (default), ``"balanced"`` (best, needs ``num_gpus`` and ``num_slots``),
+            ``"random"`` or ``"static"`` (always the first live replica), see the module doc.
         seed: int (>= 0) or 0-dim int64 tensor on the device; ``random`` and ``round_robin`` depend on it.
         num_gpus, num_slots: required by ``balanced`` (slot p lives on GPU ``p // (num_slots // num_gpus)``).
         iters: water-filling rounds of ``balanced``.
@@ -238,6 +262,11 @@ def map_topk(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor
             as it bounds ``logcnt``; it only makes the kernel and the torch path cheaper. On CPU the torch
             path takes ``logcnt.max()`` when it is not given.
         impl: ``"auto"`` (the Triton kernel on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
+        rank: this rank's index in the EP group (int >= 0) when every rank maps only its own tokens, as
+            engines do. ``random``, ``round_robin`` and ``balanced`` then start from a rank-dependent
+            replica (``balanced``: each expert's live replicas rotated by ``(seed + rank + expert) mod
+            live count``; ``round_robin``: offset ``seed + rank``), so that the ranks do not all pick the
+            same replicas for their few tokens. No communication, no host read. ``static`` ignores it.
 
     Returns:
         phy_idx: `[num_tokens, topk]` with `torch.int64`, physical slot ids, -1 where ``topk_idx`` is -1
@@ -248,6 +277,8 @@ def map_topk(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be an int >= 0 (this rank's index in the EP group), got {rank!r}")
     dev = topk_idx.device
     if slot_mask is not None:
         _check_mask(slot_mask, dev)
@@ -270,13 +301,13 @@ def map_topk(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor
         from .kernels import map_topk_triton
         return map_topk_triton(topk_idx, log2phy, logcnt, policy, seed=seed, num_gpus=num_gpus,
                                num_slots=num_slots, iters=iters, slot_mask=slot_mask, lost_out=lost_out,
-                               max_replicas=width)
+                               max_replicas=width, rank=rank)
     if topk_idx.numel() == 0 or log2phy.shape[0] == 0:
         if lost_out is not None:
             lost_out.zero_()
         return torch.full(topk_idx.shape, -1, dtype=torch.int64, device=dev)
     out, lost = _map_torch(topk_idx.long(), log2phy.long(), logcnt.long(), policy, seed, num_gpus, num_slots, iters,
-                           slot_mask, width)
+                           slot_mask, width, rank)
     if lost_out is not None:
         lost_out.copy_(lost)
     return out

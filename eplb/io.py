@@ -49,7 +49,7 @@ def load_stats(path: str) -> np.ndarray:
     ext = _suffix(path, STATS_SUFFIXES)
     try:
         if ext == ".npy":
-            data = np.load(path, allow_pickle=False)
+            data = _load_npy(path)
         elif ext == ".pt":
             obj = _torch_load(path)
             if isinstance(obj, dict) and "num_steps" in obj and ("steps" in obj or "buffer" in obj):
@@ -58,14 +58,22 @@ def load_stats(path: str) -> np.ndarray:
             elif isinstance(obj, dict) and "counts" in obj:
                 data = obj["counts"]
             else:
+                _not_a_placement(path, obj)
                 data = obj
             if not isinstance(data, (torch.Tensor, np.ndarray)):
-                raise ValueError(f"expected a tensor (or a dict with 'counts'), got {type(data).__name__}")
+                raise ValueError(f"expected a tensor (or a dict with 'counts'), got {_kind(data)}")
         elif ext == ".json":
             with open(path) as f:
                 obj = json.load(f)
+            _not_a_placement(path, obj)
             data = obj["counts"] if isinstance(obj, dict) and "counts" in obj else obj
-            data = np.array(data, dtype=np.float64)
+            if isinstance(data, dict):
+                raise ValueError(f"expected nested lists of counts or a dict with 'counts', got {_kind(data)}")
+            try:
+                data = np.array(data, dtype=np.float64)
+            except (TypeError, ValueError):
+                raise ValueError("expected nested lists of numbers ([layers][experts] or [steps][layers][experts]) "
+                                 "of equal lengths") from None
         else:
             with open(path, newline="") as f:
                 rows = [r for r in csv.reader(f) if r and not r[0].lstrip().startswith("#")]
@@ -74,12 +82,48 @@ def load_stats(path: str) -> np.ndarray:
             data = np.array([[float(v) for v in r] for r in rows], dtype=np.float64)
     except OSError:
         raise  # missing file, a folder, no permission: the OS message names the path
+    except _PlacementGiven as exc:
+        raise ValueError(str(exc)) from None
     except Exception as exc:  # corrupt, truncated or garbage content: whatever the parser raised
         raise ValueError(f"{path}: cannot read statistics ({_reason(exc)})") from exc
     try:
         return check_weight(data)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path}: {exc}") from exc
+
+
+class _PlacementGiven(ValueError):
+    pass
+
+
+def _kind(obj) -> str:
+    if isinstance(obj, dict):
+        keys = ", ".join(map(str, list(obj)[:5])) + (", ..." if len(obj) > 5 else "")
+        return f"a dict with keys {keys}" if obj else "an empty dict"
+    return type(obj).__name__
+
+
+def _not_a_placement(path: str, obj) -> None:
+    """A placement file (what ``plan`` writes) given where statistics are expected: say so in one line."""
+    if isinstance(obj, dict) and "phy2log" in obj:
+        raise _PlacementGiven(
+            f"{path}: this is a placement file (it has phy2log), not statistics: give per-expert counts "
+            "[layers, experts] or [steps, layers, experts] (python -m eplb simulate, LoadRecorder.save) first, "
+            "as in python -m eplb report STATS PLACEMENT")
+
+
+def _load_npy(path: str) -> np.ndarray:
+    """A numeric .npy array (pickled object arrays are never loaded), with a plain reason otherwise."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":
+        raise ValueError("not a NumPy .npy file: no .npy header")
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        if "allow_pickle" in str(exc) or "pickle" in str(exc):
+            raise ValueError("the array holds Python objects, not numbers; only numeric arrays are read") from None
+        raise
 
 
 def _reason(exc: BaseException) -> str:

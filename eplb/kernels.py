@@ -6,7 +6,8 @@ count plus running per-expert counts, and every sum is integer (``balanced`` run
 int64 fixed point), so the result equals the torch path bitwise whatever the reduction order. Workspace
 written inside the kernel is read back with ``.cg`` loads (L2, not the incoherent L1).
 
-Phases: (1) compact each expert's live replicas (slot mask) into a table; (2) ranks of selections within
+Phases: (1) compact each expert's live replicas (slot mask) into a table (``balanced``: rotated by ``(seed +
+rank + expert) mod live count``, as the torch path); (2) ranks of selections within
 their expert (round_robin, balanced); (3) balanced only: ``iters`` damped water-filling rounds over all
 experts at once, the even-split fallback and cumulative shares; (4) replica choice, (5) balanced only:
 the whole-selection busiest-GPU check, then the output and the lost count.
@@ -38,14 +39,16 @@ def _hash(x):
 @triton.jit
 def map_topk_kernel(topk_ptr, log2phy_ptr, logcnt_ptr, mask_ptr, seed_ptr, out_ptr, lost_ptr,
                     live_ptr, livecnt_ptr, cnt_ptr, rank_ptr, s_ptr, load_ptr, rep_ptr, even_ptr,
-                    NK, E, X, R, G, SPG, iters,
+                    NK, E, X, R, G, SPG, iters, RANK,
                     POLICY: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK2: tl.constexpr,
                     BE: tl.constexpr, R_PAD: tl.constexpr, G_PAD: tl.constexpr):
     SCALE_: tl.constexpr = 1048576
     BIG_: tl.constexpr = 4611686018427387904
     cols = tl.arange(0, R_PAD)
     gidx = tl.arange(0, G_PAD)
-    # (1) live table, zeroed counters.
+    seed = tl.load(seed_ptr).to(tl.int64)
+    rank64 = tl.full([], 0, tl.int64) + RANK  # int64 arithmetic whatever RANK was specialised to
+    # (1) live table (balanced: each expert's rotated by (seed + RANK + e) mod live count), zeroed counters.
     for e0 in range(0, E + 1, BE):
         rows = e0 + tl.arange(0, BE)
         inb = rows < E
@@ -58,11 +61,15 @@ def map_topk_kernel(topk_ptr, log2phy_ptr, logcnt_ptr, mask_ptr, seed_ptr, out_p
             m = tl.load(mask_ptr + tl.maximum(l2p, 0), mask=valid, other=0)
             valid = valid & (m != 0)
         vi = valid.to(tl.int32)
-        pos = tl.cumsum(vi, axis=1) - 1
+        pos = (tl.cumsum(vi, axis=1) - 1).to(tl.int64)
+        nlive = tl.sum(vi, axis=1).to(tl.int64)
+        if POLICY == 3:
+            n = tl.maximum(nlive, 1)
+            o = ((seed + rank64 + rows) % n + n) % n
+            pos = (pos - o[:, None] + n[:, None]) % n[:, None]
         tl.store(live_ptr + rows[:, None] * R_PAD + pos, l2p, mask=valid)
-        tl.store(livecnt_ptr + rows, tl.sum(vi, axis=1).to(tl.int64), mask=inb)
+        tl.store(livecnt_ptr + rows, nlive, mask=inb)
     tl.debug_barrier()
-    seed = tl.load(seed_ptr).to(tl.int64)
     # (2) rank of each selection among its expert's selections, token-major.
     if POLICY >= 2:
         for i0 in range(0, NK, BLOCK):
@@ -180,10 +187,10 @@ def map_topk_kernel(topk_ptr, log2phy_ptr, logcnt_ptr, mask_ptr, seed_ptr, out_p
         if POLICY == 0:
             rep = tl.zeros([BLOCK2], tl.int64)
         elif POLICY == 1:
-            rep = _hash(_hash(offs.to(tl.int64) + seed * 0x9E3779B1)) % cnt1
+            rep = _hash(_hash(offs.to(tl.int64) + seed * 0x9E3779B1) + rank64 * 0x9E3779B1) % cnt1
         elif POLICY == 2:
             rank = tl.load(rank_ptr + offs, mask=inr, other=0, cache_modifier=".cg")
-            rep = ((rank + seed) % cnt1 + cnt1) % cnt1
+            rep = ((rank + seed + rank64) % cnt1 + cnt1) % cnt1
         else:
             rank = tl.load(rank_ptr + offs, mask=inr, other=0, cache_modifier=".cg")
             cum = tl.load(s_ptr + safe[:, None] * R_PAD + cols[None, :], mask=inr[:, None] & (cols[None, :] < lc[:, None]),
@@ -241,7 +248,8 @@ def _cfg(E: int, X: int, width: Optional[int], num_gpus: int):
 def map_topk_triton(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, policy: str, *,
                     seed: Union[int, torch.Tensor] = 0, num_gpus: Optional[int] = None,
                     num_slots: Optional[int] = None, iters: int = 8, slot_mask: Optional[torch.Tensor] = None,
-                    lost_out: Optional[torch.Tensor] = None, max_replicas: Optional[int] = None) -> torch.Tensor:
+                    lost_out: Optional[torch.Tensor] = None, max_replicas: Optional[int] = None,
+                    rank: int = 0) -> torch.Tensor:
     """One-launch `eplb.map_topk` (arguments checked there). ``max_replicas`` bounds the replica columns read
     (default all of ``log2phy``'s): pass the placement's ``logcnt.max()`` to keep the tiles small."""
     N, K = topk_idx.shape
@@ -259,7 +267,7 @@ def map_topk_triton(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch
     for n in (E * r_pad, E * r_pad, E + 1, E + 1, NK, NK, NK, 2 * g_pad):
         parts.append(ws[o:o + n])
         o += n
-    live, s, livecnt, cnt, rank, rep, even, load = parts
+    live, s, livecnt, cnt, rank_ws, rep, even, load = parts
     out = torch.empty((N, K), dtype=i64, device=dev)
     lost = lost_out if lost_out is not None else torch.empty((), dtype=i64, device=dev)
     seed_t = seed.reshape(()).to(i64) if isinstance(seed, torch.Tensor) else torch.full((), int(seed), dtype=i64,
@@ -268,7 +276,7 @@ def map_topk_triton(topk_idx: torch.Tensor, log2phy: torch.Tensor, logcnt: torch
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     map_topk_kernel[(1,)](topk_idx.contiguous(), log2phy.contiguous(), logcnt.contiguous(), mask, seed_t, out, lost,
-                          live, livecnt, cnt, rank, s, load, rep, even, NK, E, X, cfg["R"], G, spg, iters,
+                          live, livecnt, cnt, rank_ws, s, load, rep, even, NK, E, X, cfg["R"], G, spg, iters, int(rank),
                           POLICY=_POLICY[policy], HAS_MASK=slot_mask is not None, BLOCK=cfg["BLOCK"],
                           BLOCK2=cfg["BLOCK2"], BE=cfg["BE"], R_PAD=r_pad, G_PAD=g_pad, num_warps=4)
     return out
@@ -285,7 +293,8 @@ def sm90_cases() -> list:
                    "seed_ptr": "*i64", "out_ptr": "*i64", "lost_ptr": "*i64", "live_ptr": "*i64",
                    "livecnt_ptr": "*i64", "cnt_ptr": "*i64", "rank_ptr": "*i64", "s_ptr": "*i64",
                    "load_ptr": "*i64", "rep_ptr": "*i64", "even_ptr": "*i64", "NK": "i32", "E": "i32", "X": "i32",
-                   "R": "i32", "G": "i32", "SPG": "i32", "iters": "i32"}
+                   "R": "i32", "G": "i32", "SPG": "i32", "iters": "i32",
+                   "RANK": "i32"}
             const = dict(POLICY=pid, HAS_MASK=has_mask, BLOCK=cfg["BLOCK"], BLOCK2=cfg["BLOCK2"], BE=cfg["BE"],
                          R_PAD=cfg["R_PAD"], G_PAD=cfg["G_PAD"])
             for k in const:

@@ -5,8 +5,9 @@ file directly, before torch or this package are installed::
 
     python moe_ep/_env.py choose-python     # prints "<kind> <python>", see choose_python()
     python moe_ep/_env.py missing torch numpy ...   # prints the modules that cannot be found
-    python moe_ep/_env.py installed ROOT    # exit 0 when moe_ep, eplb and microbatch import from ROOT
+    python moe_ep/_env.py installed ROOT    # exit 0 when moe_ep, eplb, microbatch and serving import from ROOT
     python moe_ep/_env.py build-isolation   # prints "no" when the local setuptools can build an editable install
+    python moe_ep/_env.py nvshmem           # prints "install <why>" or "skip <why>", see nvshmem_decision()
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import sysconfig
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("moe_ep", "eplb", "microbatch")
+PACKAGES = ("moe_ep", "eplb", "microbatch", "serving")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ def missing_modules(names) -> list[str]:
 
 
 def installed_from(root: str) -> bool:
-    """``moe_ep``, ``eplb`` and ``microbatch`` import from ``root`` (editable install of this checkout)."""
+    """``moe_ep``, ``eplb``, ``microbatch`` and ``serving`` import from ``root`` (editable install of this checkout)."""
     import importlib.util
 
     root = os.path.realpath(root)
@@ -130,6 +131,40 @@ def local_build_ok() -> bool:
     return not missing_modules(["wheel"])
 
 
+def gpu_present() -> bool:
+    """``nvidia-smi -L`` runs and lists a GPU (no torch needed: setup runs this before torch exists)."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        p = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return p.returncode == 0 and "GPU" in p.stdout
+
+
+def nvshmem_decision(environ, system: str, machine: str, gpu: bool) -> tuple[bool, str]:
+    """Whether scripts/setup.sh installs the NVSHMEM wheel (nvidia-nvshmem-cu12, ~280-420 MB), and why.
+
+    Only where it is used: a GPU is present (``nvidia-smi`` works), or ``MOE_EP_NVSHMEM=1`` asks for it
+    (the sm90 NVSHMEM compile checks link its device bitcode, no GPU needed). ``MOE_EP_NO_NVSHMEM=1``
+    always skips it; there is no wheel outside Linux x86_64.
+    """
+    if system != "Linux" or machine != "x86_64":
+        return False, f"no NVSHMEM wheel for {system} {machine}"
+    if environ.get("MOE_EP_NO_NVSHMEM") == "1":
+        return False, "MOE_EP_NO_NVSHMEM=1"
+    if environ.get("MOE_EP_NVSHMEM") == "1":
+        return True, "MOE_EP_NVSHMEM=1"
+    if gpu:
+        return True, "a GPU is present (nvidia-smi)"
+    return False, ("no GPU (nvidia-smi missing or failing); MOE_EP_NVSHMEM=1 installs it for the sm90 NVSHMEM "
+                   "compile checks, which skip without it")
+
+
 def _main(argv: list[str]) -> int:
     # Run as a file, sys.path[0] is this folder: drop it so that its modules shadow nothing.
     here = os.path.dirname(os.path.abspath(__file__))
@@ -150,8 +185,19 @@ def _main(argv: list[str]) -> int:
     if cmd == "build-isolation":
         print("no" if local_build_ok() else "yes")
         return 0
-    print(f"usage: {sys.argv[0]} choose-python [CHECKOUT] | missing MODULE... | installed [ROOT] | build-isolation",
-          file=sys.stderr)
+    if cmd == "nvshmem":
+        import platform
+
+        env = os.environ
+        if env.get("MOE_EP_NO_NVSHMEM") == "1" or env.get("MOE_EP_NVSHMEM") == "1":
+            gpu = False  # decided by the variable: no need to run nvidia-smi
+        else:
+            gpu = gpu_present()
+        ok, why = nvshmem_decision(env, platform.system(), platform.machine(), gpu)
+        print(("install " if ok else "skip ") + why)
+        return 0
+    print(f"usage: {sys.argv[0]} choose-python [CHECKOUT] | missing MODULE... | installed [ROOT] | build-isolation "
+          "| nvshmem", file=sys.stderr)
     return 2
 
 

@@ -3,9 +3,9 @@
 Each rank routes its tokens (sigmoid scores, 8 expert groups, top-4 groups, top-k experts), dispatches
 them in FP8 to the ranks holding the experts, runs each expert's SiLU-gated MLP, and combines the
 results in BF16, in both modes (normal: dispatch/combine; low-latency: masked layout, weighted
-combine). The experts run on the FP8 grouped GEMMs by default (``--experts fp8``: contiguous layout
+combine). The experts run on the FP8 grouped GEMMs by default (``--experts-impl fp8``: contiguous layout
 after the normal dispatch, masked layout after the low-latency one, SiLU-and-mul fused with the FP8
-quantization between the GEMMs); ``--experts torch`` runs them as a float32 torch MLP instead. The
+quantization between the GEMMs); ``--experts-impl torch`` runs them as a float32 torch MLP instead. The
 output is checked against a single-process dense float32 computation of the same layer (same FP8
 rounding of the inputs, the experts' weights as the layer holds them: 128x128-block FP8 for
 ``fp8``), and rank 0 prints a table of stages, bytes and times.
@@ -23,15 +23,23 @@ import torch
 from .fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """``(default: X)`` once after each option's help, where there is a default and the help does not
+    state it already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
+                and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m moe_ep demo", description=__doc__,
                                 formatter_class=_Formatter)
-    p.add_argument("--ranks", type=int, default=4, help="number of ranks to start on this machine (default 4)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens per rank (default 64)")
+    p.add_argument("--ranks", type=int, default=4, help="number of ranks to start on this machine")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
     p.add_argument("--hidden", type=int, default=512, help="hidden size, a multiple of 128 (DeepSeek-V3: 7168)")
     p.add_argument("--intermediate", type=int, default=256, help="expert MLP width (DeepSeek-V3: 2048)")
     p.add_argument("--experts", type=int, default=32, help="routed experts, divisible by --ranks and 8 (V3: 256)")
@@ -41,12 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: one GPU per rank with NCCL if enough GPUs exist, else CPU with gloo")
     p.add_argument("--backend", choices=["torch", "symm"], default="torch", help="moe_ep.Buffer backend")
-    p.add_argument("--mode", choices=["both", "normal", "low-latency"], default="both")
+    p.add_argument("--mode", choices=["both", "normal", "low-latency"], default="both",
+                   help="which dispatch/combine mode(s) to run: normal (prefill) and/or low-latency (decode)")
     p.add_argument("--experts-impl", choices=["fp8", "torch"], default="fp8",
                    help="fp8: FP8 grouped GEMMs (moe_ep.experts); torch: a float32 torch MLP per expert")
     p.add_argument("--repeat", type=int, default=None,
                    help="timed repetitions, the median is printed (default 3 on GPUs, 1 on CPU: the interpreter is slow)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights and tokens")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck run is stopped")
     return p
 

@@ -26,6 +26,7 @@ CUDA-graph replay time on it.
     python perf/bench_eplb.py                      # full tables (about 3 minutes on 2 cores)
     python perf/bench_eplb.py --quick              # fewer layers, one seed (smoke test)
     python perf/bench_eplb.py --out results.md     # also append the tables as markdown
+    python perf/bench_eplb.py --map-only           # only the map_topk tables (about 1 minute on 1 core)
 
 The reference is ``sglang/srt/eplb/eplb_algorithms/deepseek.py`` inside the sglang wheel, loaded with
 zipimport at run time (never vendored): ``--ref-wheel PATH``, else ``.whl/sglang-*.whl`` under the
@@ -100,6 +101,8 @@ def _parse(argv=None):
                    help=f"download the reference (sglang=={REF_VERSION} wheel, about 39 MB, no dependencies) into "
                         ".whl/ with pip before running; nothing is downloaded without this option")
     p.add_argument("--no-reference", action="store_true", help="skip the reference columns even if the wheel is there")
+    p.add_argument("--map-only", action="store_true", help="skip the placement table: only the map_topk tables "
+                   "(global and per rank)")
     p.add_argument("--out", default=None, help="append the tables as markdown to this file")
     a = p.parse_args(argv)
     if a.quick:
@@ -320,8 +323,9 @@ def dispatch_rows(args):
                     out = eplb.map_topk(topk, l2p, cnt, pol, seed=step, num_gpus=G, num_slots=P)
                     ok_map &= bool((phy2log[0][out.long()] == topk.long()).all())
                     acc[pol].append(_bal(np.bincount(out.reshape(-1).numpy() // (P // G), minlength=G)))
-                    # as deployed: every rank maps only its own tokens (tokens / G each), independently
-                    outs = [eplb.map_topk(chunk, l2p, cnt, pol, seed=step * G + r, num_gpus=G, num_slots=P)
+                    # as deployed: every rank maps only its own tokens (tokens / G each), independently,
+                    # with the same seed and its own rank
+                    outs = [eplb.map_topk(chunk, l2p, cnt, pol, seed=step, rank=r, num_gpus=G, num_slots=P)
                             for r, chunk in enumerate(_rank_chunks(topk, G))]
                     out_r = torch.cat(outs)
                     ok_map &= bool((phy2log[0][out_r.long()] == topk.long()).all())
@@ -401,6 +405,8 @@ def render(args, ref_name, prow, drow):
              "| config | layers | ref | ours LE | ours SLE | sticky | ref plan | SLE plan | ref dup | ours dup "
              "| ref moved | sticky moved | ref ms | ours LE ms | ours SLE ms | sticky ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if not prow:  # --map-only
+        lines = lines[:1]
     for name, preset, L, r in prow:
         ours_dup = max(r["LE dup"], r["SLE dup"], r["sticky dup"])
         lines.append(f"| {name} | {L} | {r['ref']:.3f} | {r['LE']:.3f} | {r['SLE']:.3f} | {r['sticky']:.3f} | "
@@ -459,8 +465,10 @@ def main(argv=None):
             print(f"{PROG}: {ref_name}", file=sys.stderr, flush=True)
             ref_name = "no reference"
     rec = _common.Records("bench_eplb", args.json, args.cpu_smoke, argv=argv)
-    print("placement ...", file=sys.stderr, flush=True)
-    prow = placement_rows(args, ref)
+    prow = []
+    if not args.map_only:
+        print("placement ...", file=sys.stderr, flush=True)
+        prow = placement_rows(args, ref)
     print("map_topk ...", file=sys.stderr, flush=True)
     drow = dispatch_rows(args)
     text = render(args, ref_name or "no reference", prow, drow)

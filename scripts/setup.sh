@@ -5,19 +5,21 @@
 #    environment; if that Python is "externally managed" (PEP 668: Debian 12, Ubuntu 23.04+), where
 #    pip refuses to install, ./.venv is created with --system-site-packages (packages the system
 #    already has, e.g. a vendor's CUDA torch, are reused, never replaced) and used instead.
-# 2. Install only what that Python lacks:
+# 2. Install only what that Python lacks, saying before each download what it is and roughly how big:
 #    - torch: `torch==2.13.0` (falling back to `torch`) from pip's configured index, or from
-#      $TORCH_INDEX_URL when set. On PyPI for Linux that is the CUDA build, which pulls several GB
-#      of nvidia-* wheels; for the CPU build run
+#      $TORCH_INDEX_URL when set. On PyPI for Linux that is the CUDA build (~900 MB plus ~3 GB of
+#      nvidia-* wheels); for the CPU build (~200 MB) run
 #      `TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh`.
-#    - triton>=3.4 (Linux only), numpy, pytest, hypothesis;
-#    - on Linux x86_64, nvidia-nvshmem-cu12==3.8.0 when no NVSHMEM wheel is present (moe-ep[nvshmem]'s pin):
-#      its device bitcode is what the sm90 NVSHMEM compile checks link. A ~280 MB wheel whose only
-#      dependency is nvidia-cuda-cccl-cu12 (3 MB of headers); no CUDA runtime. A CUDA torch brings its own
-#      NVSHMEM wheel (nvidia-nvshmem-cu13 for torch 2.11+): then nothing is added. MOE_EP_NO_NVSHMEM=1 skips
-#      it; a failed download only warns (those checks then skip).
-#    - this checkout in editable mode (--no-deps), unless moe_ep, eplb and microbatch already
+#    - triton>=3.4 (Linux only, ~150-250 MB), numpy (~20 MB), pytest, hypothesis (~2 MB);
+#    - nvidia-nvshmem-cu12==3.8.0 (moe-ep[nvshmem]'s pin, ~280-420 MB, Linux x86_64) only where it is
+#      used: a GPU is present (nvidia-smi works), or MOE_EP_NVSHMEM=1 asks for it (its device bitcode is
+#      what the sm90 NVSHMEM compile checks link; they skip without it). MOE_EP_NO_NVSHMEM=1 always skips
+#      it; a present NVSHMEM wheel (a CUDA torch brings nvidia-nvshmem-cu13) is kept; a failed download
+#      only warns.
+#    - this checkout in editable mode (--no-deps), unless moe_ep, eplb, microbatch and serving already
 #      import from it.
+# 3. At the end it prints the Python to use and, when that is ./.venv, the line that activates it
+#    (`python -m eplb`, `python -m serving`, `python perf/...` need it: the system python3 has no torch).
 # With --print-python, the Python to use is printed on stdout (everything else goes to stderr).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,26 +54,35 @@ missing() { "$PY" moe_ep/_env.py missing "$@"; }
 
 if [ -n "$(missing torch)" ]; then
   FROM="pip's configured index"
-  if [ -n "${TORCH_INDEX_URL:-}" ]; then FROM=$TORCH_INDEX_URL; fi
-  say "installing torch==2.13.0 from $FROM (PyPI's Linux wheel is the CUDA build; see scripts/setup.sh)"
+  SIZE="the CPU build is ~200 MB; PyPI's Linux wheel is the CUDA build, ~900 MB plus ~3 GB of nvidia-* wheels (CPU build: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu)"
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    FROM=$TORCH_INDEX_URL
+    case "$TORCH_INDEX_URL" in */cpu|*/cpu/) SIZE="the CPU build, ~200 MB";; esac
+  fi
+  say "installing torch==2.13.0 from $FROM: downloads $SIZE"
   pipq ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0" \
     || pipq ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch
 fi
 if [ "$(uname -s)" = Linux ] && [ -n "$(missing triton)" ]; then
-  say "installing triton>=3.4"
+  say "installing triton>=3.4: downloads ~150-250 MB"
   pipq "triton>=3.4"
 fi
 NEED=$(missing numpy pytest hypothesis)
 if [ -n "$NEED" ]; then
-  say "installing $NEED"
+  say "installing $NEED: downloads ~20 MB"
   # shellcheck disable=SC2086
   pipq $NEED
 fi
-if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ] && [ "${MOE_EP_NO_NVSHMEM:-0}" != 1 ] \
-    && [ -n "$(missing nvidia.nvshmem)" ]; then
-  say "installing nvidia-nvshmem-cu12==3.8.0 (~280 MB; NVSHMEM device bitcode for the sm90 checks; MOE_EP_NO_NVSHMEM=1 skips)"
-  pipq "nvidia-nvshmem-cu12==3.8.0" \
-    || say "could not install nvidia-nvshmem-cu12==3.8.0: the NVSHMEM sm90 checks will skip (pip install 'moe-ep[nvshmem]' later)"
+if [ -n "$(missing nvidia.nvshmem)" ]; then
+  NVSHMEM=$("$PY" moe_ep/_env.py nvshmem)
+  case "$NVSHMEM" in
+    install*)
+      say "installing nvidia-nvshmem-cu12==3.8.0 (${NVSHMEM#install }): downloads ~280-420 MB (NVSHMEM device bitcode; MOE_EP_NO_NVSHMEM=1 skips)"
+      pipq "nvidia-nvshmem-cu12==3.8.0" \
+        || say "could not install nvidia-nvshmem-cu12==3.8.0: the NVSHMEM sm90 checks will skip (pip install 'moe-ep[nvshmem]' later)"
+      ;;
+    *) say "not installing NVSHMEM: ${NVSHMEM#skip }";;
+  esac
 fi
 if ! (cd / && "$PY" "$ROOT/moe_ep/_env.py" installed "$ROOT"); then
   say "installing $ROOT in editable mode"
@@ -80,6 +91,13 @@ if ! (cd / && "$PY" "$ROOT/moe_ep/_env.py" installed "$ROOT"); then
   else
     pipq --no-deps -e .
   fi
+fi
+if [ "$KIND" = checkout-venv ]; then
+  say "ready: this checkout's Python is $ROOT/.venv ($BASE is externally managed: what setup installed is only in .venv)."
+  say "before python -m moe_ep / eplb / serving or python perf/..., activate it in your shell:"
+  echo "    . $ROOT/.venv/bin/activate" >&2
+else
+  say "ready: $PY"
 fi
 if [ "${1:-}" = --print-python ]; then
   echo "$PY"

@@ -1,5 +1,5 @@
-"""ADP balance (seed 003, TensorRT-LLM): attention-DP scheduling policies, and the experiment that
-reproduces the seed's table (``python -m serving adp``).
+"""ADP balance (seed 003: TensorRT-LLM's ADP balance blog): attention-DP scheduling policies, and the
+experiment that reproduces the blog's table (``python -m serving adp``).
 
 Policies: where a new request goes (routers) and whether the contexts the per-rank schedulers picked
 run this iteration (the ADP balance gate). An engine calls ``router.route(...)`` when it admits
@@ -10,6 +10,7 @@ same decision with no extra broadcast.
 
 from __future__ import annotations
 
+import argparse
 import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -220,11 +221,14 @@ def make_cost(kind: str, hardware: str = "H200", num_ranks: int = 8):
 
 
 def run_configs(trace, cost, cfg, configs: list[AdpConfig], router: str = "rr", batching: str = "code",
-                progress: bool = False):
-    """Simulate each config on the same trace; return ``[(name, metrics, SimResult)]``."""
+                progress: bool = False, say=None):
+    """Simulate each config on the same trace; return ``[(name, metrics, SimResult)]``. ``say(text)``, when
+    given, is called before each simulation (the CLI's progress lines)."""
     from serving.sim import simulate, stderr_progress
     out = []
-    for c in configs:
+    for i, c in enumerate(configs):
+        if say:
+            say(f"simulating {c.name} ({i + 1}/{len(configs)}, {len(trace.input_len):,} requests)")
         res = simulate(trace, cost, make_router(router), c.gate(batching), cfg,
                        progress=stderr_progress(c.name) if progress else None)
         out.append((c.name, res.metrics(window=(100, 12000)), res))
@@ -235,17 +239,20 @@ PARETO_SETTINGS = [(0, 0), (10, 0), (50, 0), (50, 10), (100, 10), (100, 30)]
 PARETO_LOADS = [512, 1024, 2048, 4096]
 
 
-def pareto_sweep(make_trace, cost, cfg, router: str = "rr", settings=PARETO_SETTINGS, loads=PARETO_LOADS):
+def pareto_sweep(make_trace, cost, cfg, router: str = "rr", settings=PARETO_SETTINGS, loads=PARETO_LOADS, say=None):
     """TPS per GPU and TTFT over (timeout_iters, batching_wait_iters) settings and closed-loop loads.
     ``make_trace(load)`` gives the trace for a load (enough requests to reach a steady state); ``(0, 0)``
-    is the baseline (gate off). Returns ``[(setting, load, metrics)]``."""
+    is the baseline (gate off). Returns ``[(setting, load, metrics)]``. ``say(text)``: progress lines."""
     from dataclasses import replace
 
     from serving.sim import simulate
     rows = []
-    for load in loads:
+    for i, load in enumerate(loads):
         c = replace(cfg, concurrency=load)
         trace = make_trace(load)
+        if say:
+            say(f"Pareto sweep: concurrency {load} ({i + 1}/{len(loads)}), {len(settings)} gate settings on "
+                f"{len(trace.input_len):,} requests")
         for to, bw in settings:
             gate = ADPGate(enabled=(to, bw) != (0, 0), timeout_iters=to, batching_wait_iters=bw)
             m = simulate(trace, cost, make_router(router), gate, c).metrics()
@@ -253,11 +260,13 @@ def pareto_sweep(make_trace, cost, cfg, router: str = "rr", settings=PARETO_SETT
     return rows
 
 
-def write_plots(out_dir, results, pareto_rows, num_gpus: int) -> list[str]:
+def write_plots(out_dir, results, pareto_rows, num_gpus: int, say=None) -> list[str]:
     """Balance over iterations (one panel per config) and the Pareto plot; returns the paths written,
-    or an empty list with a one-line note on stderr when matplotlib is missing."""
+    or an empty list with a one-line note on stderr when matplotlib is missing. ``say(text)``: a progress
+    line before each figure (drawing the per-iteration balance of 16,000 requests takes tens of seconds)."""
     import os
     import sys
+    say = say or (lambda text: None)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -276,6 +285,7 @@ def write_plots(out_dir, results, pareto_rows, num_gpus: int) -> list[str]:
         os.replace(tmp, path)
         written.append(path)
 
+    say(f"plotting {os.path.join(out_dir, 'adp_balance.png')} (balance per iteration, {len(results)} panels)")
     fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.6 * len(results)), sharex=True, squeeze=False)
     for ax, (name, m, res) in zip(axes[:, 0], results):
         b = res.balance
@@ -292,6 +302,7 @@ def write_plots(out_dir, results, pareto_rows, num_gpus: int) -> list[str]:
     save(fig, "adp_balance.png")
 
     if pareto_rows:
+        say(f"plotting {os.path.join(out_dir, 'adp_pareto.png')} (Pareto: TPS per GPU vs TTFT)")
         fig, ax = plt.subplots(figsize=(7, 5))
         settings = sorted({s for s, _, _ in pareto_rows})
         for s in settings:
@@ -310,42 +321,106 @@ def write_plots(out_dir, results, pareto_rows, num_gpus: int) -> list[str]:
     return written
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """``(default: X)`` after each option's help, once, and only where there is a default to state."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
+                and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def add_adp_parser(subparsers) -> None:
-    """Register ``adp``: reproduce seed 003's table, write the balance and Pareto plots."""
-    p = subparsers.add_parser("adp", help="ADP balance: reproduce the seed-003 table (ours vs theirs) and plots",
-                              description="Simulate round-robin vs ADP balance (context wait, full) on the "
-                                          "seed's trace statistics and print the table beside the seed's.")
+    """Register ``adp``: reproduce the table of TensorRT-LLM's ADP balance blog, write the balance and
+    Pareto plots."""
+    p = subparsers.add_parser(
+        "adp", help="ADP balance: simulate round-robin vs ADP balance, print the table beside TensorRT-LLM's "
+                    "published one, write plots",
+        description="Simulate round-robin vs ADP balance (context wait, full) on the trace statistics of "
+                    "TensorRT-LLM's ADP balance blog (DeepSeek-V3, 8 attention-DP ranks) and print the table "
+                    "beside the blog's. Plots and metrics.json go to --out (default: ./adp_out in the current "
+                    "directory); progress lines go to stderr.",
+        formatter_class=_DefaultsHelp)
     g = p.add_argument_group("trace")
-    g.add_argument("--trace", help="JSON or CSV trace (input_len, output_len[, arrival_s, rank]) instead of synthetic")
-    g.add_argument("--requests", type=int, default=16000)
-    g.add_argument("--mean-input", type=float, default=803.0)
-    g.add_argument("--mean-output", type=float, default=3653.0)
-    g.add_argument("--sigma-input", type=float, default=0.6)
-    g.add_argument("--sigma-output", type=float, default=1.0, help="lognormal tail weight of the outputs")
-    g.add_argument("--max-output", type=int, default=32768)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trace", metavar="FILE",
+                   help="JSON or CSV trace (input_len, output_len[, arrival_s, rank]) instead of the synthetic one")
+    g.add_argument("--requests", type=int, default=16000, metavar="N", help="synthetic trace: number of requests")
+    g.add_argument("--mean-input", type=float, default=803.0, metavar="TOKENS",
+                   help="synthetic trace: mean input length in tokens")
+    g.add_argument("--mean-output", type=float, default=3653.0, metavar="TOKENS",
+                   help="synthetic trace: mean output length in tokens")
+    g.add_argument("--sigma-input", type=float, default=0.6, metavar="X",
+                   help="synthetic trace: lognormal sigma of the input lengths (unitless)")
+    g.add_argument("--sigma-output", type=float, default=1.0, metavar="X",
+                   help="synthetic trace: lognormal sigma of the output lengths (unitless; the tail weight)")
+    g.add_argument("--max-output", type=int, default=32768, metavar="TOKENS",
+                   help="synthetic trace: output lengths clipped to this many tokens")
+    g.add_argument("--seed", type=int, default=0, help="random seed of the synthetic trace")
     g = p.add_argument_group("engine")
-    g.add_argument("--ranks", type=int, default=8)
-    g.add_argument("--max-batch-size", type=int, default=512)
-    g.add_argument("--max-num-tokens", type=int, default=4608)
-    g.add_argument("--concurrency", type=int, default=5120)
-    g.add_argument("--kv-tokens", type=int, default=None, help="KV capacity per rank in tokens (default unlimited)")
-    g.add_argument("--chunked-prefill", action="store_true")
+    g.add_argument("--ranks", type=int, default=8, metavar="N", help="attention data-parallel ranks (GPUs)")
+    g.add_argument("--max-batch-size", type=int, default=512, metavar="N", help="requests per rank per iteration")
+    g.add_argument("--max-num-tokens", type=int, default=4608, metavar="TOKENS",
+                   help="tokens per rank per iteration (context + generation)")
+    g.add_argument("--concurrency", type=int, default=5120, metavar="N",
+                   help="requests in flight (closed loop), all ranks together")
+    g.add_argument("--kv-tokens", type=int, default=None, metavar="TOKENS",
+                   help="KV-cache capacity per rank in tokens (default: unlimited)")
+    g.add_argument("--chunked-prefill", action="store_true", help="split long contexts over iterations")
     g.add_argument("--cost", choices=("token", "roofline"), default="token",
-                   help="token: the seed's token-linear model fitted to its table; roofline: serving.cost")
-    g.add_argument("--hardware", default="H200", help="serving.hardware row for --cost roofline")
+                   help="iteration time model. token: linear in tokens, fitted to the blog's table; roofline: "
+                        "serving.cost on --hardware")
+    g.add_argument("--hardware", default="H200", metavar="NAME", help="serving.hardware row for --cost roofline")
     g = p.add_argument_group("policy")
-    g.add_argument("--router", choices=("rr", "heap"), default="rr")
-    g.add_argument("--timeout-iters", type=int, default=50)
-    g.add_argument("--batching-wait-iters", type=int, default=10)
-    g.add_argument("--batching", choices=("code", "seed"), default="code")
+    g.add_argument("--router", choices=("rr", "heap"), default="rr",
+                   help="where new requests go: rr (round-robin) or heap (fewest active prompt tokens)")
+    g.add_argument("--timeout-iters", type=int, default=50, metavar="ITERATIONS",
+                   help="ADP gate: hold contexts at most this many iterations until every rank has one")
+    g.add_argument("--batching-wait-iters", type=int, default=10, metavar="ITERATIONS",
+                   help="ADP gate: then hold this many iterations more")
+    g.add_argument("--batching", choices=("code", "seed"), default="code",
+                   help="batching-wait rule: code (TensorRT-LLM's implementation) or seed (the blog's wording)")
     g = p.add_argument_group("output")
-    g.add_argument("--out", default="adp_out", help="folder for the PNG plots and metrics.json")
-    g.add_argument("--no-plots", action="store_true")
-    g.add_argument("--pareto-scale", type=float, default=3.0,
-                   help="Pareto sweep: requests per point = scale x concurrency, at least 1000 (0 skips it)")
-    g.add_argument("--progress", action="store_true", help="progress lines on stderr")
+    g.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for the PNG plots and metrics.json (default: adp_out in the current directory)")
+    g.add_argument("--no-plots", action="store_true", help="print the table only: no Pareto sweep, nothing written")
+    g.add_argument("--pareto-scale", type=float, default=3.0, metavar="X",
+                   help="Pareto sweep: requests per point = X x concurrency, at least 1000 (0 skips the sweep)")
+    g.add_argument("--progress", action="store_true", help="also per-iteration progress of each simulation "
+                                                           "(stderr, on a terminal)")
     p.set_defaults(func=_cmd_adp)
+
+
+def _package_dirs() -> list[str]:
+    """The folders of this checkout's (or installation's) packages: no command writes into them."""
+    import importlib.util
+    import os
+
+    out = []
+    for name in ("serving", "moe_ep", "eplb", "microbatch"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.origin:
+            out.append(os.path.realpath(os.path.dirname(spec.origin)))
+    return out
+
+
+def output_dir(out: str | None, command: str) -> str:
+    """Where ``command`` writes: ``out`` when given, else ``<cwd>/<command>_out``; an absolute path. Raises
+    ``ValueError`` when that is inside a package folder of this project (an installed package or the
+    checkout's ``serving/``, ``moe_ep/``, ...)."""
+    import os
+
+    path = os.path.abspath(out if out else os.path.join(os.getcwd(), f"{command}_out"))
+    real = os.path.realpath(path)
+    for pkg in _package_dirs():
+        if real == pkg or real.startswith(pkg + os.sep):
+            raise ValueError(f"output folder {path} is inside the package folder {pkg}: run from another "
+                             f"directory or pass --out DIR")
+    return path
 
 
 def _cmd_adp(args) -> int:
@@ -353,6 +428,9 @@ def _cmd_adp(args) -> int:
     import os
     import sys
     import time
+
+    def say(text: str) -> None:
+        print(f"[{time.perf_counter() - t0:5.1f} s] {text}", file=sys.stderr, flush=True)
 
     from serving.sim import SimConfig
     from serving.trace import load_trace, synthetic
@@ -364,6 +442,7 @@ def _cmd_adp(args) -> int:
         raise ValueError(f"--pareto-scale={args.pareto_scale} must be >= 0")
     if args.timeout_iters < 0 or args.batching_wait_iters < 0:
         raise ValueError("--timeout-iters and --batching-wait-iters must be >= 0")
+    out_dir = None if args.no_plots else output_dir(args.out, "adp")
     t0 = time.perf_counter()
     if args.trace:
         trace = load_trace(args.trace)
@@ -379,12 +458,14 @@ def _cmd_adp(args) -> int:
     print(f"engine: {args.ranks} DP ranks, max_batch_size {args.max_batch_size}, max_num_tokens "
           f"{args.max_num_tokens}, concurrency {args.concurrency}, cost {args.cost}"
           + (f" ({args.hardware})" if args.cost == "roofline" else "") + f", router {args.router}")
+    sys.stdout.flush()
     results = run_configs(trace, cost, cfg, paper_configs(args.timeout_iters, args.batching_wait_iters),
-                          args.router, args.batching, args.progress)
+                          args.router, args.batching, args.progress, say=say)
     compare = not args.trace and args.requests == 16000 and (args.timeout_iters, args.batching_wait_iters) == (50, 10)
     print("\n" + format_table([(n, m) for n, m, _ in results], compare=compare))
     if compare:
-        print("cells: ours / seed 003; seed time-weighted balance derived as TPS / SOL TPS")
+        print("cells: ours / TensorRT-LLM's ADP balance blog; the blog's time-weighted balance derived as "
+              "TPS / SOL TPS")
     t_main = time.perf_counter() - t0
     pareto_rows = []
     if not args.no_plots and args.pareto_scale:
@@ -394,11 +475,12 @@ def _cmd_adp(args) -> int:
             return synthetic(max(1000, int(args.pareto_scale * load)), args.mean_input, args.mean_output,
                              args.sigma_input, args.sigma_output, max_output=args.max_output, seed=args.seed,
                              max_input=max(1, args.max_num_tokens - args.max_batch_size + 1))
-        pareto_rows = pareto_sweep(make_trace, cost, cfg, args.router)
-    written = [] if args.no_plots else write_plots(args.out, results, pareto_rows, args.ranks)
+        sys.stdout.flush()
+        pareto_rows = pareto_sweep(make_trace, cost, cfg, args.router, say=say)
+    written = [] if args.no_plots else write_plots(out_dir, results, pareto_rows, args.ranks, say=say)
     if not args.no_plots:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "metrics.json")
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "metrics.json")
         doc = {"table": {n: m for n, m, _ in results}, "seed": PAPER_ROWS,
                "pareto": [{"timeout_iters": s[0], "batching_wait_iters": s[1], "concurrency": load, **m}
                           for s, load, m in pareto_rows]}

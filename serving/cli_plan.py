@@ -1,8 +1,8 @@
 """``plan``: the RCSD PD planner on the command line.
 
-    python3 -m serving.cli_plan --model deepseek-r1 --hardware B64 --nodes 16 --isl 1024 --osl 256
-    python3 -m serving.cli_plan --config job.json          # same keys as the long options, "-" -> "_"
-    python3 -m serving.cli_plan --paper                    # RCSD's six (ISL, OSL) panels, summary table
+    python -m serving plan --model deepseek-r1 --hardware B64 --nodes 16 --isl 1024 --osl 256
+    python -m serving plan --config job.json     # same keys as the long options, "-" -> "_"
+    python -m serving plan --paper               # the RCSD paper's six (ISL, OSL) panels, summary table
 
 Bad input prints one ``error:`` line on stderr and exits 2; output is printed only once the whole plan
 is computed.
@@ -21,7 +21,7 @@ from serving.plan import MODELS, SLO, Cluster, Knobs, PlanError, Workload, forma
 
 __all__ = ["add_plan_parser", "build_parser", "run_plan", "main", "PAPER_PANELS"]
 
-# Seed 000 Fig. 3 panels (ISL, OSL) and the best split it reports where the text says so.
+# The RCSD paper's (seed 000) Fig. 3 panels (ISL, OSL) and the best split it reports where the text says so.
 PAPER_PANELS = [(512, 512, ""), (1024, 256, "10P6D (short)"), (1024, 1024, ""),
                 (1024, 4096, "6P10D / 8P8D (long)"), (2048, 1024, ""), (2048, 2048, "")]
 PAPER_SPLITS = ("4P12D", "6P10D", "8P8D", "10P6D")
@@ -37,12 +37,48 @@ _FIELDS = {
 }
 
 
+# --help text of each option, with its unit; "(default: X)" is added from _FIELDS.
+_HELP = {
+    "model": "model to plan for: " + ", ".join(MODELS),
+    "hardware": "GPU type (serving.hardware): " + ", ".join(HARDWARE),
+    "nodes": "nodes in the cluster (count)",
+    "gpus_per_node": "GPUs per node (count; default: the hardware's)",
+    "memory_gb": "HBM per GPU in GB (1e9 bytes; default: the hardware's)",
+    "intra_gb_s": "GPU-to-GPU bandwidth inside a node, per GPU per direction, in GB/s (default: the hardware's)",
+    "inter_gb_s": "network bandwidth between nodes, per GPU per direction, in GB/s (default: the hardware's)",
+    "isl": "input (prompt) length per request, in tokens",
+    "osl": "output length per request, in tokens",
+    "cache_hit": "share of the prompt found in the prefix cache, a fraction in [0, 1)",
+    "rate": "offered load in requests/s (default: from --concurrency, else none: the plan's own maximum)",
+    "concurrency": "requests in flight (count); without --rate the offered load is concurrency / (ttft + osl "
+                   "x tpot) requests/s (Little's law at the SLO)",
+    "ttft": "time-to-first-token SLO in seconds",
+    "tpot": "time-per-output-token SLO in seconds per token",
+    "attention_cost": "attention FLOPs: 'paper' (24 h^2 per token per layer, as the RCSD paper) or 'model' "
+                      "(from the model's configuration)",
+    "search": "decode matching: 'paper' (one bisection at the prefill rate, the RCSD paper's Algorithm 1) or "
+              "'ratio' (one per replication ratio)",
+    "omega_frac": "expert-parallel overhead per extra EP rank, a fraction: the MoE time is scaled by "
+                  "1 + omega_frac x (EP - 1)",
+    "compute_eff": "achieved share of the GPU's peak tensor FLOP/s, a fraction in (0, 1]",
+    "hbm_eff": "achieved share of the HBM bandwidth, a fraction in (0, 1]",
+    "link_eff": "achieved share of the link bandwidths, a fraction in (0, 1]",
+    "mem_util": "usable share of each GPU's HBM, a fraction in (0, 1]",
+}
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="JSON file (YAML too when PyYAML is installed) with the options below")
-    for key, (typ, _default) in _FIELDS.items():
-        p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None)
+    p.add_argument("--config", metavar="FILE",
+                   help="JSON file (YAML too when PyYAML is installed) with the options below as keys "
+                        "(\"-\" written \"_\"); options given on the command line override it")
+    for key, (typ, default) in _FIELDS.items():
+        meta = {str: "NAME", int: "N", float: "X"}[typ]
+        text = _HELP[key] + ("" if default is None or "default:" in _HELP[key] else f" (default: {default})")
+        p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None, metavar=meta,
+                       help=text.replace("%", "%%"))
     p.add_argument("--degrade", action="store_true", help="relax an SLO nothing meets to the closest reachable")
-    p.add_argument("--paper", action="store_true", help="run RCSD's six (ISL, OSL) panels and print the summary")
+    p.add_argument("--paper", action="store_true",
+                   help="run the RCSD paper's six (ISL, OSL) panels and print the summary")
     p.set_defaults(func=run_plan)
 
 

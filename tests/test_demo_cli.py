@@ -36,6 +36,12 @@ def test_demo_help_shows_defaults():
                        text=True, timeout=60)
     assert p.returncode == 0
     assert "(default: 4)" in p.stdout
+    text = " ".join(p.stdout.split())  # argparse wraps lines
+    assert "--experts-impl fp8" in text and "--experts-impl torch" in text
+    assert "--experts fp8" not in text and "--experts torch" not in text
+    assert "(default 4)" not in text and "(default: None)" not in text
+    for opt in text.split(" --")[1:]:   # each option's help states its default at most once
+        assert opt.count("default") <= 1, opt
 
 
 def test_bench_torch_a2a_cuda_without_gpu():

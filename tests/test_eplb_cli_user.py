@@ -28,6 +28,8 @@ def _files(d):
     (d / "trunc.pt").write_bytes(good_pt.read_bytes()[: len(good_pt.read_bytes()) // 2])
     (d / "trunc.npy").write_bytes((d / "good.npy").read_bytes()[:150])
     (d / "garbage.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
+    (d / "noheader.npy").write_bytes(b"not an array at all")
+    np.save(d / "objects.npy", np.array([{"a": 1}, None], dtype=object))
     (d / "garbage.json").write_text("{not json")
     (d / "deep.json").write_text("[" * 200_000)
     (d / "binary.csv").write_bytes(bytes(range(256)) * 4)
@@ -60,6 +62,12 @@ BAD = [
     ("report-placement-1d", ["report", "good.npy", "place1d.pt"], "place1d.pt"),
     ("report-meta-gpus-0", ["report", "good.npy", "placemeta.json"], "num_gpus"),
     ("report-truncated-stats", ["report", "trunc.npy", "good.json"], "trunc.npy"),
+    # numpy's allow_pickle advice and float() messages never reach the user
+    ("noheader-npy", ["plan", "noheader.npy", *PLAN, "-o", "o.json"], "not a NumPy .npy file"),
+    ("object-npy", ["plan", "objects.npy", *PLAN, "-o", "o.json"], "Python objects, not numbers"),
+    ("stats-is-placement-json", ["report", "good.json", "good.json"], "good.json: this is a placement file"),
+    ("stats-is-placement-pt", ["plan", "place1d.pt", *PLAN, "-o", "o.json"], "place1d.pt: this is a placement file"),
+    ("stats-json-strings", ["plan", "placekeys.json", *PLAN, "-o", "o.json"], "counts"),
     # Numeric options: checked before any work or output, argparse style (the option named).
     ("report-gpus-0", ["report", "good.npy", "good.json", "--gpus", "0"], "argument --gpus"),
     ("report-gpus-negative", ["report", "good.npy", "good.json", "--gpus", "-4"], "argument --gpus"),
@@ -141,6 +149,7 @@ def test_bad_input_one_error_line_exit_2(bad_runs, name, argv, match):
     assert "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
     assert match in r.stderr, r.stderr
+    assert "allow_pickle" not in r.stderr and "float()" not in r.stderr, r.stderr
     assert ".tmp-" not in r.stderr  # never an internal temporary name
     assert r.stdout == ""
     assert sorted(os.listdir(d)) == before, "no output file (not even the -o one)"

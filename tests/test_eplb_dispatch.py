@@ -39,7 +39,7 @@ def test_maps_to_a_replica_of_the_expert(policy):
 
 def test_static_is_first_replica_and_seeds():
     topk, _, log2phy, logcnt, G, P = _case(1)
-    out = eplb.map_topk(topk, log2phy, logcnt)
+    out = eplb.map_topk(topk, log2phy, logcnt, "static")
     ok = topk >= 0
     assert torch.equal(out[ok], log2phy[topk[ok], 0])
     a = eplb.map_topk(topk, log2phy, logcnt, "random", seed=1)
@@ -156,7 +156,8 @@ def _even_split_busiest(topk, log2phy, logcnt, G, P):
     for i, e in enumerate(flat.tolist()):
         rank[i] = seen[e]
         seen[e] += 1
-    rep = rank * logcnt[flat] // counts[flat]
+    n = logcnt[flat]
+    rep = (rank * n // counts[flat] + flat) % n  # balanced takes expert e's replicas rotated by e (seed 0, rank 0)
     return _gpu_loads(log2phy[flat, rep], G, P).max().item()
 
 
@@ -171,3 +172,27 @@ def test_balanced_never_above_the_even_split_in_whole_tokens(seeds):
         topk, log2phy, logcnt, G, P = case
         bal = eplb.map_topk(topk, log2phy, logcnt, "balanced", num_gpus=G, num_slots=P)
         assert _gpu_loads(bal, G, P).max().item() <= _even_split_busiest(topk, log2phy, logcnt, G, P), seed
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "balanced"])
+def test_ranks_mapping_their_own_tokens_spread_over_replicas(policy):
+    # 4 experts x 2 replicas on 4 GPUs; 8 ranks each map one token selecting all 4 experts. Without
+    # rank= every rank picks the same replica of each expert (8 / 0 per slot); with it, 4 / 4.
+    _, log2phy, logcnt = eplb.rebalance_experts(torch.ones(1, 4), 8, 1, 1, 4)
+    tok = torch.tensor([[0, 1, 2, 3]])
+
+    def per_slot(use_rank):
+        outs = [eplb.map_topk(tok, log2phy[0], logcnt[0], policy, num_gpus=4, num_slots=8, rank=r if use_rank else 0)
+                for r in range(8)]
+        return torch.bincount(torch.cat(outs).reshape(-1), minlength=8).tolist()
+
+    assert sorted(per_slot(False)) == [0, 0, 0, 0, 8, 8, 8, 8]
+    assert per_slot(True) == [4] * 8
+    with pytest.raises(ValueError, match="rank"):
+        eplb.map_topk(tok, log2phy[0], logcnt[0], policy, num_gpus=4, num_slots=8, rank=-1)
+
+
+def test_default_policy_is_round_robin():
+    topk, _, log2phy, logcnt, G, P = _case(3)
+    assert torch.equal(eplb.map_topk(topk, log2phy, logcnt, seed=2, rank=1),
+                       eplb.map_topk(topk, log2phy, logcnt, "round_robin", seed=2, rank=1))

@@ -61,7 +61,7 @@ def test_dead_gpu_goes_to_surviving_replicas_static():
     logcnt = torch.tensor([2, 1, 1])
     mask = torch.tensor([False, False, True, True])
     lost = torch.zeros((), dtype=torch.int64)
-    out = eplb.map_topk(torch.tensor([[0, 1], [2, -1]]), log2phy, logcnt, slot_mask=mask, lost_out=lost)
+    out = eplb.map_topk(torch.tensor([[0, 1], [2, -1]]), log2phy, logcnt, "static", slot_mask=mask, lost_out=lost)
     assert out.tolist() == [[2, -1], [3, -1]] and int(lost) == 1
 
 

@@ -30,7 +30,7 @@ def _case(seed):
 def test_kernel_equals_torch_bitwise(policy, seed):
     topk, log2phy, logcnt, G, P, mask = _case(seed)
     for m in (None, mask, mask.to(torch.int32)):
-        kw = dict(seed=seed + 1, num_gpus=G, num_slots=P, slot_mask=m)
+        kw = dict(seed=seed + 1, num_gpus=G, num_slots=P, slot_mask=m, rank=5 * seed)  # rank 0, 5, 10
         la, lb = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
         a = eplb.map_topk(topk, log2phy, logcnt, policy, lost_out=la, impl="torch", **kw)
         b = eplb.map_topk(topk, log2phy, logcnt, policy, lost_out=lb, impl="triton", **kw)

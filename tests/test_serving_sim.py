@@ -126,3 +126,32 @@ def test_cli_small_run(tmp_path):
     r = run_cli("adp", "--requests", "200", "--concurrency", "256", "--mean-output", "500", "--max-output", "2000", "--no-plots")
     assert r.returncode == 0, r.stderr
     assert "| round-robin |" in r.stdout and "| full |" in r.stdout and "Traceback" not in r.stderr
+
+
+SMALL_ADP = ("adp", "--requests", "60", "--concurrency", "16", "--mean-input", "100", "--mean-output", "32",
+             "--max-output", "64", "--pareto-scale", "0")
+
+
+def test_cli_writes_only_where_told(tmp_path):
+    import os
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    watched = [root / "adp_out", root / "serving" / "adp_out"]
+    before = [p.exists() for p in watched]
+
+    def run(*args, cwd):
+        return subprocess.run([sys.executable, "-m", "serving", *args], capture_output=True, text=True, timeout=60,
+                              cwd=cwd, env=env)
+
+    r = run(*SMALL_ADP, cwd=tmp_path)                       # default: ./adp_out of the current directory
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "adp_out" / "metrics.json").is_file()
+    assert "simulating round-robin (1/3" in r.stderr        # progress lines on stderr, not in the table
+    assert "simulating" not in r.stdout
+    r = run(*SMALL_ADP, "--out", str(tmp_path / "elsewhere"), cwd=tmp_path)
+    assert r.returncode == 0 and (tmp_path / "elsewhere" / "metrics.json").is_file(), r.stderr
+    r = run(*SMALL_ADP, cwd=root / "serving")               # never into the package folder
+    assert r.returncode == 2 and "inside the package folder" in r.stderr and "--out" in r.stderr
+    assert [p.exists() for p in watched] == before

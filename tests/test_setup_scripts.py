@@ -17,7 +17,7 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("moe_ep", "eplb", "microbatch")
+PACKAGES = ("moe_ep", "eplb", "microbatch", "serving")
 OFFLINE = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "",
            "PIP_EXTRA_INDEX_URL": ""}
 
@@ -138,6 +138,8 @@ def _check_externally_managed_setup(tmp_path, py, seed_env):
     cfg = (checkout / ".venv" / "pyvenv.cfg").read_text()
     assert "include-system-site-packages = true" in cfg
     assert all(_resolve_from_root(venv_py, checkout, seed_env))
+    # the last lines say how to use it (README: the commands after the quick start need it)
+    assert p.stderr.strip().splitlines()[-1].strip() == f". {checkout}/.venv/bin/activate", p.stderr
     # the system Python itself was not installed into
     assert subprocess.run([py, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('moe_ep') is None)"],
                           cwd="/", env=_clean_env(), capture_output=True).returncode != 0
@@ -145,6 +147,7 @@ def _check_externally_managed_setup(tmp_path, py, seed_env):
     assert p2.returncode == 0, p2.stdout + p2.stderr
     assert p2.stdout.strip() == str(venv_py) and dt < 20, dt
     assert "installing" not in p2.stderr, p2.stderr
+    assert f". {checkout}/.venv/bin/activate" in p2.stderr
 
 
 def test_setup_on_externally_managed_python_uses_checkout_venv(tmp_path):
@@ -165,7 +168,7 @@ def test_setup_on_externally_managed_python_uses_checkout_venv(tmp_path):
     seed.mkdir()
     for d in _site_dirs():
         for entry in os.listdir(d):
-            if entry.startswith(("__editable__", "moe_ep", "eplb", "microbatch")) or (seed / entry).exists():
+            if entry.startswith(("__editable__",) + PACKAGES) or (seed / entry).exists():
                 continue
             (seed / entry).symlink_to(os.path.join(d, entry))
     _check_externally_managed_setup(tmp_path, py, {"PYTHONPATH": str(seed)})
@@ -211,6 +214,7 @@ def test_setup_rerun_offline_is_quick(tmp_path, venv_with_packages):
     assert "installing" not in p2.stderr, p2.stderr
     assert p2.stdout.strip() == str(venv_with_packages)                   # the active venv is used
     assert not (checkout / ".venv").exists()
+    assert "activate" not in p2.stderr and f"ready: {venv_with_packages}" in p2.stderr
 
 
 def test_missing_and_installed_helpers(tmp_path):
@@ -226,11 +230,21 @@ def test_setup_and_readme_name_the_torch_wheel():
     setup_sh = (ROOT / "scripts" / "setup.sh").read_text()
     assert "CPU wheel" not in setup_sh           # it never chose one
     assert "torch==2.13.0" in setup_sh and "CUDA build" in setup_sh
+    # every download announced with its rough size
+    for what in ("installing torch==2.13.0", "installing triton", "installing $NEED", "installing nvidia-nvshmem"):
+        line = next(ln for ln in setup_sh.splitlines() if what in ln and "say " in ln)
+        assert "downloads" in line and (" MB" in line or "$SIZE" in line), line
+    assert "~200 MB" in setup_sh and "~3 GB" in setup_sh
     readme = (ROOT / "README.md").read_text()
     quick = readme[readme.index("## Quick start"):readme.index("## API")]
     assert "https://download.pytorch.org/whl/cpu" in quick
     assert "TRITON_INTERPRET=1" in quick
     assert "bash scripts/demo.sh" in quick and "bash scripts/test.sh" in quick
+    # the venv activation is in the quick start's first block, and setup prints it
+    first_block = quick[quick.index("```bash"):quick.index("```", quick.index("```bash") + 3)]
+    assert ". .venv/bin/activate" in first_block and "No module named 'torch'" in quick
+    assert 'echo "    . $ROOT/.venv/bin/activate" >&2' in setup_sh
+    assert "MOE_EP_NVSHMEM=1" in quick and "MOE_EP_NO_NVSHMEM=1" in quick
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
 
 
@@ -334,3 +348,71 @@ def test_require_triton_device_passes_with_interpreter(monkeypatch):
     else:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             env_mod.require_triton_device("x")
+
+
+# --------------------------------------------------------------------------------------------------
+# Packaging (issue 30): licence, typed markers, serving in the package, console scripts
+
+
+def _setup_kwargs(monkeypatch):
+    """setup.py's setup() keywords, by running it with setuptools.setup replaced (no build, no metadata)."""
+    import runpy
+
+    import setuptools
+
+    seen = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("MOE_EP_NO_CUDA_EXT", "1")
+    runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    return seen
+
+
+def test_setup_py_ships_serving_licence_and_typed_markers(monkeypatch):
+    kw = _setup_kwargs(monkeypatch)
+    pkgs = set(kw["packages"])
+    assert {"moe_ep", "eplb", "microbatch", "serving"} <= pkgs
+    assert not any(p.startswith(("tests", "perf", "scripts")) for p in pkgs)
+    assert kw["license"] == "MIT" and (ROOT / "LICENSE").read_text().startswith("MIT License")
+    assert "moe-ep authors" in (ROOT / "LICENSE").read_text()
+    cls = kw["classifiers"]
+    assert any(c.startswith("Programming Language :: Python :: 3.1") for c in cls)
+    assert any(c.startswith("Operating System ::") for c in cls) and any(c.startswith("Topic ::") for c in cls)
+    for name in ("moe_ep", "eplb", "microbatch", "serving"):
+        assert kw["package_data"][name] == ["py.typed"] and (ROOT / name / "py.typed").is_file()
+    assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
+
+
+def test_console_scripts_resolve_to_callables(monkeypatch):
+    import importlib
+
+    scripts = dict(s.replace(" ", "").split("=") for s in _setup_kwargs(monkeypatch)["entry_points"]["console_scripts"])
+    assert set(scripts) == {"moe-ep", "moe-ep-eplb", "moe-ep-serving"}
+    for target in scripts.values():
+        module, attr = target.split(":")
+        assert callable(getattr(importlib.import_module(module), attr)), target
+
+
+# --------------------------------------------------------------------------------------------------
+# NVSHMEM (~280-420 MB) only where a GPU is present or when asked
+
+
+def test_nvshmem_only_with_a_gpu_or_when_asked():
+    d = env_mod.nvshmem_decision
+    assert d({}, "Linux", "x86_64", gpu=True)[0]
+    ok, why = d({}, "Linux", "x86_64", gpu=False)
+    assert not ok and "MOE_EP_NVSHMEM=1" in why and "no GPU" in why
+    assert d({"MOE_EP_NVSHMEM": "1"}, "Linux", "x86_64", gpu=False) == (True, "MOE_EP_NVSHMEM=1")
+    assert d({"MOE_EP_NO_NVSHMEM": "1"}, "Linux", "x86_64", gpu=True) == (False, "MOE_EP_NO_NVSHMEM=1")
+    assert d({"MOE_EP_NO_NVSHMEM": "1", "MOE_EP_NVSHMEM": "1"}, "Linux", "x86_64", gpu=True)[0] is False
+    assert not d({"MOE_EP_NVSHMEM": "1"}, "Darwin", "arm64", gpu=False)[0]
+    assert not d({}, "Linux", "aarch64", gpu=True)[0]
+    # as setup.sh asks it (the variables decide without running nvidia-smi)
+    for var, want in (("MOE_EP_NO_NVSHMEM", "skip MOE_EP_NO_NVSHMEM=1"), ("MOE_EP_NVSHMEM", "install MOE_EP_NVSHMEM=1")):
+        p = subprocess.run([sys.executable, str(ROOT / "moe_ep" / "_env.py"), "nvshmem"], capture_output=True,
+                           text=True, env=_clean_env(**{var: "1"}))
+        import platform
+        if platform.system() == "Linux" and platform.machine() == "x86_64":
+            assert p.stdout.strip() == want, p.stdout + p.stderr
+    setup_sh = (ROOT / "scripts" / "setup.sh").read_text()
+    assert 'moe_ep/_env.py nvshmem' in setup_sh
