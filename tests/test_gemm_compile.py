@@ -13,7 +13,7 @@ SCRIPT = REPORT_PROLOGUE + r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moe_ep.kernels.grouped_gemm import sm90_cases
+from moe_ep.gemm import sm90_cases
 out = []
 for c in sm90_cases():
     row = report.compile_report(c["kernel"], c["signature"], c["constexprs"], c["num_warps"], c["num_stages"],
