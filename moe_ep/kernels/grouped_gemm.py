@@ -137,8 +137,8 @@ def grouped_gemm_kernel(
             g_guess = (pm0 * G) // num_pid_m
         offs_n0 = pn0 * BLOCK_N + tl.arange(0, BLOCK_N)
         row_base = b_ptr + g_guess.to(tl.int64) * stride_bg + offs_n0.to(tl.int64) * stride_bn
-        for kb in tl.static_range(PREFETCH_K):
-            prefetch_l2(row_base + kb * BLOCK_K * stride_bk)
+        for pk in tl.static_range(PREFETCH_K):
+            prefetch_l2(row_base + pk * BLOCK_K * stride_bk)
         tl.extra.cuda.gdc_wait()
 
     for tile in range(pid, num_tiles, nprog):
