@@ -10,8 +10,8 @@ import torch
 
 from .fp8 import FP8_DTYPE
 
-__all__ = ["expert_counts", "expand_plan", "m_indices_from_psum", "combine_plan", "gather_rows", "expand_received", "sum_expanded",
-           "USE_KERNELS", "uses_kernels"]
+__all__ = ["expert_counts", "expand_plan", "m_indices_from_psum", "combine_plan", "gather_rows", "expand_received",
+           "sum_expanded", "USE_KERNELS", "uses_kernels"]
 
 #: Run the expanded layout's row gathers and the expanded combine's sum as Triton kernels
 #: (:mod:`moe_ep.kernels.expand`, one launch each): ``None`` = on CUDA tensors only (on CPU these torch ops run);

@@ -34,7 +34,8 @@ class EPHandle:
             counterpart here (``None``).
 
     Extensions: ``m_indices`` (`[num_expanded_tokens]` int32, local expert of each expanded row, -1 on
-    padding; ``None`` when not expanded; built from the psum on first read), ``recv_topk_idx`` (`[num_recv_tokens, num_topk]` local / -1).
+    padding; ``None`` when not expanded; built from the psum on first read),
+    ``recv_topk_idx`` (`[num_recv_tokens, num_topk]` local / -1).
     """
 
     def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,

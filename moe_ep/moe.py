@@ -12,7 +12,8 @@ mode           dispatch                           experts                       
 
 ``mode="prefill", dispatch="expanded"`` replaces the permute with DeepEP V2's expanded receive: quant ->
 ``ElasticBuffer.dispatch(do_expand=True, expert_alignment=128)`` (one row per (token, local expert), already in
-128-row expert blocks, with ``handle.psum_num_recv_tokens_per_expert``, the GEMM's psum layout) -> :func:`moe_ep.experts.expanded_experts` (GEMM1 ->
+128-row expert blocks, with ``handle.psum_num_recv_tokens_per_expert``,
+the GEMM's psum layout) -> :func:`moe_ep.experts.expanded_experts` (GEMM1 ->
 SiLU-and-mul-quant -> GEMM2 on those rows, each row weighted by its top-k weight) -> the expanded
 ``ElasticBuffer.combine`` (sums a token's rows, then over ranks). The default ``dispatch="permute"`` is the
 table's prefill row. Output: the same sum, with one more BF16 rounding (each weighted row) than the permute

@@ -1,5 +1,6 @@
 """The GEMM kernel compiles for sm90 without a GPU: wgmma on FP8 operands (BF16 ones for the BF16 GEMMs) for
-every shipped tile (prefill by m_indices and by psum, decode, dense with and without ``c``), no spills, 16-byte ``cp.async`` operand loads, and with PDL the weight prefetch before
+every shipped tile (prefill by m_indices and by psum, decode, dense with and without ``c``), no spills,
+16-byte ``cp.async`` operand loads, and with PDL the weight prefetch before
 ``griddepcontrol.wait`` with no other global access ahead of it (activations, scales, ``m_indices`` and
 ``masked_m`` are the previous kernel's outputs)."""
 

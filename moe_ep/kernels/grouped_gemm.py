@@ -101,7 +101,7 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def grouped_gemm_kernel(
+def grouped_fp8_gemm_kernel(
     a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, layout_ptr,
     M, N, K, G, ALIGN,  # M: total rows (contiguous, psum, dense) or rows per expert T (masked)
     stride_ag, stride_am, stride_ak,  # a: [G?, M, K]
@@ -259,5 +259,5 @@ def grouped_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# The FP8 grouped GEMM's former name (the same kernel).
-grouped_fp8_gemm_kernel = grouped_gemm_kernel
+# One kernel for FP8 and BF16, dense and grouped; it keeps its first name (the sm90 report's rows name it).
+grouped_gemm_kernel = grouped_fp8_gemm_kernel
