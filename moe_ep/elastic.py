@@ -9,8 +9,9 @@ Buffer calls plus torch ops; the backends know neither face. What V2 documents a
   expert indices or -1;
 - expanded receive (``do_expand=True``): one row per (token, local expert), expert ``e``'s block starts at
   a multiple of ``expert_alignment``, rows inside a block ordered by global token index; with
-  ``expert_alignment=128`` ``recv_x`` and ``handle.m_indices`` are exactly the ``a`` operand and
-  ``m_indices`` of :func:`moe_ep.gemm.m_grouped_fp8_gemm_nt_contiguous`;
+  ``expert_alignment=128`` ``recv_x`` and ``handle.psum_num_recv_tokens_per_expert`` are exactly the ``a``
+  operand and the psum ``grouped_layout`` of :func:`moe_ep.gemm.m_grouped_fp8_gemm_nt_contiguous`
+  (``use_psum_layout=True``; ``handle.m_indices``, the same rows as m_indices, is built only when read);
 - combine sums, per source token, the rows that came from it (expanded rows are first summed per
   received token in float32, then cast once and summed over ranks in float32: two roundings, as V2's
   ``allow_multiple_reduction=True``); top-k weights travel back as V2 describes (2-D, or 1-D per
@@ -478,13 +479,13 @@ class ElasticBuffer:
             per_expert_list, pass_rows = host[:num_local], (host[num_local:] if exact_sum else None)
             num_expanded = sum(per_expert_list)
         if do_expand:
-            slot, exp_src, exp_k, m_idx = self._expand_plan(key, counts, aligned, K, num_expanded)
+            slot, exp_src, exp_k = self._expand_plan(key, counts, aligned, K, num_expanded)
             slot = slot.view(M, K)
             comb = self._combine_plan(slot, per_row, passes, pass_rows)
             psum_expert = ((aligned.cumsum(0) - aligned) + counts).to(torch.int32)
             rows_of = slot
         else:
-            slot = exp_src = exp_k = m_idx = None
+            slot = exp_src = exp_k = None
             comb = (None, None, None, None)
             psum_expert = aligned.cumsum(0).to(torch.int32)
             rows_of = torch.where(recv_idx >= 0, torch.arange(M, device=data.device).unsqueeze(1), -1)
@@ -494,7 +495,6 @@ class ElasticBuffer:
                      topk_idx.clone() if do_handle_copy else topk_idx, M, num_expanded, per_expert_list,
                      psum_rank, psum_expert, counts.to(torch.int32) if do_expand else None, metadata)
         h.recv_topk_idx = recv_idx
-        h.m_indices = m_idx if do_expand else None
         h._owner, h._buffer_handle, h._hidden = id(self), bh, hidden
         h._slot, h._exp_src, h._exp_k = slot, exp_src, exp_k
         h._comb_src, h._comb_order, h._comb_sorted_src, h._comb_rows = comb

@@ -10,8 +10,8 @@ import torch
 
 from .fp8 import FP8_DTYPE
 
-__all__ = ["expert_counts", "expand_plan", "combine_plan", "gather_rows", "expand_received", "sum_expanded",
-           "USE_KERNELS", "uses_kernels"]
+__all__ = ["expert_counts", "expand_plan", "m_indices_from_psum", "combine_plan", "gather_rows", "expand_received",
+           "sum_expanded", "USE_KERNELS", "uses_kernels"]
 
 #: Run the expanded layout's row gathers and the expanded combine's sum as Triton kernels
 #: (:mod:`moe_ep.kernels.expand`, one launch each): ``None`` = on CUDA tensors only (on CPU these torch ops run);
@@ -37,7 +37,8 @@ def expert_counts(recv_topk_idx: torch.Tensor, num_local: int, alignment: int):
 
 def expand_plan(key: torch.Tensor, counts: torch.Tensor, aligned: torch.Tensor, num_topk: int, num_expanded: int):
     """Where each (row, k) selection lands in the expanded layout, device ops only: ``(slot [M*K] (-1 on a
-    hole), exp_src, exp_k, m_indices)`` (the last three ``[num_expanded]``; -1 / 0 / -1 on padding)."""
+    hole), exp_src, exp_k)`` (the last two ``[num_expanded]``; -1 / 0 on padding). No m_indices: the grouped GEMM
+    takes the handle's psum layout (:func:`m_indices_from_psum` builds them on request)."""
     device = key.device
     num_local = counts.shape[0]
     # A stable sort by expert lists each expert's selections in (row, k) order = source global order (rows
@@ -51,12 +52,23 @@ def expand_plan(key: torch.Tensor, counts: torch.Tensor, aligned: torch.Tensor, 
     target = torch.where(is_sel, pos, num_expanded)  # holes go to a dropped extra row
     exp_flat = torch.full((num_expanded + 1,), -1, dtype=torch.int64, device=device).scatter_(
         0, target, order)[:num_expanded]
-    m_idx = torch.full((num_expanded + 1,), -1, dtype=torch.int32, device=device).scatter_(
-        0, target, sorted_key.to(torch.int32))[:num_expanded]
     is_row = exp_flat >= 0
     exp_src = torch.where(is_row, exp_flat // num_topk, -1)
     exp_k = torch.where(is_row, exp_flat % num_topk, 0)
-    return slot, exp_src, exp_k, m_idx
+    return slot, exp_src, exp_k
+
+
+def m_indices_from_psum(psum: torch.Tensor, alignment: int, num_rows: int) -> torch.Tensor:
+    """`[num_rows]` int32 local expert of each expanded row, -1 on padding, from DeepGEMM's psum layout (expert
+    ``e``'s rows are ``[align(psum[e - 1]), psum[e])``): the ``m_indices`` of the same rows."""
+    device = psum.device
+    rows = torch.arange(num_rows, device=device)
+    if psum.numel() == 0:
+        return torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+    ends = psum.to(torch.int64)
+    expert = torch.bucketize(rows, (ends + alignment - 1) // alignment * alignment, right=True)
+    valid = (expert < ends.numel()) & (rows < ends[expert.clamp(max=ends.numel() - 1)])
+    return torch.where(valid, expert, -1).to(torch.int32)
 
 
 def combine_plan(slot: torch.Tensor, per_row: torch.Tensor, passes: int, pass_rows: Optional[List[int]]):

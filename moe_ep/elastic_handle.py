@@ -34,7 +34,8 @@ class EPHandle:
             counterpart here (``None``).
 
     Extensions: ``m_indices`` (`[num_expanded_tokens]` int32, local expert of each expanded row, -1 on
-    padding; ``None`` when not expanded), ``recv_topk_idx`` (`[num_recv_tokens, num_topk]` local / -1).
+    padding; ``None`` when not expanded; built from the psum on first read),
+    ``recv_topk_idx`` (`[num_recv_tokens, num_topk]` local / -1).
     """
 
     def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
@@ -62,7 +63,7 @@ class EPHandle:
         self.token_metadata_at_forward = token_metadata_at_forward
         self.channel_linked_list = channel_linked_list
         # this implementation's state
-        self.m_indices: Optional[torch.Tensor] = None
+        self._m_indices: Optional[torch.Tensor] = None
         self.recv_topk_idx: Optional[torch.Tensor] = None
         self._owner: Optional[int] = None
         self._buffer_handle = None
@@ -79,3 +80,19 @@ class EPHandle:
         self._comb_sorted_src: Optional[torch.Tensor] = None
         self._comb_rows: Optional[List[int]] = None
         self._hidden = 0
+
+    @property
+    def m_indices(self) -> Optional[torch.Tensor]:
+        """Expanded handles: `[num_expanded_tokens]` int32 local expert of each expanded row, -1 on padding (the
+        grouped GEMM's m_indices layout), built from ``psum_num_recv_tokens_per_expert`` on first read (the
+        dispatch builds none: the expert GEMMs take the psum layout). ``None`` when not expanded."""
+        if self._m_indices is None and self.do_expand:
+            from .elastic_expand import m_indices_from_psum
+
+            self._m_indices = m_indices_from_psum(self.psum_num_recv_tokens_per_expert, self.expert_alignment,
+                                                  self.num_expanded_tokens)
+        return self._m_indices
+
+    @m_indices.setter
+    def m_indices(self, value: Optional[torch.Tensor]) -> None:
+        self._m_indices = value

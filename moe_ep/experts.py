@@ -9,7 +9,8 @@ Two layouts, one per communication mode:
   permute into 128-row-aligned expert blocks with ``m_indices`` -> GEMM1 -> SiLU-and-mul + quant ->
   GEMM2 -> weighted un-permute -> BF16 `[M, H]` for ``combine`` (which only sums over ranks).
 - :func:`expanded_experts` (prefill over :class:`moe_ep.ElasticBuffer`): the expanded dispatch's rows
-  (``do_expand=True, expert_alignment=128``: already the 128-row expert blocks) + ``handle.m_indices`` ->
+  (``do_expand=True, expert_alignment=128``: already the 128-row expert blocks) + the handle's psum layout
+  (``psum_num_recv_tokens_per_expert``, fed to the grouped GEMM as it is) ->
   GEMM1 -> SiLU-and-mul + quant -> GEMM2 -> BF16 `[M_exp, H]`, one weighted row per (token, local expert),
   for the expanded ``combine``. No permute and no un-permute.
 
@@ -219,18 +220,23 @@ def contiguous_experts(recv_x, recv_topk_idx: torch.Tensor, recv_topk_weights: t
 
 
 def expanded_experts(recv_x, m_indices: torch.Tensor, weights: ExpertWeights,
-                     recv_topk_weights: torch.Tensor | None = None, *, use_pdl: bool = False) -> torch.Tensor:
+                     recv_topk_weights: torch.Tensor | None = None, *, use_psum_layout: bool = False,
+                     use_pdl: bool = False) -> torch.Tensor:
     """Experts over the expanded dispatch's rows (already in 128-row expert blocks): no permute.
 
     Arguments:
         recv_x: ``(fp8 [M_exp, H], scales [M_exp, H/128])`` as ``ElasticBuffer.dispatch(..., do_expand=True,
             expert_alignment=128)`` returns it (scales in any layout: M-major TMA-aligned ones, from
             ``use_tma_aligned_col_major_sf=True``, are used as they are), or BF16 `[M_exp, H]` (quantized here).
-        m_indices: `[M_exp]` `torch.int32` local expert of each row, -1 on padding (``handle.m_indices``);
-            constant within each 128-row block.
+        m_indices: the grouped GEMM's ``grouped_layout``: `[M_exp]` `torch.int32` local expert of each row, -1 on
+            padding (``handle.m_indices``), constant within each 128-row block; or, with ``use_psum_layout=True``,
+            `[L]` `torch.int32` psum (``handle.psum_num_recv_tokens_per_expert``: expert ``e``'s rows are
+            ``[align(psum[e-1], 128), psum[e])``), fed to the GEMMs as it is (no m_indices built). Both give
+            the same bits.
         weights: :class:`ExpertWeights` of the ``L`` local experts.
         recv_topk_weights: optional `[M_exp]` float32, the top-k weight of each expanded row (the expanded
             dispatch's 1-D ``recv_topk_weights``; 0 on padding). ``None``: rows are not weighted.
+        use_psum_layout: ``m_indices`` is the psum layout (above).
         use_pdl: programmatic dependent launch between the quant and GEMM kernels.
 
     Returns:
@@ -246,10 +252,11 @@ def expanded_experts(recv_x, m_indices: torch.Tensor, weights: ExpertWeights,
     num_rows, hidden = xq.shape
     if hidden != weights.hidden:
         raise ValueError(f"recv_x hidden {hidden} != the experts' {weights.hidden}")
-    if not isinstance(m_indices, torch.Tensor) or m_indices.dtype != torch.int32 or \
-            tuple(m_indices.shape) != (num_rows,):
-        raise ValueError(f"m_indices must be torch.int32 [M_exp={num_rows}] (the expanded handle's), got "
-                         f"{getattr(m_indices, 'dtype', type(m_indices).__name__)} "
+    want = (weights.num_local_experts,) if use_psum_layout else (num_rows,)
+    if not isinstance(m_indices, torch.Tensor) or m_indices.dtype != torch.int32 or tuple(m_indices.shape) != want:
+        what = f"psum [L={want[0]}]" if use_psum_layout else f"m_indices [M_exp={num_rows}]"
+        raise ValueError(f"{'psum' if use_psum_layout else 'm_indices'} must be torch.int32 {what} (the expanded "
+                         f"handle's), got {getattr(m_indices, 'dtype', type(m_indices).__name__)} "
                          f"{list(getattr(m_indices, 'shape', []))}")
     if num_rows % M_ALIGNMENT:
         raise ValueError(f"expanded rows ({num_rows}) must come in blocks of {M_ALIGNMENT}: dispatch with "
@@ -262,16 +269,19 @@ def expanded_experts(recv_x, m_indices: torch.Tensor, weights: ExpertWeights,
     if num_rows == 0:
         return y
     h1 = torch.empty(num_rows, 2 * weights.intermediate, dtype=torch.bfloat16, device=xq.device)
-    m_grouped_fp8_gemm_nt_contiguous((xq, xs), weights.w13, h1, m_indices, use_pdl=use_pdl)
+    m_grouped_fp8_gemm_nt_contiguous((xq, xs), weights.w13, h1, m_indices, use_psum_layout=use_psum_layout,
+                                     use_pdl=use_pdl)
     aq, as_ = silu_and_mul_quant_fp8(h1, tma_aligned_scales=True, use_pdl=use_pdl)
     post = None
     if recv_topk_weights is not None:
-        w = torch.where(m_indices >= 0, recv_topk_weights, 0.0)
+        # psum: the dispatch's weights are 0 on padding already (and GEMM2 never reads padding rows' scales)
+        w = recv_topk_weights if use_psum_layout else torch.where(m_indices >= 0, recv_topk_weights, 0.0)
         if as_.dtype == torch.float32:
             as_.mul_(w.unsqueeze(1))  # in place: the TMA-aligned M-major storage the GEMM reads stays as it is
         else:
             post = w
-    m_grouped_fp8_gemm_nt_contiguous((aq, as_), weights.w2, y, m_indices, use_pdl=use_pdl)
+    m_grouped_fp8_gemm_nt_contiguous((aq, as_), weights.w2, y, m_indices, use_psum_layout=use_psum_layout,
+                                     use_pdl=use_pdl)
     if post is not None:
         y = (y.float() * post.unsqueeze(1)).to(torch.bfloat16)
     return y

@@ -8,7 +8,7 @@ Usage (every rank; DeepGEMM's flow)::
     l1, l2 = transform_weights_for_mega_moe(l1, l2)        # once
     buf.x[:n].copy_(x_fp8); buf.x_sf[:n].copy_(x_scales)   # 1x128 groups (moe_ep.quant.per_token_group_quant_fp8)
     buf.topk_idx[:n].copy_(topk_idx); buf.topk_weights[:n].copy_(topk_weights)
-    fp8_mega_moe(y, l1, l2, buf)                           # y: BF16 [n, hidden], n <= num_max_tokens_per_rank
+    fp8_fp4_mega_moe(y, l1, l2, buf)                       # y: BF16 [n, hidden], n <= num_max_tokens_per_rank
 
 ``y[t] = sum_k topk_weights[t, k] * W2[e] @ FP8(silu(W1_gate[e] x_t) * (W1_up[e] x_t))`` with ``e = topk_idx[t, k]``
 (-1: no expert), expert ``e`` on rank ``e // L``: the expert-path layer's numerics (:mod:`moe_ep.experts`).
@@ -41,8 +41,8 @@ import torch.distributed as dist
 from .fp8 import FP8_DTYPE
 from .symm import SymmBuffer, _align, create_symm_buffer
 
-__all__ = ["MegaMoEBuffer", "fp8_mega_moe", "get_symm_buffer_for_mega_moe", "mega_moe_symm_bytes", "ring_slots",
-           "transform_weights_for_mega_moe"]
+__all__ = ["MegaMoEBuffer", "bf16_mega_moe", "fp8_fp4_mega_moe", "fp8_mega_moe", "get_symm_buffer_for_mega_moe",
+           "mega_moe_symm_bytes", "ring_slots", "sm90_cases", "transform_weights_for_mega_moe"]
 
 MMA_TYPES = ("fp8xfp8",)
 ACTIVATIONS = ("swiglu",)
@@ -272,9 +272,10 @@ def _validate(y, l1, l2, buf, stats, activation, clamp):
     return q1.contiguous(), s1.contiguous(), q2.contiguous(), s2.contiguous()
 
 
-def fp8_mega_moe(y: torch.Tensor, l1_weights, l2_weights, sym_buffer: MegaMoEBuffer,
-                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, activation: str = "swiglu",
-                 activation_clamp: Optional[float] = None, *, mode: str = "auto") -> None:
+def fp8_fp4_mega_moe(y: torch.Tensor, l1_weights, l2_weights, sym_buffer: MegaMoEBuffer,
+                     cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, recipe=None,
+                     activation: str = "swiglu", activation_clamp: Optional[float] = None, fast_math: bool = True, *,
+                     mode: str = "auto") -> None:
     """The MoE layer for the tokens in ``sym_buffer`` (rows ``< y.shape[0]`` of its x / x_sf / topk views),
     written into ``y`` (BF16 `[n, hidden]`). Every rank of the group calls it.
 
@@ -285,8 +286,11 @@ def fp8_mega_moe(y: torch.Tensor, l1_weights, l2_weights, sym_buffer: MegaMoEBuf
         sym_buffer: from :func:`get_symm_buffer_for_mega_moe`, inputs filled.
         cumulative_local_expert_recv_stats: optional int32 `[L]`: rows received per local expert are added to it
             (on the device).
+        recipe: DeepGEMM 2.6.1's argument (its default there, ``(1, 1, 32)``, is sm100's FP4 recipe): ``None`` or
+            ``(1, 128, 128)``, the one recipe this kernel has (1x128 activations, 128x128 weights); others ValueError.
         activation: ``"swiglu"``. activation_clamp: ``None`` or ``c > 0``: ``gate = min(gate, c)``,
             ``up = clamp(up, -c, c)`` before ``silu(gate) * up``.
+        fast_math: DeepGEMM's; accepted, changes nothing (the kernel has one SiLU).
         mode: keyword-only extension, ``"auto"`` | ``"fused"`` | ``"phased"`` (module docstring).
 
     Raises ValueError / TypeError on bad arguments before anything is written; :class:`moe_ep.RankTimeoutError`
@@ -295,11 +299,33 @@ def fp8_mega_moe(y: torch.Tensor, l1_weights, l2_weights, sym_buffer: MegaMoEBuf
     """
     if mode not in ("auto", "fused", "phased"):
         raise ValueError(f"mode must be 'auto', 'fused' or 'phased', got {mode!r}")
+    if recipe is not None and tuple(recipe) != (1, 128, 128):
+        raise ValueError(f"recipe={tuple(recipe)}: only (1, 128, 128) is supported (1x128 activation scales x "
+                         f"128x128 weight scales)")
+    del fast_math
     q1, s1, q2, s2 = _validate(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
                                activation, activation_clamp)
     sym_buffer.symm.check_usable()
     _launch(sym_buffer, y, q1, s1, q2, s2, cumulative_local_expert_recv_stats, activation_clamp, mode)
     sym_buffer.symm.check_status("fp8_mega_moe")
+
+
+def fp8_mega_moe(y: torch.Tensor, l1_weights, l2_weights, sym_buffer: MegaMoEBuffer,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, activation: str = "swiglu",
+                 activation_clamp: Optional[float] = None, *, mode: str = "auto") -> None:
+    """The former name of :func:`fp8_fp4_mega_moe` (DeepGEMM's current one), with its former positional order
+    (no ``recipe`` / ``fast_math``)."""
+    fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
+                     activation=activation, activation_clamp=activation_clamp, mode=mode)
+
+
+def bf16_mega_moe(y: torch.Tensor, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
+                  activation: str = "swiglu", activation_clamp: Optional[float] = None, fast_math: bool = True) -> None:
+    """DeepGEMM 2.6.1's BF16-weight mega-MoE: not available here (the kernel multiplies FP8 operands with 128x128
+    weight scales only). Raises NotImplementedError; quantize the weights (:func:`moe_ep.quant.per_block_quant_fp8`)
+    and call :func:`fp8_fp4_mega_moe`."""
+    raise NotImplementedError("bf16_mega_moe: the mega-MoE kernel here takes FP8 weights (128x128 scales) only, "
+                              "not BF16 ones; quantize them and call fp8_fp4_mega_moe")
 
 
 def _resident_programs(kernel, args, const, kw, device: torch.device) -> int:
@@ -367,3 +393,46 @@ def _launch(buf: MegaMoEBuffer, y, q1, s1, q2, s2, stats, clamp, mode: str) -> N
     for phase, grid in ((1, sends), (2, buf.num_slots), (3, max(1, combines))):
         mega_moe_kernel[(grid,)](*args, PHASE=phase, **const, num_warps=launch_warps(phase), enable_fp_fusion=False)
     events.launch(reads=reads, writes=writes, what="fp8_mega_moe (phased)")
+
+
+def sm90_cases() -> list[dict]:
+    """The kernel specialised as ``fp8_mega_moe`` launches it on a GPU for DeepSeek-V3 on 8 ranks (hidden 7168,
+    intermediate 2048, 256 experts, top-8): 2048 tokens per rank (64-row items) in every phase and the fused one,
+    and decode (128 tokens per rank: 32-row items) in the fused and expert phases; for the sm90 compile checks and
+    ``perf/sm90_report.py`` (built here, on the host side, so that the kernel module stays a leaf): dicts with
+    ``name, config, kernel, signature, constexprs, num_warps, num_stages, attrs, options``. Integer arguments are
+    specialised as a launch does (``tt.divisibility`` 16 when divisible by 16; the region offsets are multiples
+    of 256)."""
+    from .kernels.mega_moe import launch_warps, mega_moe_kernel, signal_layout
+
+    R, H, INTER_, K, E = 8, 7168, 2048, 8, 256
+    L = E // R
+    sig_words = signal_layout(R)
+    names = mega_moe_kernel.arg_names
+    ptrs = {"buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32", "w1_ptr": "*fp8e4nv",
+            "w1s_ptr": "*fp32", "w2_ptr": "*fp8e4nv", "w2s_ptr": "*fp32", "ring_ptr": "*u8", "y_ptr": "*i16",
+            "stats_ptr": "*i32"}
+    cases = []
+    for T, phases in ((2048, (0, 1, 2, 3)), (128, (0, 2))):
+        lay = _layout(R, E, T, K, H)
+        block_m = choose_block_m(R, E, T, K)
+        ints = {"rank": 3, "N": T, "T": T, "R": R, "L": L, "E": E, "x_off": lay["x"], "xsf_off": lay["x_sf"],
+                "idx_off": lay["topk_idx"], "w_off": lay["topk_weights"], "cnt_off": lay["cnt"],
+                "list_off": lay["list"], "comb_off": lay["comb"]}
+        for phase in phases:
+            const = dict(PHASE=phase, H=H, INTER=INTER_, K=K, KP=_pow2(K), BLOCK_M=block_m, BLOCK_T=16, RP=_pow2(R),
+                         LP=_pow2(L), GP=_pow2(H // 128), HAS_STATS=True, HAS_CLAMP=False, NATIVE_FP8=True,
+                         **{k: sig_words[k] for k in ("DISP_FULL", "COMB_FULL", "DISP_SEND_CNT", "COMB_SEND_CNT",
+                                                      "COMB_RECV_CNT", "ROUTE_ERR")})
+            sig = {**ptrs, **{n: "i32" for n in ints}, "timeout_ns": "i64", "clamp": "fp32",
+                   **{k: "constexpr" for k in const}}
+            div16 = list(ptrs) + [n for n, v in ints.items() if v % 16 == 0]
+            what = {0: "fused", 1: "dispatch sends", 2: "experts", 3: "combine"}[phase]
+            cases.append({"name": "mega_moe",
+                          "config": f"PHASE={phase} ({what}) H={H} I={INTER_} E={E} top-{K} EP{R} T={T} "
+                                    f"{block_m}-row items",
+                          "kernel": mega_moe_kernel, "signature": {n: sig[n] for n in names}, "constexprs": const,
+                          "num_warps": launch_warps(phase), "num_stages": 1,
+                          "attrs": {(names.index(n),): [["tt.divisibility", 16]] for n in div16},
+                          "options": {"enable_fp_fusion": False}})
+    return cases

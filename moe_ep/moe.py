@@ -12,7 +12,8 @@ mode           dispatch                           experts                       
 
 ``mode="prefill", dispatch="expanded"`` replaces the permute with DeepEP V2's expanded receive: quant ->
 ``ElasticBuffer.dispatch(do_expand=True, expert_alignment=128)`` (one row per (token, local expert), already in
-128-row expert blocks, with ``handle.m_indices``) -> :func:`moe_ep.experts.expanded_experts` (GEMM1 ->
+128-row expert blocks, with ``handle.psum_num_recv_tokens_per_expert``,
+the GEMM's psum layout) -> :func:`moe_ep.experts.expanded_experts` (GEMM1 ->
 SiLU-and-mul-quant -> GEMM2 on those rows, each row weighted by its top-k weight) -> the expanded
 ``ElasticBuffer.combine`` (sums a token's rows, then over ranks). The default ``dispatch="permute"`` is the
 table's prefill row. Output: the same sum, with one more BF16 rounding (each weighted row) than the permute
@@ -144,7 +145,8 @@ class MoELayer:
                 per_token_group_quant_fp8(x), topk_idx, topk_weights, num_experts=self.num_experts,
                 num_max_tokens_per_rank=self.T, expert_alignment=get_m_alignment_for_contiguous_layout(),
                 do_expand=True, use_tma_aligned_col_major_sf=True, recv_as_view=True)
-            y = expanded_experts(recv_x, handle.m_indices, self.weights, recv_w, use_pdl=self.use_pdl)
+            y = expanded_experts(recv_x, handle.psum_num_recv_tokens_per_expert, self.weights, recv_w,
+                                 use_psum_layout=True, use_pdl=self.use_pdl)
             out, _, _ = self.elastic.combine(y, handle)
         else:
             per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, self.num_experts)

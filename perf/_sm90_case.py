@@ -84,8 +84,8 @@ def _hook_modules() -> list[str]:
 
 
 def _hook_cases() -> list[Case]:
-    """HOOK: cases from ``sm90_cases()`` of every module :func:`_hook_modules` finds (the grouped GEMM, the
-    mega-MoE kernel).
+    """HOOK: cases from ``sm90_cases()`` of every module :func:`_hook_modules` finds (the expand kernels; the grouped
+    GEMM's and mega-MoE's are built by their host modules: ``_sm90_families._host_cases``).
 
     Each item is a dict with keys ``name, config, kernel, signature, constexprs, num_warps, num_stages`` and
     optional ``attrs`` / ``options``. A module that fails to import, or whose cases are malformed, gives one

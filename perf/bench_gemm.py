@@ -16,6 +16,9 @@ per rank; 64 ... 4096 rows per expert; both layouts:
   so every output has the same reference.
 - ``DeepGEMM``: deep_gemm's functions of the same names on the same FP8 inputs, when importable
   (skipped with one line otherwise; nothing is downloaded).
+- A second table, the dense and BF16 GEMMs: ``fp8_gemm_nt`` (1x128 x 128x128 scales) against torch._scaled_mm
+  on the same e4m3 values (per-tensor scales: the cheaper recipe, so an upper bound), ``bf16_gemm_nt`` against
+  torch.matmul, ``m_grouped_bf16_gemm_nt_masked`` (G=8) against torch.bmm; each checked against a float32 matmul.
 
 TFLOPS count valid rows only: 2 * G * rows * N * K / t (the contiguous padding is not credited); every
 ``tflops`` row's ``ratio`` is its TFLOPS over the dense FP8 peak measured at the start of the same run
@@ -56,6 +59,9 @@ GROUPS = (8, 32)
 ROWS = (64, 128, 256, 512, 1024, 2048, 4096)
 QUICK_GROUPS, QUICK_ROWS = (8,), (128, 1024, 4096)
 SMOKE_GROUPS, SMOKE_ROWS = (2,), (16, 128)
+DENSE_SHAPES = ((4096, 7168, 2048), (4096, 2112, 7168), (128, 4096, 7168), (16, 7168, 2048))  # (M, N, K)
+SMOKE_DENSE_SHAPES = ((16, 256, 256), (130, 256, 128))
+DENSE_GROUPS = 8
 PEAK_SIZE, SMOKE_PEAK_SIZE = 8192, 256
 MEM_LIMIT = 60e9  # bytes; combinations estimated above this (or above free memory) are skipped
 TOL = 2e-2  # max |d - ref| / max |ref|, per expert
@@ -76,6 +82,7 @@ def _parse(argv=None):
     p.add_argument("--rows", type=int, nargs="+", default=None, help="rows per expert (overrides the default)")
     p.add_argument("--gemm", choices=sorted(SHAPES), nargs="+", default=None, help="which shapes (default both)")
     p.add_argument("--no-deepgemm", action="store_true", help="do not import deep_gemm")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense / BF16 table")
     p.add_argument("--iters", type=int, default=50,
                    help="timed calls per measurement (CUDA events, L2 flushed before each; median, p10, p90)")
     args = p.parse_args(argv)
@@ -364,6 +371,67 @@ HEADER = ["GEMM", "N", "K", "G", "rows/expert", "layout", "ours us", "p10-p90 us
 
 
 # ---------------------------------------------------------------------------------------------
+# Dense and BF16 GEMMs
+# ---------------------------------------------------------------------------------------------
+
+DENSE_HEADER = ["GEMM", "M", "N", "K", "ours us", "TFLOPS", "baseline", "baseline us", "x baseline", "check"]
+
+
+def _dense_table(dev: torch.device, args, rec) -> int:
+    """The dense FP8 / BF16 and grouped BF16 rows (module docstring); returns how many failed their check."""
+    from moe_ep.gemm import bf16_gemm_nt, fp8_gemm_nt, m_grouped_bf16_gemm_nt_masked
+    from moe_ep.quant import dequant_block_fp8, dequant_fp8, per_block_quant_fp8, per_token_group_quant_fp8
+
+    print("\n| " + " | ".join(DENSE_HEADER) + " |\n" + "|" + "---|" * len(DENSE_HEADER), flush=True)
+    failed = 0
+    one = torch.ones((), dtype=torch.float32, device=dev)
+    for m, n, k in (SMOKE_DENSE_SHAPES if SMOKE else DENSE_SHAPES):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        xq, xs = per_token_group_quant_fp8(x, tma_aligned_scales=True)
+        wq, ws = per_block_quant_fp8(w.float()[None])
+        wq, ws = wq[0], ws[0]
+        ref8 = dequant_fp8(xq, xs) @ dequant_block_fp8(wq[None], ws[None])[0].t()
+        ref16 = x.float() @ w.float().t()
+        d = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        g = DENSE_GROUPS
+        xg = torch.randn(g, max(1, m // g), k, device=dev, dtype=torch.bfloat16)
+        wg = torch.randn(g, n, k, device=dev, dtype=torch.bfloat16)
+        dg_out = torch.empty(g, xg.shape[1], n, device=dev, dtype=torch.bfloat16)
+        masked_m = torch.full((g,), xg.shape[1], dtype=torch.int32, device=dev)
+        refg = torch.bmm(xg.float(), wg.float().transpose(1, 2))
+        box = {}
+        rows = [
+            ("fp8_gemm_nt", m, lambda: fp8_gemm_nt((xq, xs), (wq, ws), d), lambda: _rel_err(d[None], ref8[None]),
+             "torch._scaled_mm (per-tensor)",
+             lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)),
+            ("bf16_gemm_nt", m, lambda: bf16_gemm_nt(x, w, d), lambda: _rel_err(d[None], ref16[None]),
+             "torch.matmul", lambda: torch.matmul(x, w.t())),
+            (f"m_grouped_bf16_gemm_nt_masked G={g}", g * xg.shape[1],
+             lambda: m_grouped_bf16_gemm_nt_masked(xg, wg, dg_out, masked_m, xg.shape[1]),
+             lambda: _rel_err(dg_out, refg), "torch.bmm", lambda: torch.bmm(xg, wg.transpose(1, 2))),
+        ]
+        for what, mm, fn, check, bname, bfn in rows:
+            us = _time(fn, args.iters)[0]
+            err = check()
+            try:
+                b_us = _time(lambda bfn=bfn: box.__setitem__("o", bfn()), args.iters)[0]
+            except Exception as exc:  # noqa: BLE001 - a baseline torch lacks here (e.g. _scaled_mm on CPU)
+                b_us, bname = None, f"{bname}: n/a ({type(exc).__name__})"
+            flops = 2 * mm * n * k
+            ok = err < TOL
+            failed += not ok
+            print("| " + " | ".join([what, str(mm), str(n), str(k), _fmt(us), _fmt_tflops(flops / us / 1e6), bname,
+                                     _fmt(b_us), _fmt(b_us / us if b_us else None, ".2f"),
+                                     f"ok ({err:.1e})" if ok else f"**FAILED** ({err:.1e})"]) + " |", flush=True)
+            rec.add(f"{what} M={mm} N={n} K={k}", "time", us, "us", baseline=b_us, ratio=b_us / us if b_us else None,
+                    valid=ok, rel_err=err, tflops=flops / us / 1e6, note=f"baseline: {bname}; ratio = baseline / ours")
+            if not ok:
+                print(f"FAILED: {what} M={mm} N={n} K={k}: rel err {err:.1e} >= {TOL}", file=sys.stderr, flush=True)
+    return failed
+
+
+# ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
 
@@ -470,9 +538,10 @@ def main(argv=None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
+    dense_failed = 0 if args.no_dense else _dense_table(dev, args, rec)
     if bf16.note:
         print(f"\nNote: {bf16.note}")
-    failed = [r for r in records if not r["ok"]]
+    failed = [r for r in records if not r["ok"]] + [{}] * dense_failed
     if failed or not peak["ok"]:
         print(f"\n{len(records)} rows, {len(failed)} FAILED" + ("" if peak["ok"] else ", dense FP8 peak check FAILED"))
     else:

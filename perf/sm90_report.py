@@ -28,7 +28,9 @@ script it re-executes itself without the variable; imported with it set, it rais
 
 HOOK: every module of ``moe_ep.kernels`` whose source defines ``sm90_cases()`` (a list of dicts with keys
 ``name, config, kernel, signature, constexprs, num_warps, num_stages`` and optional ``attrs``, ``options``;
-today ``grouped_gemm`` and ``mega_moe``) has its cases appended to :data:`CASES` (see :func:`_hook_cases`).
+today ``expand``) has its cases appended to :data:`CASES` (see :func:`_hook_cases`); the grouped GEMM's and the
+mega-MoE kernel's come after them from their host modules, ``moe_ep.gemm`` and ``moe_ep.mega_moe`` (the kernel
+modules stay leaves; ``_sm90_families._host_cases``).
 
 LAYOUT: this file is the driver (compile and PTX scan, CLI, table, JSON); the cases are built in
 ``perf/_sm90_case.py`` (the target, :class:`Case`, :func:`_case`, the HOOK) and ``perf/_sm90_families.py``

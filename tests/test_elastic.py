@@ -225,6 +225,17 @@ def _gemm_operand(rank, world):
     dst, m_indices, m_exp = permute_to_contiguous(ridx, 8 // world)
     assert m_exp == rx[0].shape[0] and torch.equal(m_indices, h.m_indices)
     assert torch.equal(h.recv_src_metadata[:, 2:], dst)
+    # the experts on the handle's psum layout (what MoELayer feeds the GEMMs: no m_indices) = on m_indices, bitwise
+    from moe_ep.experts import ExpertWeights, expanded_experts
+
+    g = torch.Generator().manual_seed(rank)
+    num_local = 8 // world
+    weights = ExpertWeights.from_float(torch.randn(num_local, 256, HIDDEN, generator=g) / 8,
+                                       torch.randn(num_local, HIDDEN, 128, generator=g) / 8)
+    rw = torch.rand(rx[0].shape[0], generator=g) * (h.m_indices >= 0)
+    y_idx = expanded_experts(rx, h.m_indices, weights, rw)
+    y_psum = expanded_experts(rx, h.psum_num_recv_tokens_per_expert, weights, rw, use_psum_layout=True)
+    assert torch.equal(y_idx.view(torch.int16), y_psum.view(torch.int16))
     return True
 
 

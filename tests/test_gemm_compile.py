@@ -1,5 +1,6 @@
-"""The grouped GEMM compiles for sm90 without a GPU: wgmma on FP8 operands for every shipped tile (prefill
-and decode), no spills, 16-byte ``cp.async`` operand loads, and with PDL the weight prefetch before
+"""The GEMM kernel compiles for sm90 without a GPU: wgmma on FP8 operands (BF16 ones for the BF16 GEMMs) for
+every shipped tile (prefill by m_indices and by psum, decode, dense with and without ``c``), no spills,
+16-byte ``cp.async`` operand loads, and with PDL the weight prefetch before
 ``griddepcontrol.wait`` with no other global access ahead of it (activations, scales, ``m_indices`` and
 ``masked_m`` are the previous kernel's outputs)."""
 
@@ -13,7 +14,7 @@ SCRIPT = REPORT_PROLOGUE + r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moe_ep.kernels.grouped_gemm import sm90_cases
+from moe_ep.gemm import sm90_cases
 out = []
 for c in sm90_cases():
     row = report.compile_report(c["kernel"], c["signature"], c["constexprs"], c["num_warps"], c["num_stages"],
@@ -42,8 +43,11 @@ def rows():
 def test_every_tile_is_wgmma_fp8_without_spills(rows):
     configs = [r["config"] for r in rows]
     assert any(c.startswith("contiguous") for c in configs) and any("swapAB" in c for c in configs)
+    for kind in ("psum", "dense", "BF16 contiguous", "BF16 psum", "BF16 masked", "BF16 dense"):
+        assert any(c.startswith(kind) for c in configs), f"no {kind} row"
+    assert any(c.startswith("dense") and c.endswith("+c FP32") for c in configs)
     for r in rows:
-        assert r["mma"] == "wgmma e4m3", r
+        assert r["mma"] == ("wgmma bf16" if r["config"].startswith("BF16") else "wgmma e4m3"), r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
         assert r["regs"] <= 255, r
         assert r["cp_async_16"] > 0, f"operands not loaded with 16-byte cp.async: {r['config']}"

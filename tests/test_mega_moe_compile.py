@@ -11,7 +11,7 @@ import pytest
 from moe_ep.testing.sm90 import REPORT_PROLOGUE, compile_in_subprocess
 
 SCRIPT = REPORT_PROLOGUE + r'''
-from moe_ep.kernels.mega_moe import sm90_cases
+from moe_ep.mega_moe import sm90_cases
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton

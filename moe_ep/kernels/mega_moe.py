@@ -58,7 +58,7 @@ from .low_latency_common import _bf16_bits
 from .transport import peer_ptr as _peer
 from .signals import STATUS_BAD_EXPERT, STATUS_REPEATED_EXPERT, arrive_last, report_error, signal_release, wait_ne
 
-__all__ = ["launch_warps", "mega_moe_kernel", "signal_layout", "sm90_cases"]
+__all__ = ["launch_warps", "mega_moe_kernel", "signal_layout"]
 
 GROUP = tl.constexpr(128)
 # NOTES: the status codes as constexpr instances (a plain int global runs in the interpreter, not compiled).
@@ -334,48 +334,6 @@ def mega_moe_kernel(
             err = tl.atomic_xchg(my_sig + ROUTE_ERR, 0, sem="relaxed", scope="gpu")
             if err != 0:
                 report_error(status_ptr, err)
-
-
-def sm90_cases() -> list[dict]:
-    """The kernel specialised as ``fp8_mega_moe`` launches it on a GPU for DeepSeek-V3 on 8 ranks (hidden 7168,
-    intermediate 2048, 256 experts, top-8): 2048 tokens per rank (64-row items) in every phase and the fused one,
-    and decode (128 tokens per rank: 32-row items) in the fused and expert phases; for the sm90 compile checks and
-    ``perf/sm90_report.py``: dicts with ``name, config, kernel, signature, constexprs, num_warps, num_stages,
-    attrs, options``. Integer arguments are specialised as a launch does (``tt.divisibility`` 16 when divisible
-    by 16; the region offsets are multiples of 256)."""
-    from ..mega_moe import _layout, _pow2, choose_block_m
-
-    R, H, INTER_, K, E = 8, 7168, 2048, 8, 256
-    L = E // R
-    sig_words = signal_layout(R)
-    names = mega_moe_kernel.arg_names
-    ptrs = {"buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32", "w1_ptr": "*fp8e4nv",
-            "w1s_ptr": "*fp32", "w2_ptr": "*fp8e4nv", "w2s_ptr": "*fp32", "ring_ptr": "*u8", "y_ptr": "*i16",
-            "stats_ptr": "*i32"}
-    cases = []
-    for T, phases in ((2048, (0, 1, 2, 3)), (128, (0, 2))):
-        lay = _layout(R, E, T, K, H)
-        block_m = choose_block_m(R, E, T, K)
-        ints = {"rank": 3, "N": T, "T": T, "R": R, "L": L, "E": E, "x_off": lay["x"], "xsf_off": lay["x_sf"],
-                "idx_off": lay["topk_idx"], "w_off": lay["topk_weights"], "cnt_off": lay["cnt"],
-                "list_off": lay["list"], "comb_off": lay["comb"]}
-        for phase in phases:
-            const = dict(PHASE=phase, H=H, INTER=INTER_, K=K, KP=_pow2(K), BLOCK_M=block_m, BLOCK_T=16, RP=_pow2(R),
-                         LP=_pow2(L), GP=_pow2(H // 128), HAS_STATS=True, HAS_CLAMP=False, NATIVE_FP8=True,
-                         **{k: sig_words[k] for k in ("DISP_FULL", "COMB_FULL", "DISP_SEND_CNT", "COMB_SEND_CNT",
-                                                      "COMB_RECV_CNT", "ROUTE_ERR")})
-            sig = {**ptrs, **{n: "i32" for n in ints}, "timeout_ns": "i64", "clamp": "fp32",
-                   **{k: "constexpr" for k in const}}
-            div16 = list(ptrs) + [n for n, v in ints.items() if v % 16 == 0]
-            what = {0: "fused", 1: "dispatch sends", 2: "experts", 3: "combine"}[phase]
-            cases.append({"name": "mega_moe",
-                          "config": f"PHASE={phase} ({what}) H={H} I={INTER_} E={E} top-{K} EP{R} T={T} "
-                                    f"{block_m}-row items",
-                          "kernel": mega_moe_kernel, "signature": {n: sig[n] for n in names}, "constexprs": const,
-                          "num_warps": launch_warps(phase), "num_stages": 1,
-                          "attrs": {(names.index(n),): [["tt.divisibility", 16]] for n in div16},
-                          "options": {"enable_fp_fusion": False}})
-    return cases
 
 
 def launch_warps(phase: int) -> int:
