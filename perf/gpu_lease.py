@@ -125,6 +125,9 @@ def stages(out: str, dry: bool) -> list[Stage]:
         Stage("kernels-small", 150, _lease_checks("checks", out, "--shapes", "small"), parse=_rows_result(out, "checks")),
         Stage("graphs", 120, _pytest(out, "-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")), log="pytest.log",
               parse=_pytest_result),
+        Stage("gemm-api", 90, [PY, os.path.join(ROOT, "perf", "_gpu_check_gemm.py")],
+              parse=lambda rc, t: f"{t.count(chr(10) + 'OK  ')} ok, {t.count(chr(10) + 'FAIL')} failed" +
+              (f"; FAILED: {', '.join(re.findall(r'^FAIL (.*)$', t, re.M))[:300]}" if "FAIL" in t else "")),
         Stage("kernels-dsv3", 150, _lease_checks("checks", out, "--shapes", "dsv3", "--stage", "checks-dsv3"),
               parse=_rows_result(out, "checks-dsv3")),
         Stage("time", 120, _lease_checks("time", out, "--iters", "10"), parse=_rows_result(out, "time")),
