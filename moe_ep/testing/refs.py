@@ -180,13 +180,14 @@ def ref_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
 
     ``clamp``: SwiGLU clamp of the gate (max) and up (both sides) before the activation. Selections of -1 add
     nothing."""
-    from ..quant import dequant_block_fp8, dequant_fp8, per_token_group_quant_fp8, silu_and_mul_quant_fp8_ref
+    from ..fp8 import per_token_group_quant_fp8_ref
+    from ..quant import dequant_block_fp8, dequant_fp8, silu_and_mul_quant_fp8_ref
 
-    xq = dequant_fp8(*per_token_group_quant_fp8(x)).double()
+    xq = dequant_fp8(*per_token_group_quant_fp8_ref(x)).double()  # the torch reference: any device, no kernel
     w13q = dequant_block_fp8(*w13_fp8).double()
     w2q = dequant_block_fp8(*w2_fp8).double()
-    emulated = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    dense = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    emulated = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    dense = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for kk in range(topk_idx.shape[1]):
             e = int(topk_idx[t, kk])
