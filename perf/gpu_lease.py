@@ -99,13 +99,16 @@ def _ok_lines(rc: int, text: str) -> str:
 
 
 def _sanitizer_result(rc: int, text: str) -> str:
-    parts = re.findall(r"^== (\w+): ERROR SUMMARY: (\d+) error", text, re.M)
-    found = re.findall(r"========= ERROR SUMMARY: (\d+) error", text)
-    if parts:
-        return ", ".join(f"{tool}: {n} errors" for tool, n in parts)
-    if found:
-        return f"{', '.join(found)} errors"
-    return f"exit {rc}"
+    """One entry per tool run: memcheck's ``ERROR SUMMARY: N errors``, racecheck's ``RACECHECK SUMMARY: N hazards
+    displayed (E errors, W warnings)``, plus the cases that failed their check under the tool."""
+    parts = []
+    for m in re.finditer(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) error", text):
+        parts.append(f"memcheck {m.group(1)} errors" if m.group(1) is not None else
+                     f"racecheck {m.group(2)} hazards ({m.group(3)} errors)")
+    failed = re.findall(r"^FAIL +(.+?\])", text, re.M)
+    if not parts:
+        return f"no sanitizer summary (exit {rc})"
+    return ", ".join(parts) + (f"; FAILED under the tool: {', '.join(failed)}" if failed else "")
 
 
 def stages(out: str, dry: bool) -> list[Stage]:

@@ -74,3 +74,17 @@ def test_budget_too_small_is_refused(capsys):
         _kit().main(["--dry-run", "--budget", "5"])
     assert e.value.code == 2
     assert "at least 30 seconds" in capsys.readouterr().err
+
+
+def test_result_parsers_read_what_the_tools_print():
+    kit = _kit()
+    san = ("========= ERROR SUMMARY: 0 errors\n========= Error: Race reported between Write access\n"
+           "FAIL ll fp8 EP4 T16 H512 [racecheck]       1.92 s  step 0 rank 0 expert 0: recv_x\n"
+           "========= RACECHECK SUMMARY: 20 hazards displayed (20 errors, 0 warnings)\n")
+    assert kit._sanitizer_result(0, san) == ("memcheck 0 errors, racecheck 20 hazards (20 errors); FAILED under the "
+                                             "tool: ll fp8 EP4 T16 H512 [racecheck]")
+    assert kit._sanitizer_result(127, "bash: compute-sanitizer: command not found").startswith("no sanitizer summary")
+    assert kit._ok_lines(0, "OK   a 1e-6\nOK   b\nFAILS: []\n") == "2/2 ok"
+    assert kit._ok_lines(1, "OK   a\nFAIL b x\n") == "1/2 ok; FAILED: b x"
+    py = "FAILED tests/t.py::test_a - AssertionError\n1 failed, 3 passed in 2.0s\n"
+    assert kit._pytest_result(1, py) == "1 failed, 3 passed in 2.0s; FAILED: tests/t.py::test_a"
