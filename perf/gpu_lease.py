@@ -127,7 +127,7 @@ def stages(out: str, dry: bool) -> list[Stage]:
                   parse=lambda rc, t: "skipped: CUDA only (dry run)"),
             Stage("time", 60, _lease_checks("time", out, "--shapes", "tiny", "--iters", "2"), env=interp,
                   parse=_rows_result(out, "time")),
-            Stage("compile", 120, [PY, os.path.join(ROOT, "perf", "gpu_lease.py"), "--compile-times", rec],
+            Stage("compile", 180, [PY, os.path.join(ROOT, "perf", "gpu_lease.py"), "--compile-times", rec],
                   parse=_rows_result(out, "compile")),
             Stage("sanitizer", 30, [PY, "-c", "print('no GPU: compute-sanitizer needs one')"],
                   parse=lambda rc, t: "skipped: no GPU (dry run)"),
