@@ -6,8 +6,26 @@ The low-latency kernels reach peers on other nodes through NVSHMEM device calls 
 - :func:`find_device_bitcode` / :func:`extern_libs`: the NVSHMEM device library (LLVM bitcode) Triton links into
   every kernel that calls NVSHMEM. The ``nvidia-nvshmem-cu12`` 3.8.0 wheel ships one file per architecture
   (``libnvshmem_device_sm_90.bc`` ...) and no ``libnvshmem_device.bc``; other installs ship the single file.
-- :func:`check_available`: one :class:`NvshmemUnavailableError` naming everything that is missing (wheel, GPU,
-  driver, torch build, IBGDA) and how to fix each, raised before anything is allocated.
+- :func:`check_triton_link`: this Triton's bundled LLVM can read that bitcode (an LLVM reads bitcode of its own or an
+  older release only); :func:`extern_libs` and :func:`check_available` raise :class:`NvshmemUnavailableError` naming
+  both versions and what to install when it cannot.
+- :func:`check_available`: one :class:`NvshmemUnavailableError` naming everything that is missing (wheel, a Triton
+  that links the bitcode, GPU, driver, torch build, IBGDA) and how to fix each, raised before anything is allocated.
+
+Which combinations work (measured with the wheels; :data:`TRITON_LLVM`, :data:`NVSHMEM_BITCODE`):
+
+===============================  ======================  ======================  ======================
+bitcode                          Triton 3.6 (LLVM 22.0)  Triton 3.8 (LLVM 23.0)  Triton 3.9 (LLVM 24.0)
+===============================  ======================  ======================  ======================
+nvidia-nvshmem-cu12 3.8.0        cannot link             IBGDA path              IBGDA path
+(LLVM 22.1.8, IBGDA code)
+nvidia-nvshmem-cu13 3.4.5        links, no IBGDA         links, no IBGDA         links, no IBGDA
+(LLVM 18.1.1, torch 2.11's)
+===============================  ======================  ======================  ======================
+
+GPU-initiated RDMA (IBGDA) from Triton kernels therefore needs NVSHMEM 3.8.0's bitcode with triton >= 3.8; with
+3.4.5's bitcode internode puts go through NVSHMEM's CPU proxy (:func:`check_ibgda_bitcode` reports it for
+``internode=True``).
 - :func:`create_nvshmem_heap`: the symmetric heap from torch symmetric memory's NVSHMEM backend, as a
   :class:`moe_ep.symm.SymmBuffer` (``provider="nvshmem"``).
 - :func:`register_kernels`: every compiled specialisation of the given ``@triton.jit`` functions gets its CUDA
