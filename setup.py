@@ -75,13 +75,19 @@ setup(
     python_requires=">=3.10",
     # Every third-party module the packages import (tests/test_setup_scripts.py checks it). Triton ships
     # Linux wheels only; without a GPU its kernels run in the interpreter (TRITON_INTERPRET=1).
-    install_requires=["torch>=2.6", "numpy", 'triton>=3.4; platform_system == "Linux"'],
+    # Supported (README "Support matrix"): torch >= 2.11 (GPU leases: 2.11.0+cu130; CI: 2.13), triton >= 3.6
+    # (GPU leases: 3.6.0; CI: 3.9, plus the sm90 compile tests under 3.6.0: scripts/compile_oldest_triton.sh).
+    # The CPU suite's interpreter needs triton >= 3.8, or numpy < 2.4 with triton 3.6-3.7 (tests/conftest.py).
+    # No lower bound here pulls CUDA wheels: a CPU torch satisfies torch>=2.11.
+    install_requires=["torch>=2.11", "numpy", 'triton>=3.6; platform_system == "Linux"'],
     extras_require={
         "test": ["pytest", "hypothesis"],          # moe_ep.testing.sm90 imports pytest
         "plot": ["matplotlib"],                    # python -m eplb plan --png, python -m serving adp's figures
         "serving": ["pyyaml", "matplotlib"],       # python -m serving plan's YAML configs, adp's figures
         "progress": ["tqdm"],
-        # internode low-latency EP (backend="nvshmem"): the NVSHMEM device bitcode Triton links (moe_ep/nvshmem.py)
+        # internode low-latency EP (backend="nvshmem"): the NVSHMEM device bitcode Triton links (moe_ep/nvshmem.py).
+        # 3.8.0's bitcode (LLVM 22.1.8) has the IBGDA device code and needs triton>=3.8 to link; with triton 3.6-3.7
+        # use torch's nvidia-nvshmem-cu13 3.4.5 instead (links, no IBGDA: internode puts via the CPU proxy).
         "nvshmem": ["nvidia-nvshmem-cu12==3.8.0"],
         "gpu": [],                                 # kept for `pip install moe-ep[gpu]`: triton is now required
     },

@@ -231,7 +231,8 @@ def _nvshmem_cases() -> list[Case]:
     """The low-latency kernels with ``TRANSPORT`` = NVSHMEM (the ``nvshmem`` backend), linked with NVSHMEM's sm_90
     device bitcode: DeepSeek-V3 decode shapes as in :func:`_low_latency_cases`, one configuration per kernel (each
     links the ~50 MB bitcode: 20-60 s to compile). Rows named ``nvshmem ...``. None, with one line on stderr, when no
-    bitcode is installed (``pip install 'moe-ep[nvshmem]'``)."""
+    bitcode is installed (``pip install 'moe-ep[nvshmem]'``) or this Triton cannot link it
+    (:func:`moe_ep.nvshmem.check_triton_link`)."""
     from moe_ep import nvshmem
     from moe_ep.kernels import logfmt
     from moe_ep.kernels.transport import NVSHMEM
@@ -240,6 +241,9 @@ def _nvshmem_cases() -> list[Case]:
         options = {"extern_libs": nvshmem.extern_libs(TARGET_CC)}
     except FileNotFoundError as exc:
         print(f"sm90_report: no NVSHMEM rows ({str(exc).split('. Searched')[0]})", file=sys.stderr)
+        return []
+    except nvshmem.NvshmemUnavailableError as exc:  # this Triton cannot link that bitcode: both versions named
+        print(f"sm90_report: no NVSHMEM rows ({str(exc).splitlines()[-1].strip(' -')})", file=sys.stderr)
         return []
     from moe_ep.kernels import low_latency as k
 

@@ -10,7 +10,7 @@
 #      $TORCH_INDEX_URL when set. On PyPI for Linux that is the CUDA build (~900 MB plus ~3 GB of
 #      nvidia-* wheels); for the CPU build (~200 MB) run
 #      `TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh`.
-#    - triton>=3.4 (Linux only, ~150-250 MB), numpy (~20 MB), pytest, hypothesis (~2 MB);
+#    - triton>=3.6 (Linux only, ~150-250 MB), numpy (~20 MB), pytest, hypothesis (~2 MB);
 #    - nvidia-nvshmem-cu12==3.8.0 (moe-ep[nvshmem]'s pin, ~280-420 MB, Linux x86_64) only where it is
 #      used: a GPU is present (nvidia-smi works), or MOE_EP_NVSHMEM=1 asks for it (its device bitcode is
 #      what the sm90 NVSHMEM compile checks link; they skip without it). MOE_EP_NO_NVSHMEM=1 always skips
@@ -64,8 +64,8 @@ if [ -n "$(missing torch)" ]; then
     || pipq ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch
 fi
 if [ "$(uname -s)" = Linux ] && [ -n "$(missing triton)" ]; then
-  say "installing triton>=3.4: downloads ~150-250 MB"
-  pipq "triton>=3.4"
+  say "installing triton>=3.6: downloads ~150-250 MB"
+  pipq "triton>=3.6"
 fi
 NEED=$(missing numpy pytest hypothesis)
 if [ -n "$NEED" ]; then

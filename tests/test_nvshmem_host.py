@@ -15,6 +15,8 @@ _real_check_driver = nvshmem.check_driver
 _real_check_torch = nvshmem.check_torch_nvshmem
 _real_check_ibgda = nvshmem.check_ibgda
 _real_check_host = nvshmem.check_host_library
+_real_check_triton_link = nvshmem.check_triton_link
+_real_check_ibgda_bitcode = nvshmem.check_ibgda_bitcode
 
 
 # ---------------------------------------------------------------------------------------------- bitcode finder
@@ -47,7 +49,7 @@ def test_finder_exact_arch_then_closest_lower_then_generic(tmp_path, no_dirs, mo
         nvshmem.find_device_bitcode(60)
     (d / "libnvshmem_device.bc").write_bytes(b"BC")
     assert nvshmem.find_device_bitcode(60) == str(d / "libnvshmem_device.bc")
-    assert nvshmem.extern_libs(89) == {"libnvshmem_device": str(d / "libnvshmem_device_sm_80.bc")}
+    assert nvshmem.extern_libs(89, check=False) == {"libnvshmem_device": str(d / "libnvshmem_device_sm_80.bc")}
 
 
 def test_finder_generic_only_install(tmp_path, no_dirs, monkeypatch):
@@ -114,6 +116,8 @@ def all_ok(monkeypatch, tmp_path):
     monkeypatch.setattr(nvshmem, "check_torch_nvshmem", lambda: None)
     monkeypatch.setattr(nvshmem, "check_host_library", lambda arch=90: None)
     monkeypatch.setattr(nvshmem, "check_ibgda", lambda: None)
+    monkeypatch.setattr(nvshmem, "check_triton_link", lambda arch=90, trial=None: None)
+    monkeypatch.setattr(nvshmem, "check_ibgda_bitcode", lambda arch=90: None)
     import torch
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     return d
@@ -128,6 +132,94 @@ def test_missing_wheel(all_ok, monkeypatch, no_dirs):
         nvshmem.check_available(internode=False)
     assert ei.value.missing == ["wheel"]
     assert "pip install 'moe-ep[nvshmem]'" in str(ei.value) and "NVSHMEM_LIB_DIR" in str(ei.value)
+
+
+# ---------------------------------------------------------------------------------------------- Triton links it
+@pytest.fixture
+def triton36_nvshmem38(monkeypatch, tmp_path):
+    """Triton 3.6 (LLVM 22.0.0git) and NVSHMEM 3.8.0's bitcode (LLVM 22.1.8), as on a GPU machine with torch 2.11's
+    Triton and moe-ep[nvshmem]; the trial link fails as Triton 3.6's does."""
+    d = _lib(tmp_path, "lib", ["libnvshmem_device_sm_90.bc"])
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
+    monkeypatch.setattr(nvshmem, "triton_version", lambda: "3.6.0")
+    monkeypatch.setattr(nvshmem, "triton_llvm_version", lambda: "22.0.0git")
+    monkeypatch.setattr(nvshmem, "bitcode_llvm_version", lambda path: "22.1.8")
+    monkeypatch.setattr(nvshmem, "bitcode_nvshmem_version", lambda path: "3.8.0")
+    trials = []
+
+    def fake_trial(key, path, size, mtime):
+        trials.append(path)
+        return f"ValueError: Failed to parse library at {path}"
+    monkeypatch.setattr(nvshmem, "_trial_link", fake_trial)
+    return trials
+
+
+def test_triton_cannot_link_names_both_versions_and_the_fix(triton36_nvshmem38):
+    msg = nvshmem.check_triton_link(90)
+    assert triton36_nvshmem38, "a newer bitcode than Triton's LLVM is tried, not refused on versions alone"
+    for part in ("Triton 3.6.0", "LLVM 22.0.0git", "NVSHMEM 3.8.0", "LLVM 22.1.8", "libnvshmem_device_sm_90.bc",
+                 "Failed to parse library", "triton>=3.8", "NVSHMEM 3.4.5", "no IBGDA device code"):
+        assert part in msg, (part, msg)
+    with pytest.raises(NvshmemUnavailableError) as ei:
+        nvshmem.extern_libs(90)
+    assert ei.value.missing == ["triton"] and "Triton 3.6.0" in str(ei.value) and "NVSHMEM 3.8.0" in str(ei.value)
+    assert nvshmem.extern_libs(90, check=False)["libnvshmem_device"].endswith("libnvshmem_device_sm_90.bc")
+    # trial=False trusts the versions: a newer LLVM release than Triton's is refused without linking
+    triton36_nvshmem38.clear()
+    assert "LLVM 22.1.8" in nvshmem.check_triton_link(90, trial=False) and not triton36_nvshmem38
+
+
+def test_triton_link_in_check_available(all_ok, triton36_nvshmem38, monkeypatch):
+    monkeypatch.setattr(nvshmem, "check_triton_link", _real_check_triton_link)
+    with pytest.raises(NvshmemUnavailableError) as ei:
+        nvshmem.check_available(internode=False)
+    assert ei.value.missing == ["triton"] and "triton>=3.8" in str(ei.value)
+
+
+def test_older_bitcode_links_without_a_trial(triton36_nvshmem38, monkeypatch):
+    """Bitcode from an older LLVM release than Triton's is read (LLVM reads older bitcode): no trial link."""
+    monkeypatch.setattr(nvshmem, "bitcode_llvm_version", lambda path: "18.1.1")
+    assert nvshmem.check_triton_link(90) is None and not triton36_nvshmem38
+    monkeypatch.setattr(nvshmem, "bitcode_llvm_version", lambda path: None)  # unknown: tried once
+    assert "LLVM ?" in nvshmem.check_triton_link(90) and len(triton36_nvshmem38) == 1
+
+
+def test_ibgda_bitcode_check(all_ok, monkeypatch):
+    monkeypatch.setattr(nvshmem, "check_ibgda_bitcode", _real_check_ibgda_bitcode)
+    monkeypatch.setattr(nvshmem, "bitcode_nvshmem_version", lambda path: "3.4.5")
+    assert nvshmem.check_available(internode=False)  # a fake file without the symbol: fine inside a node
+    with pytest.raises(NvshmemUnavailableError) as ei:
+        nvshmem.check_available(internode=True)
+    assert ei.value.missing == ["ibgda"] and "NVSHMEM 3.4.5" in str(ei.value) and "CPU proxy" in str(ei.value)
+    (all_ok / "libnvshmem_device_sm_90.bc").write_bytes(b"BC\xc0\xde...nvshmemi_ibgda_device_state_d...")
+    assert nvshmem.check_available(internode=True)
+
+
+def test_version_readers_on_this_machine():
+    """The real readers: Triton's bundled LLVM and, when a bitcode is installed, its producer, NVSHMEM release and
+    the link verdict (measured combinations in TRITON_LLVM / NVSHMEM_BITCODE must agree with them)."""
+    import triton
+
+    t_llvm = nvshmem.triton_llvm_version()
+    major_minor = ".".join(triton.__version__.split(".")[:2])
+    if major_minor in nvshmem.TRITON_LLVM:
+        assert t_llvm == nvshmem.TRITON_LLVM[major_minor]
+    assert nvshmem.bitcode_llvm_version(os.devnull) is None
+    try:
+        path = nvshmem.find_device_bitcode(90)
+    except FileNotFoundError:
+        pytest.skip("no NVSHMEM device bitcode (pip install 'moe-ep[nvshmem]')")
+    b_llvm, release = nvshmem.bitcode_llvm_version(path), nvshmem.bitcode_nvshmem_version(path)
+    assert b_llvm is not None, path
+    if release in nvshmem.NVSHMEM_BITCODE:
+        assert (b_llvm, nvshmem.bitcode_has_ibgda(path)) == nvshmem.NVSHMEM_BITCODE[release]
+    if t_llvm is None:
+        return
+    msg = nvshmem.check_triton_link(90)
+    older = nvshmem._vt(b_llvm) < nvshmem._vt(t_llvm)
+    assert (msg is None) == older or nvshmem._vt(b_llvm) == nvshmem._vt(t_llvm), msg
+    if msg is not None:
+        assert f"Triton {triton.__version__}" in msg and f"LLVM {b_llvm}" in msg
 
 
 def test_no_cuda_device_cpu_torch(monkeypatch, tmp_path):
@@ -563,12 +655,32 @@ print(json.dumps(out))
 '''
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def _linkable_bitcode_or_skip() -> str:
+    """The sm_90 bitcode when this Triton can link it; else skip with one line naming both versions."""
     try:
-        nvshmem.find_device_bitcode(90)
+        path = nvshmem.find_device_bitcode(90)
     except FileNotFoundError:
         pytest.skip("no NVSHMEM device bitcode (pip install 'moe-ep[nvshmem]')")
+    if nvshmem.check_triton_link(90) is not None:
+        import triton
+        pytest.skip(f"Triton {triton.__version__} (LLVM {nvshmem.triton_llvm_version()}) cannot link NVSHMEM "
+                    f"{nvshmem.bitcode_nvshmem_version(path)}'s bitcode (LLVM {nvshmem.bitcode_llvm_version(path)}): "
+                    "moe_ep.nvshmem.check_triton_link")
+    return path
+
+
+def _no_ibgda_reason(path: str) -> str:
+    return (f"NVSHMEM {nvshmem.bitcode_nvshmem_version(path)}'s bitcode {os.path.basename(path)} has no IBGDA device "
+            "code (puts go through the CPU proxy): no doorbell to check")
+
+
+#: NVSHMEM's put-with-signal routine: ``nvshmemi_transfer_put_signal_dispatch`` in 3.8, ``..._put_signal`` in 3.4
+_PUT_SIGNAL = ("nvshmemi_transfer_put_signal_dispatch", "nvshmemi_transfer_put_signal")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    _linkable_bitcode_or_skip()
     from moe_ep.testing.sm90 import compile_in_subprocess
 
     out = tmp_path_factory.mktemp("nvshmem_ptx")
@@ -581,11 +693,15 @@ def tiny(tmp_path_factory):
 def test_sm90_block_put_signal_rings_the_ibgda_doorbell(tiny):
     ptx, ttir = tiny["tiny_block"]
     for r in (scan_nvshmem_ptx(ptx, ttir), scan_nvshmem_ptx(ptx)):   # exact (TTIR) and PTX-only entry points
+        assert r["entry_points"] == {"nvshmemx_putmem_signal_nbi_block": "block"}
+        assert [r["internal"][n] for n in _PUT_SIGNAL if n in r["internal"]] == [["block"]], r["internal"]
+        assert r["thread_scoped"] == []
+    path = nvshmem.find_device_bitcode(90)
+    if not nvshmem.bitcode_has_ibgda(path):
+        pytest.skip(_no_ibgda_reason(path))
+    for r in (scan_nvshmem_ptx(ptx, ttir), scan_nvshmem_ptx(ptx)):
         assert r["ibgda_doorbell"] and r["doorbell_stores"] > 0, "no st.mmio doorbell: not the IBGDA path"
         assert r["ibgda_state"]
-        assert r["entry_points"] == {"nvshmemx_putmem_signal_nbi_block": "block"}
-        assert r["internal"]["nvshmemi_transfer_put_signal_dispatch"] == ["block"]
-        assert r["thread_scoped"] == []
     assert scan_nvshmem_ptx(ptx)["device_lib_version"] == nvshmem.WHEEL_VERSION or nvshmem._wheel_lib_dir() is None \
         or os.environ.get("NVSHMEM_LIB_DIR")
 
@@ -596,7 +712,7 @@ def test_sm90_thread_scoped_put_signal_is_flagged(tiny):
     assert with_ttir["entry_points"] == {"nvshmem_putmem_signal_nbi": "thread"}
     assert "nvshmem_putmem_signal_nbi" in with_ttir["thread_scoped"]
     # from the PTX alone: NVSHMEM's put-with-signal routine instantiated for a single thread
-    assert "nvshmemi_transfer_put_signal_dispatch<thread>" in ptx_only["thread_scoped"]
+    assert any(f"{n}<thread>" in ptx_only["thread_scoped"] for n in _PUT_SIGNAL), ptx_only["thread_scoped"]
 
 
 # ---------------------------------------------------------------------------------------------- report rows
@@ -614,10 +730,9 @@ def test_sm90_report_nvshmem_rows():
     """perf/sm90_report.py --nvshmem: the low-latency kernels with TRANSPORT = NVSHMEM link the sm_90 bitcode, take
     the IBGDA path (doorbell), call only the block-scoped / PE-wide entry points the device module declares, and no
     thread-scoped transfer. About 40 s per row on two cores."""
-    try:
-        nvshmem.find_device_bitcode(90)
-    except FileNotFoundError:
-        pytest.skip("no NVSHMEM device bitcode (pip install 'moe-ep[nvshmem]')")
+    path = _linkable_bitcode_or_skip()
+    if not nvshmem.bitcode_has_ibgda(path):
+        pytest.skip(_no_ibgda_reason(path))
     from moe_ep.testing.sm90 import compile_in_subprocess
 
     out = compile_in_subprocess(REPORT, ["--nvshmem", "--filter", "NVSHMEM"], "the NVSHMEM report rows", timeout_s=1200.0)

@@ -49,7 +49,7 @@ def _copy_checkout(dest: pathlib.Path) -> pathlib.Path:
     except (OSError, subprocess.CalledProcessError):
         files = None
     if files is None:
-        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info"))
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".git", ".venv", ".cache", "__pycache__", "*.egg-info"))
         return dest
     for f in files:
         src = ROOT / f
@@ -246,6 +246,10 @@ def test_setup_and_readme_name_the_torch_wheel():
     assert 'echo "    . $ROOT/.venv/bin/activate" >&2' in setup_sh
     assert "MOE_EP_NVSHMEM=1" in quick and "MOE_EP_NO_NVSHMEM=1" in quick
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    # the oldest supported Triton's compile check runs after it, time-boxed, and the README documents it
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "timeout" in ci and "scripts/compile_oldest_triton.sh" in ci.split("bash scripts/test.sh", 1)[1]
+    assert "scripts/compile_oldest_triton.sh" in (ROOT / "README.md").read_text()
 
 
 # --------------------------------------------------------------------------------------------------
