@@ -147,12 +147,12 @@ def _comb_send_body_ll(
     stamp = (tl.load(stamp_ptr + s) << 16) | (rank + 1)
     dst32s = _peer(buffer_ptrs, dst_rank, dst_off, tl.int32)
     for k in tl.static_range(K):
-        src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+        sel = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
         if TRANSPORT == PEER:
-            at = offs_t.to(tl.int64) * K + k
+            at_s = offs_t.to(tl.int64) * K + k
         else:
-            at = tl.where(src >= 0, src, 0).to(tl.int64)
-        tl.store(dst32s + at * (CS // 4), stamp + offs_t * 0, mask=src >= 0)
+            at_s = tl.where(sel >= 0, sel, 0).to(tl.int64)
+        tl.store(dst32s + at_s * (CS // 4), stamp + offs_t * 0, mask=sel >= 0)
     tl.debug_barrier()
     if FMT < 2:
         # BF16 / FP16: the 16-bit rows as they are.
