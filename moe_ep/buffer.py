@@ -394,7 +394,7 @@ class Buffer:
 
         t, e = num_max_dispatch_tokens_per_rank, num_experts
         dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)  # header + BF16 or FP8+scales
-        combine_msg = hidden * 2
+        combine_msg = hidden // 128 * 4 + hidden * 2  # DeepEP's combine message: scales (nv_bfloat162) + BF16 row
         send = max(t * dispatch_msg, e * t * combine_msg)
         recv = e * t * max(dispatch_msg, combine_msg)
         deepep = 2 * (send + recv + e * 4)

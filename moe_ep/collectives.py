@@ -278,16 +278,24 @@ def all_reduce(tensor: torch.Tensor, group=None, *, algorithm: str = "auto", ran
     rank = dist.get_rank(group)
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
+    # Everything the ranks must agree on is compared before any collective (a group creation included): the
+    # algorithm as "auto" resolves it under this rank's tiers, and the tree's masters as the algorithm uses them.
+    G = ranks_per_node or _default_ranks_per_node(world)
+    if G < 1 or world % G:
+        raise ValueError(f"ranks_per_node={G} must divide the group size {world}")
+    resolved = algorithm
+    if algorithm == "auto" and world > 1 and tensor.numel() > 0:
+        resolved = choose_algorithm(tensor.numel() * tensor.element_size(), G, world // G, tiers)
+    masters = f"{local_master % G}/{global_master % (world // G)}" if resolved == "tree" else "-"
     _arrival(group, rank, world, timeout_s).arrive("all_reduce", {
         "numel": tensor.numel(), "dtype": str(tensor.dtype).replace("torch.", ""), "op": opn,
-        "algorithm": algorithm, "ranks_per_node": ranks_per_node or "-"})
+        "algorithm": algorithm if resolved == algorithm else f"{algorithm} -> {resolved}",
+        "ranks_per_node": ranks_per_node or "-", "local_master/global_master": masters})
     if world == 1 or tensor.numel() == 0:
         return tensor
-    if algorithm in ("auto", "tree", "hierarchical"):
+    algorithm = resolved
+    if algorithm in ("tree", "hierarchical"):
         topo = node_topology(group, ranks_per_node)
-        if algorithm == "auto":
-            algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), topo.ranks_per_node,
-                                         topo.num_nodes, tiers)
     flat = tensor.reshape(-1).contiguous()
     if algorithm == "flat":
         dist.all_reduce(flat, op=getattr(dist.ReduceOp, opn), group=group)

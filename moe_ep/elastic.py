@@ -448,9 +448,12 @@ class ElasticBuffer:
                                scales, cumulative_local_expert_recv_stats, num_local, data.device)
             return num_local
 
-        num_local = self._refusing("dispatch", checks)
+        def checks_and_layout():
+            # the layout checks the expert ids' values (range, repeats): a refusal there reaches the peers too
+            return checks(), self._buf.get_dispatch_layout(topk_idx, num_experts)
+
+        num_local, (per_rank, _, per_expert, in_rank, _) = self._refusing("dispatch", checks_and_layout)
         K = topk_idx.shape[1]
-        per_rank, _, per_expert, in_rank, _ = self._buf.get_dispatch_layout(topk_idx, num_experts)
         weights = topk_weights if topk_weights is not None else torch.zeros(n, K, dtype=torch.float32,
                                                                             device=data.device)
         worst = 0 if do_cpu_sync else num_max * self.num_ranks

@@ -164,7 +164,7 @@ def _low_latency_cases() -> list[Case]:
         gc = max(min(p2(G), 8), 4 if ue8m0 else 1)
         cases.append(_case(
             "ll_dispatch_send", f"{fmt} H={H} T={T} E={E} EP{R}", k._ll_dispatch_send_kernel,
-            {"x_ptr": "*bf16" if fp8 else "*i16", "topk_ptr": "*i64", **_SYMM_PTRS},
+            {"x_ptr": "*bf16" if fp8 else "*i16", "topk_ptr": "*i64", "stamp_ptr": "*i32", **_SYMM_PTRS},
             {"rank": _RANK, "N": T, "T": T, "L": L, "E": E, "R": R, "num_token_progs": T, "timeout_ns": _TIMEOUT_NS,
              **offs},
             {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": _hdr(H, fp8), "BLOCK_T": 1, "CHUNK_T": 32, "BLOCK_E": 64,
@@ -177,7 +177,7 @@ def _low_latency_cases() -> list[Case]:
             "ll_dispatch_recv", f"{fmt} H={H} T={T} E={E} EP{R}", k._ll_dispatch_recv_kernel,
             {"buf_ptr": "*u8", "signal_ptrs": "*i64", "status_ptr": "*i32", "recv_x_ptr": "*u8" if fp8 else "*i16",
              "recv_s_ptr": "*i32", "recv_count_ptr": "*i32", "stats_ptr": "*i32", "wait_stats_ptr": "*i64",
-             "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32"},
+             "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", "stamp_ptr": "*i32"},
             {"stride_sl": sw * tm if fp8 else 0, "stride_sg": tm if fp8 else 0, "rank": _RANK, "T": T, "L": L, "R": R,
              "timeout_ns": _TIMEOUT_NS, **offs},
             {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": _hdr(H, fp8), "SW": sw, "SWP": p2(sw), "BLOCK_T": 4,
@@ -187,15 +187,15 @@ def _low_latency_cases() -> list[Case]:
     comb = {"comb_off": slot_base + lay.comb_off, "sig_off": sig["SLOT_WORDS"]}
     cases.append(_case(
         "ll_combine_send", f"BF16 H={H} T={T} E={E} EP{R}", k._ll_combine_send_kernel,
-        {"x_ptr": "*i16", "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", **_SYMM_PTRS},
+        {"x_ptr": "*i16", "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", "stamp_ptr": "*i32", **_SYMM_PTRS},
         {"stride_xl": RT * H, "stride_xr": H, "rank": _RANK, "T": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
         {"H": H, "K": KT, "KP": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "COMB_BUSY": sig["COMB_BUSY"],
          "COMB_FULL": sig["COMB_FULL"], "COMB_SEND_CNT": sig["COMB_SEND_CNT"]}))
     cases.append(_case(
         "ll_combine_recv", f"BF16 H={H} T={T} top-{KT} EP{R}", k._ll_combine_recv_kernel,
         {"buf_ptr": "*u8", "topk_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*i16", "signal_ptrs": "*i64",
-         "status_ptr": "*i32", "wait_stats_ptr": "*i64"},
-        {"rank": _RANK, "N": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
+         "status_ptr": "*i32", "wait_stats_ptr": "*i64", "stamp_ptr": "*i32"},
+        {"rank": _RANK, "N": T, "R": R, "E": E, "timeout_ns": _TIMEOUT_NS, **comb},
         {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "HAS_WAIT_STATS": True, "COMB_BUSY": sig["COMB_BUSY"],
          "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"]},
         options={"enable_fp_fusion": False}))
@@ -204,7 +204,7 @@ def _low_latency_cases() -> list[Case]:
                            ("FP8 wire, FP16 x", 2, True)):
         cases.append(_case(
             "ll_combine_send_fmt", f"{what} H={H} T={T} E={E} EP{R}", k._ll_combine_send_fmt_kernel,
-            {"x_ptr": "*i16", "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", **_SYMM_PTRS},
+            {"x_ptr": "*i16", "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", "stamp_ptr": "*i32", **_SYMM_PTRS},
             {"stride_xl": RT * H, "stride_xr": H, "rank": _RANK, "T": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
             {"H": H, "K": KT, "KP": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "COMB_BUSY": sig["COMB_BUSY"],
              "COMB_FULL": sig["COMB_FULL"], "COMB_SEND_CNT": sig["COMB_SEND_CNT"], "FMT": fmt, "IN_F16": f16,
@@ -213,8 +213,8 @@ def _low_latency_cases() -> list[Case]:
         cases.append(_case(
             "ll_combine_recv_fmt", f"{what} H={H} T={T} top-{KT} EP{R}", k._ll_combine_recv_fmt_kernel,
             {"buf_ptr": "*u8", "topk_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*i16", "signal_ptrs": "*i64",
-             "status_ptr": "*i32", "wait_stats_ptr": "*i64"},
-            {"rank": _RANK, "N": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
+             "status_ptr": "*i32", "wait_stats_ptr": "*i64", "stamp_ptr": "*i32"},
+            {"rank": _RANK, "N": T, "R": R, "E": E, "timeout_ns": _TIMEOUT_NS, **comb},
             {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "HAS_WAIT_STATS": True,
              "COMB_BUSY": sig["COMB_BUSY"], "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"],
              "FMT": fmt, "OUT_F16": f16},

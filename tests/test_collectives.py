@@ -162,3 +162,28 @@ def test_netns_two_hosts_bytes_across():
     assert 2 * m <= a["ps"] < 2.3 * m  # the server sends it to both remote ranks
     assert m <= a["hierarchical"] < 1.15 * m  # two shards, (H-1)/H of each, twice
     assert a["flat"] > m
+
+
+def _disagree(rank, world, what):
+    from moe_ep.collectives import Tiers, all_reduce
+    from moe_ep.sync import CallMismatchError
+
+    x = torch.full((8,), float(rank + 1))
+    try:
+        if what == "local_master":
+            all_reduce(x, algorithm="tree", ranks_per_node=2, local_master=1 if rank == 1 else 0, timeout_s=10)
+        else:  # "auto" resolves to tree on ranks 0, 1 and to flat on ranks 2, 3
+            t = Tiers(bw_inter=1e6) if rank < 2 else Tiers(bw_inter=1e12, alpha_inter=1e-9)
+            all_reduce(x, algorithm="auto", ranks_per_node=2, tiers=t, timeout_s=10)
+    except CallMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["local_master", "tiers"])
+def test_disagreeing_masters_or_resolved_algorithm_raise_mismatch(what):
+    """Arguments that change who talks to whom (the tree's masters, the algorithm "auto" picks) are compared at
+    arrival: CallMismatchError on every rank at once, not a hang or a gloo timeout."""
+    out = launch(_disagree, 4, what, timeout_s=60, pg_timeout_s=15)
+    key = "local_master" if what == "local_master" else "algorithm"
+    assert all(key in o for o in out), out

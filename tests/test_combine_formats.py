@@ -197,7 +197,8 @@ from moe_ep.kernels import low_latency as ll, intranode as im
 
 H, K = 7168, 8
 PTRS = {"x_ptr": "*i16", "topk_ptr": "*i64", "buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32",
-        "buf_ptr": "*u8", "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*i16",
+        "buf_ptr": "*u8", "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", "stamp_ptr": "*i32", "w_ptr": "*fp32",
+        "out_ptr": "*i16",
         "wait_stats_ptr": "*i64", "acc_ptr": "*fp32", "wout_ptr": "*fp32", "pos_ptr": "*i32"}
 I64 = ("timeout_ns", "comb_off", "stride_xl", "stride_xr", "area_off")
 DIV16 = ("comb_off", "stride_xl", "stride_xr", "T", "W")

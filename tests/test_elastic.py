@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 
+import time
+
 import pytest
 import torch
 
@@ -395,6 +397,29 @@ def _one_rank_refuses(rank, world):
 def test_a_refusal_on_one_rank_reaches_the_others():
     res = launch(_one_rank_refuses, 2, timeout_s=60)
     assert all(r != "ok" for r in res), res
+
+
+def _one_rank_bad_expert(rank, world):
+    eb = _make("torch", world, timeout_s=20)
+    inp = make_all_inputs(world, 5, HIDDEN, 8, 3, seed=2)[rank]
+    idx = inp.topk_idx.clone()
+    if rank == 0:
+        idx[0, 0] = 8  # == num_experts
+    t0 = time.monotonic()
+    first = _outcome(lambda: eb.dispatch(inp.x, idx, inp.topk_weights, num_experts=8))
+    took = time.monotonic() - t0
+    again = _outcome(lambda: eb.dispatch(inp.x, inp.topk_idx, inp.topk_weights, num_experts=8))  # still usable
+    return first, took, again
+
+
+def test_an_expert_id_refusal_reaches_the_others_at_once():
+    """An out-of-range expert id on one rank (checked by the layout): every rank raises at once, the peer naming
+    the refusing rank, and the next call works (issue 33)."""
+    res = launch(_one_rank_bad_expert, 2, timeout_s=90)
+    assert res[0][0].startswith("ValueError") and "outside" in res[0][0], res
+    assert "rank 0" in res[1][0] and "RankTimeoutError" not in res[1][0], res
+    assert all(took < 10 for _, took, _ in res), res
+    assert [again for _, _, again in res] == ["ok", "ok"], res
 
 
 def _constructor(rank, world):

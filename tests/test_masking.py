@@ -143,3 +143,154 @@ def _refusals(rank, world):
 
 def test_refusals():
     assert launch(_refusals, 2, timeout_s=60) == [[True] * 7] * 2
+
+
+# ---------------------------------------------------------------------- failure semantics (issue 33), virtual ranks
+def _virtual(R, T_, H_, E_, K_, transport, timeout_s=0.3, shrink=True):
+    """``R`` low-latency paths of one process (every phase ordered by hand)."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    if transport == "symm":
+        from moe_ep.backends.symm import virtual_backends
+        from moe_ep.backends.symm_ll import SymmLowLatency
+
+        bks = virtual_backends(R, num_nvl_bytes=0, num_rdma_bytes=SymmLowLatency.size_hint(T_, H_, R, E_, K_),
+                               low_latency_mode=True, device=torch.device("cpu"), timeout_s=timeout_s)
+        paths = [b.ll for b in bks]
+    else:
+        from moe_ep.backends.nvshmem import nvshmem_ll_size_hint, virtual_nvshmem_paths
+
+        paths = virtual_nvshmem_paths(R, nvshmem_ll_size_hint(T_, H_, R, E_, K_), ranks_per_node=R,
+                                      timeout_s=timeout_s)
+    for p in paths:
+        p.shrink = shrink
+    return paths
+
+
+def _send(p, x, idx, T_, E_):
+    return p.dispatch_send(x, idx, T_, E_, use_fp8=False, round_scale=False, use_ue8m0=False)
+
+
+@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
+def test_late_writer_row_is_rejected(transport):
+    """A masked but still-running rank S whose OLD combine send lands in a survivor's slot (t, k), which now holds a
+    live rank's row of a later call: the survivor never sums it (its stamp is not this call's): NaN + status."""
+    R, T_, H_, E_, K_ = 3, 1, 128, 3, 2
+    P, D, S = 0, 1, 2
+    paths = _virtual(R, T_, H_, E_, K_, transport)
+    x = lambda v: torch.full((1, H_), float(v), dtype=torch.bfloat16)  # noqa: E731
+    w = torch.ones(1, K_)
+    idx0 = {P: torch.tensor([[0, 2]]), D: torch.tensor([[1, 0]]), S: torch.tensor([[2, 1]])}
+    st = {r: _send(paths[r], x(10 + r), idx0[r], T_, E_) for r in range(R)}
+    res0 = {r: paths[r].dispatch_recv(st[r]) for r in range(R)}
+    cs = {r: paths[r].combine_send(res0[r].recv_x, idx0[r], w, res0[r].handle) for r in (P, D)}
+    for r in (P, D):
+        paths[r].combine_recv(cs[r])  # S never combined: masked by both
+    assert paths[P].mask.tolist()[S] and paths[D].mask.tolist()[S]
+    idx = {P: torch.tensor([[0, 1]]), D: torch.tensor([[1, 0]])}
+    for call in (1, 2):
+        st = {r: _send(paths[r], x(20 + r), idx[r], T_, E_) for r in (P, D)}
+        res = {r: paths[r].dispatch_recv(st[r]) for r in (P, D)}
+        cs = {r: paths[r].combine_send(res[r].recv_x, idx[r], w, res[r].handle) for r in (P, D)}
+        if call == 2:  # S's stalled call-0 combine send resumes now, into P's slot (0, 1) that D wrote
+            paths[S].combine_send((res0[S].recv_x.float() * 100).to(torch.bfloat16), idx0[S], w, res0[S].handle)
+            with pytest.raises(RuntimeError, match="stamp"):
+                paths[P].combine_recv(cs[P])
+            assert torch.isnan(cs[P].out.float()).all()  # never 1020 (S's row in D's place)
+            assert paths[D].combine_recv(cs[D])[0, 0].item() == 42.0  # D's own slots were not touched
+        else:
+            assert [paths[r].combine_recv(cs[r])[0, 0].item() for r in (P, D)] == [40.0, 42.0]
+
+
+@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
+def test_rank_dead_between_dispatch_and_combine_adds_zero(transport):
+    """A rank that dies after its dispatch and before its combine: survivors mask it during the combine wait and
+    add exactly 0 for its experts (not its rows of an earlier call in the same slot)."""
+    R, T_, H_, E_, K_ = 3, 2, 128, 6, 2
+    paths = _virtual(R, T_, H_, E_, K_, transport)
+
+    def inputs(step, r):
+        idx = torch.tensor([[r * 2 % E_, 4], [(r * 2 + 1) % E_, 5]])
+        idx[idx[:, 0] == idx[:, 1], 1] = 3
+        return torch.full((2, H_), float(step + 1), dtype=torch.bfloat16), idx
+
+    for step in range(3):
+        st = [_send(p, *inputs(step, r), T_, E_) for r, p in enumerate(paths)]
+        res = [p.dispatch_recv(s) for p, s in zip(paths, st)]
+        alive = range(R) if step < 2 else (0, 1)  # rank 2 dies between its step-2 dispatch and combine
+        cs = {r: paths[r].combine_send(res[r].recv_x, inputs(step, r)[1], torch.ones(2, K_), res[r].handle)
+              for r in alive}
+        outs = {r: paths[r].combine_recv(cs[r])[:, 0].tolist() for r in alive}
+    assert outs == {0: [3.0, 3.0], 1: [3.0, 3.0]}  # 3.0 from the live expert, 0 from rank 2's (stale: 1.0)
+    assert [paths[r].mask.tolist()[2] for r in (0, 1)] == [2, 2]
+
+
+@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
+def test_expert_id_out_of_range_unchecked(transport):
+    """Host checks off (check_inputs=False, graph capture): an expert id >= E. The token's output is NaN (no stale
+    row is summed), the step completes on every rank, and the status word says STATUS_BAD_EXPERT."""
+    R, T_, H_, E_, K_ = 2, 2, 128, 4, 2
+    paths = _virtual(R, T_, H_, E_, K_, transport, timeout_s=5, shrink=False)
+    good = [torch.tensor([[0, 1], [2, 3]]), torch.tensor([[0, 2], [1, 3]])]
+
+    def step(idxs, val):
+        st = [_send(p, torch.full((2, H_), val, dtype=torch.bfloat16), i, T_, E_) for p, i in zip(paths, idxs)]
+        res = [p.dispatch_recv(s) for p, s in zip(paths, st)]
+        cs = [p.combine_send(r.recv_x, i, torch.ones(2, K_), r.handle) for p, r, i in zip(paths, res, idxs)]
+        outs, errs = [], []
+        for p, c in zip(paths, cs):
+            try:
+                outs.append(p.combine_recv(c))
+                errs.append(None)
+            except RuntimeError as exc:
+                outs.append(c.out)
+                errs.append(str(exc))
+        return outs, errs
+
+    step(good, 1.0)
+    step(good, 2.0)
+    outs, errs = step([torch.tensor([[0, 4], [2, 3]]), good[1]], 3.0)
+    assert "expert id >= num_experts" in errs[0] and errs[1] is None
+    assert torch.isnan(outs[0][0].float()).all() and outs[0][1, 0].item() == 6.0  # token 1 exact
+    assert outs[1][:, 0].tolist() == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
+def test_dispatch_dtype_is_in_the_call_signature(transport):
+    """BF16 on one rank and FP16 on another (use_fp8=False): the bits would be reinterpreted; CallMismatchError on
+    both ranks, naming the flags field."""
+    from moe_ep.sync import CallMismatchError
+
+    paths = _virtual(2, 2, 128, 2, 1, transport, timeout_s=5, shrink=False)
+    st = [_send(p, torch.full((1, 128), 1.5, dtype=dt), torch.tensor([[1 - r]]), 2, 2)
+          for r, (p, dt) in enumerate(zip(paths, (torch.bfloat16, torch.float16)))]
+    for p, s in zip(paths, st):
+        with pytest.raises(CallMismatchError, match="flags"):
+            p.dispatch_recv(s)
+
+
+@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
+def test_rejoin_after_clean_realigns_double_buffers(transport):
+    """Rank 1 taken out for one (odd) step, rank 0 serves alone, then the README's rejoin (clean on every rank):
+    both ranks resume on the same slots and exchange again (no timeouts, no new masks)."""
+    H_ = 128
+    paths = _virtual(2, 1, H_, 2, 1, transport)
+    x = torch.ones(1, H_, dtype=torch.bfloat16)
+    w = torch.ones(1, 1)
+    cross = {0: torch.tensor([[1]]), 1: torch.tensor([[0]])}
+
+    def step(ranks, idx):
+        st = {r: _send(paths[r], x * (r + 1), idx[r], 1, 2) for r in ranks}
+        res = {r: paths[r].dispatch_recv(st[r]) for r in ranks}
+        cs = {r: paths[r].combine_send(res[r].recv_x, idx[r], w, res[r].handle) for r in ranks}
+        return {r: paths[r].combine_recv(cs[r])[0, 0].item() for r in ranks}
+
+    assert step((0, 1), cross) == {0: 1.0, 1: 2.0}
+    for p in paths:
+        p.update_mask(1, True)
+    assert step((0,), {0: torch.tensor([[0]])}) == {0: 1.0}
+    for p in paths:
+        p.clean_mask()
+    assert step((0, 1), cross) == {0: 1.0, 1: 2.0}
+    assert [p.mask.tolist() for p in paths] == [[0, 0], [0, 0]]

@@ -8,6 +8,7 @@ import os
 import zlib
 
 import pytest
+import torch
 import triton
 import triton.language as tl
 
@@ -83,3 +84,26 @@ def test_emulation_delivers_nbi_puts_only_after_quiet(order, with_quiet, payload
     sig, total = launch(_put_signal_rank, 2, order, with_quiet, timeout_s=120)[1]
     assert sig == 1
     assert (total == 7 * 64) == payload_seen, total
+
+
+def test_unmapped_peer_wait_is_a_plain_timeout():
+    """enable_shrink, a peer on another node (no mapping, so no readable heartbeat) that never calls: it is masked
+    after about timeout_s, not HB_CAP x timeout_s (the wait used to read this rank's own, ever-changing heartbeat)."""
+    import time
+    import warnings
+
+    from moe_ep.backends.nvshmem import NvshmemBackend, virtual_nvshmem_paths
+
+    warnings.simplefilter("ignore")
+    timeout = 0.5
+    paths = virtual_nvshmem_paths(2, NvshmemBackend.get_low_latency_size_hint(1, 128, 2, 2, 1), ranks_per_node=1,
+                                  timeout_s=timeout)
+    for p in paths:
+        p.shrink = True
+    st = paths[0].dispatch_send(torch.ones(1, 128, dtype=torch.bfloat16), torch.tensor([[0]]), 1, 2, use_fp8=False,
+                                round_scale=False, use_ue8m0=False)
+    t0 = time.monotonic()
+    paths[0].dispatch_recv(st)
+    took = time.monotonic() - t0
+    assert paths[0].mask.tolist() == [0, 2]
+    assert took < 3 * timeout, took  # 4 x timeout_s (2.0 s) before the fix

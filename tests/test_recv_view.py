@@ -189,3 +189,27 @@ def test_a_silent_rank_is_named_not_waited_for(silent):
     for r, res in enumerate(results):
         if r != silent:
             assert res != "no error" and res[0] == [silent] and res[1] < 10, (r, res)
+
+
+@pytest.mark.parametrize("T,H,K", [(3, 256, 1), (5, 384, 2), (2, 128, 3)])
+def test_size_hint_holds_T_tokens_as_a_view(T, H, K):
+    """A buffer sized by get_normal_size_hint(T, ...) takes T BF16 tokens with a receive view (the planes' 64-byte
+    alignment is in the hint) and a view holds the R*T worst-case rows."""
+    from moe_ep.backends.symm import SymmBackend, virtual_backends
+    from moe_ep.backends.symm_normal import SymmNormal
+
+    R = 2
+    sn = virtual_backends(R, num_nvl_bytes=SymmBackend.get_normal_size_hint(T, H, K, R), timeout_s=5)[0].normal
+    words = SymmNormal._dispatch_words(H, K, False)
+    cap = min(sn._cap(words), sn._cap((H // 2 + K + 15) // 16 * 16))
+    view_cap, rows, _ = sn._view_layout(cap, (H // 2, H // 2, H // 2 + 2 * K), words)
+    assert view_cap >= T and rows >= R * T
+
+
+def test_low_latency_rdma_size_hint_covers_deepep():
+    """Buffer.get_low_latency_rdma_size_hint is at least DeepEP's own hint (combine messages carry their scales)."""
+    import moe_ep
+    from moe_ep.backends.symm_ll import deepep_ll_buffer_bytes
+
+    for T, H, R, E in [(128, 7168, 8, 256), (3, 384, 2, 8), (1, 128, 4, 24)]:
+        assert moe_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E) >= deepep_ll_buffer_bytes(T, H, R, E)

@@ -378,7 +378,8 @@ SIG = ll.signal_layout(8)
 H, K = 7168, 8
 PTRS = {"x_ptr": "*bf16", "topk_ptr": "*i64", "buffer_ptrs": "*i64", "signal_ptrs": "*i64", "status_ptr": "*i32",
         "buf_ptr": "*u8", "recv_x_ptr": "*u8", "recv_s_ptr": "*i32", "recv_count_ptr": "*i32", "stats_ptr": "*i32",
-        "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*i16",
+        "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", "stamp_ptr": "*i32", "w_ptr": "*fp32",
+        "out_ptr": "*i16",
         "wait_stats_ptr": "*i64"}
 I64 = ("timeout_ns", "cnt_off", "msg_off", "comb_off", "stride_xl", "stride_xr", "stride_sl", "stride_sg")
 # What a launch specialises: ints and pointers divisible by 16 carry tt.divisibility (these are).

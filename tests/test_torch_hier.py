@@ -74,3 +74,31 @@ def test_bad_ranks_per_node():
         return True
     assert launch(worker, 2, timeout_s=60) == [True, True]
 
+
+
+def _formats_worker(rank, world, G):
+    """The issue-33 combine cases: FP16 ``x`` and ``combine_dtype=torch.float8_e4m3fn`` (``G=None``: flat)."""
+    kw = {} if G is None else {"ranks_per_node": G}
+    buf = moe_ep.Buffer(None, backend="torch", timeout_s=30, **kw)
+    E, N, H, K = 4, 3, 128, 2
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(N, H, generator=g).to(torch.float16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(torch.int64)
+    w = torch.rand(N, K, generator=g)
+    per_rank, _, per_exp, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                                              is_token_in_rank=in_rank, num_tokens_per_expert=per_exp)
+    out16, _, _ = buf.combine(recv_x, handle)
+    out8, _, _ = buf.combine(recv_x.to(torch.bfloat16), handle, combine_dtype=torch.float8_e4m3fn)
+    return out16, out8
+
+
+def test_hier_combine_fp16_and_fp8_wire():
+    """The node-aware combine decodes rows in ``x``'s dtype (FP16 was read as BF16) and takes the FP8 wire format
+    (``fmt=``, a TypeError before); results match the flat path up to float32 reassociation."""
+    flat = launch(_formats_worker, 4, None, timeout_s=120)
+    hier = launch(_formats_worker, 4, 2, timeout_s=120)
+    for (f16, f8), (h16, h8) in zip(flat, hier):
+        assert h16.dtype == torch.float16 and h8.dtype == torch.bfloat16
+        torch.testing.assert_close(h16.float(), f16.float(), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(h8.float(), f8.float(), rtol=1.6e-2, atol=1e-2)

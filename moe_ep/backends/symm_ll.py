@@ -85,26 +85,35 @@ def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _
     #             msg = payload | header, payload = BF16 2H, or FP8 H + scales 4 * H/128 (carved for BF16),
     #             header (at align16(payload): _hdr) = top-k experts + 1 (0 = none) K int32 | positions K int32,
     #             msg 16-aligned; payload and header are contiguous (one put per message on the nvshmem transport)
-    #   comb_off  [T, K, H] bf16                combine: expert output for (own token t, selection k)  2 * T * K * H
+    #   comb_off  [T, K, CS] uint8              combine: expert output for (own token t, selection k)  T * K * CS
+    #             CS = 16 + align16(2H): a 16-byte stamp header (int32 stamp_s << 16 | writer + 1) then the row
+    #             (BF16 / FP16 2H bytes, or the FP8 / LogFMT wire bytes); docs/protocols.md "combine isolation"
     #
     # Regions start 256-byte aligned. DeepSeek-V3 decode (T=128, H=7168, E=256, K=8) at EP8:
-    # msg = 14400 B, 14.7 MB of messages + 14.7 MB combine = 29.4 MB per slot, 58.9 MB per rank.
+    # msg = 14400 B, 14.7 MB of messages + 14.7 MB combine (16 KB of it stamp headers) = 29.4 MB per slot,
+    # 58.9 MB per rank.
     L = E // R
     hdr = _align(2 * hidden, 16)
     msg = _align(hdr + 8 * K, 16)
     cnt_off = 0
     msg_off = _align(4 * R * L, _ALIGN)
     comb_off = _align(msg_off + R * T * msg, _ALIGN)
-    slot_bytes = _align(comb_off + 2 * T * K * hidden, _ALIGN)
+    slot_bytes = _align(comb_off + T * K * comb_row_bytes(hidden), _ALIGN)
     if not transport:
         return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes)
     # nvshmem transport: a sender writes into its own symmetric memory before a put, so one staging area (shared by
     # both slots: a kernel's puts are complete (quiet) before it ends) follows the slots:
-    #   [E] int32 count staging | [L * R*T, 2H] combine staging (the expert rows' wire bytes)
+    #   [E] int32 count staging | [L * R*T, CS] combine staging (stamp header + the expert rows' wire bytes)
     # DeepSeek-V3 decode (T=128, H=7168, E=256): 470 MB whatever the EP size (DeepEP's send buffer is as large).
     comb_stage = _align(4 * E, _ALIGN)
-    stage_bytes = _align(comb_stage + L * R * T * 2 * hidden, _ALIGN)
+    stage_bytes = _align(comb_stage + L * R * T * comb_row_bytes(hidden), _ALIGN)
     return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes, stage_bytes, comb_stage)
+
+
+def comb_row_bytes(hidden: int) -> int:
+    """Bytes of one combine slot ``(t, k)`` (and of one NVSHMEM combine staging row): the 16-byte stamp header, then
+    ``2 * hidden`` bytes (16-aligned) for the row (the kernels' ``_cs(H)``)."""
+    return _align(2 * hidden, 16) + 16
 
 
 def _hdr(hidden: int, use_fp8: bool) -> int:
@@ -141,11 +150,15 @@ class SymmLowLatencyHandle(LowLatencyHandle):
     slot_row: `[R, T, K]` `torch.int32`, where selection (source s, token t, k) landed on this rank:
         ``local_expert * R*T + row``, or -1 (filled by the dispatch receive).
     recv_tokens: `[R]` `torch.int32`, tokens each source sent (filled by the dispatch receive).
+    call_stamps: `[R + 1]` `torch.int32`: entry ``s`` = source ``s``'s stamp of this call (filled by the dispatch
+        receive, written back into every combine row), entry ``R`` = this rank's own (filled by the dispatch send,
+        checked by the combine receive); docs/protocols.md.
     """
 
     num_topk: int = 0
     slot_row: Optional[torch.Tensor] = None
     recv_tokens: Optional[torch.Tensor] = None
+    call_stamps: Optional[torch.Tensor] = None
 
     def selection_slots(self) -> torch.Tensor:
         return self.slot_row
@@ -262,6 +275,8 @@ class SymmLowLatency:
         R = self.symm.world_size
         if E % R != 0:
             raise ValueError(f"{what}: num_experts={E} must be divisible by the number of ranks {R}")
+        if K > 32:  # the combine receive keeps one bit per selection in an int32
+            raise ValueError(f"{what}: num_topk={K} exceeds 32")
         lay = _carve(T, hidden, R, E, K, self.transport)
         have = self._slot_span(lay) if self.symm.nbytes >= lay.stage_bytes else 0
         if lay.slot_bytes > have:
@@ -323,12 +338,19 @@ class SymmLowLatency:
         """Unmask every rank and zero this rank's signal words of the ranks that were masked (a masked rank's
         busy / full words may be left set by the steps it missed). Call it on every rank between steps, once
         every rank has finished the previous step and before a returning rank's first call (e.g. after a host
-        barrier that includes it). Device ops only."""
+        barrier that includes it). Every rank resumes on slot 0 of both double buffers (a CUDA graph captured
+        before must be re-captured: its slots are baked in). Device ops only."""
         R, sig = self.symm.world_size, self.sig
         keep = (self.mask == 0).to(torch.int32)
         words = self.symm.signals[:NUM_SLOTS * sig["SLOT_WORDS"]].view(NUM_SLOTS, sig["SLOT_WORDS"])
+        # Under the precondition (every rank done with its last call) a live rank's words are all 0 already, so every
+        # FULL / BUSY word and signature entry of both slots is zeroed, and every rank restarts on slot 0 of both
+        # double buffers: a rank that was out for an odd number of calls is back in step with the others.
         for name in ("DISP_FULL", "DISP_BUSY", "COMB_FULL", "COMB_BUSY"):
-            words[:, sig[name]:sig[name] + 2 * R:2] *= keep  # one 64-bit word per rank: the low halves
+            words[:, sig[name]:sig[name] + 2 * R] = 0
+        words[:, sig["DISP_SIG"]:sig["COMB_SIG"] + SIG_WORDS * R] = 0
+        self._dispatch_slot = 0
+        self._combine_slot = 0
         # A masked source's messages may sit unread here (headers a receive never cleared): zero its rows, so a later
         # call never reads a stale header as a token that came.
         for off, T, msg in self._msg_areas.values():
@@ -358,6 +380,8 @@ class SymmLowLatency:
             raise ValueError(f"hidden={hidden} must be a multiple of {GROUP} for FP8")
         if n > T:
             raise ValueError(f"{n} tokens exceed num_max_dispatch_tokens_per_rank={T}")
+        if T > 0xFFFE:  # N + 1 travels in the low half of the FULL word (the call stamp in the high half)
+            raise ValueError(f"num_max_dispatch_tokens_per_rank={T} exceeds 65534")
         lay = self._check_capacity(T, hidden, E, K, "low_latency_dispatch")
         round_scale = round_scale or use_ue8m0
         L, RT, dev = E // R, R * T, x.device
@@ -377,7 +401,8 @@ class SymmLowLatency:
         handle = SymmLowLatencyHandle(owner=self.owner, num_tokens=n, hidden=hidden, num_max_dispatch_tokens_per_rank=T,
                                       num_experts=E, num_topk=K,
                                       slot_row=torch.empty(R, T, K, dtype=torch.int32, device=dev),
-                                      recv_tokens=torch.empty(R, dtype=torch.int32, device=dev))
+                                      recv_tokens=torch.empty(R, dtype=torch.int32, device=dev),
+                                      call_stamps=torch.empty(R + 1, dtype=torch.int32, device=dev))
         result = LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, None)
 
         # Launch: token-block programs, then count programs.
@@ -399,10 +424,14 @@ class SymmLowLatency:
         base = self._slot_base(slot, lay)
         s = self.sig
         self._msg_areas[slot] = (base + lay.msg_off, T, lay.msg)
+        # flags: dispatch kind (1), FP8 / rounding / UE8M0, and the 16-bit dtype of a BF16/FP16 send (bits are copied
+        # as they are, so BF16 on one rank and FP16 on another must not match)
+        f16 = int(not use_fp8 and x.dtype == torch.float16)
         self._write_signature(slot, "DISP_SIG", (hidden, T, E * 256 + K,
-                                                 1 | int(use_fp8) << 1 | int(round_scale) << 2 | int(use_ue8m0) << 3))
+                                                 1 | int(use_fp8) << 1 | int(round_scale) << 2 | int(use_ue8m0) << 3
+                                                 | f16 << 4))
         _ll_dispatch_send_kernel[grid](
-            x_arg, topk, symm.buffer_ptrs, symm.signal_ptrs, symm.status,
+            x_arg, topk, symm.buffer_ptrs, symm.signal_ptrs, symm.status, handle.call_stamps,
             symm.rank, n, T, L, E, R, num_token_progs, symm.timeout_ns,
             base + lay.cnt_off, base + lay.msg_off, slot * s["SLOT_WORDS"],
             H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=_hdr(hidden, use_fp8), BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_E=block_e,
@@ -452,7 +481,7 @@ class SymmLowLatency:
             x_view, s_arg, stride_sl, stride_sg,
             res.recv_count, stats if stats is not None else res.recv_count,
             wait_recv_cost_stats if wait_recv_cost_stats is not None else h.recv_tokens,
-            h.slot_row, h.recv_tokens,
+            h.slot_row, h.recv_tokens, h.call_stamps,
             symm.rank, T, L, R, symm.timeout_ns,
             base + lay.cnt_off, base + lay.msg_off, state.slot * s["SLOT_WORDS"],
             H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=_hdr(hidden, state.use_fp8), SW=sw, SWP=_pow2(sw),
@@ -493,7 +522,7 @@ class SymmLowLatency:
             handle.num_topk, handle.hidden
         if topk_idx.shape[1] != K:
             raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns but the dispatch had {K}")
-        if handle.slot_row is None:
+        if handle.slot_row is None or handle.call_stamps is None:
             raise ValueError("this handle does not come from SymmLowLatency.dispatch_send")
         lay = self._check_capacity(T, hidden, E, K, "low_latency_combine")
         n = handle.num_tokens
@@ -519,7 +548,7 @@ class SymmLowLatency:
         self._write_signature(slot, "COMB_SIG", (hidden, T, handle.num_experts * 256 + K,
                                                  16 | int(fmt) << 5 | int(in_f16) << 9))
         _ll_combine_send_fmt_kernel[(R, triton.cdiv(T, block_t))](
-            x16, x16.stride(0), x16.stride(1), handle.slot_row, handle.recv_tokens,
+            x16, x16.stride(0), x16.stride(1), handle.slot_row, handle.recv_tokens, handle.call_stamps,
             symm.buffer_ptrs, symm.signal_ptrs, symm.status,
             symm.rank, T, R, symm.timeout_ns, base + lay.comb_off, slot * s["SLOT_WORDS"],
             H=hidden, K=K, KP=_pow2(K), BLOCK_T=block_t, HC=hc,
@@ -549,18 +578,13 @@ class SymmLowLatency:
             block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
         grid = (triton.cdiv(max(n, 1), block_t), triton.cdiv(hidden, hc))
         base = self._slot_base(state.slot, lay)
-        topk = state.topk_idx
-        if self._shrink:
-            # selections of experts on ranks masked so far become -1 holes (they add exactly 0); device ops only.
-            # NOTES: a rank first masked by a timeout inside THIS launch's wait is not covered: its rows of this one
-            # call are stale (that step is incomplete anyway: re-run it after re-mapping, as the docs say).
-            own = torch.where(topk >= 0, topk // (h.num_experts // R), torch.zeros_like(topk))
-            topk = torch.where(self.mask[own] != 0, torch.full_like(topk, -1), topk)
+        # Selections of experts on masked ranks (masked before or during this launch), with ids outside [0, E), or
+        # whose slot does not carry this call's stamp are decided in the kernel after its waits (docs/protocols.md).
         s = self.sig
         _ll_combine_recv_fmt_kernel[grid](
-            symm.buffer, topk, state.topk_weights, state.out.view(torch.int16), symm.signal_ptrs, symm.status,
-            wait_recv_cost_stats if wait_recv_cost_stats is not None else state.topk_idx,
-            symm.rank, n, R, symm.timeout_ns, base + lay.comb_off, state.slot * s["SLOT_WORDS"],
+            symm.buffer, state.topk_idx, state.topk_weights, state.out.view(torch.int16), symm.signal_ptrs, symm.status,
+            wait_recv_cost_stats if wait_recv_cost_stats is not None else state.topk_idx, h.call_stamps,
+            symm.rank, n, R, h.num_experts, symm.timeout_ns, base + lay.comb_off, state.slot * s["SLOT_WORDS"],
             H=hidden, K=K, BLOCK_T=block_t, HC=hc, HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
             FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, TRANSPORT=self.transport, num_warps=warps,

@@ -166,9 +166,11 @@ class SymmNormal:
 
     @staticmethod
     def size_hint(num_max_tokens: int, hidden: int, num_topk: int, world_size: int) -> int:
-        """``num_nvl_bytes`` that lets every rank send ``num_max_tokens`` tokens (BF16 or FP8, with top-k)."""
+        """``num_nvl_bytes`` that lets every rank send ``num_max_tokens`` tokens (BF16 or FP8, with top-k), with the
+        copying receive or a receive view (``recv_as_view``: its four planes start 64-byte aligned, up to 3 x 64
+        bytes of padding in the dispatch half), and lets a view hold the ``R * num_max_tokens`` worst-case rows."""
         w = max(SymmNormal._dispatch_words(hidden, num_topk, False), _pad16(hidden // 2 + num_topk))
-        return (2 * world_size * max(num_max_tokens, 1) * 4 * w + 255) // 256 * 256
+        return (2 * (world_size * max(num_max_tokens, 1) * 4 * w + 3 * 64) + 255) // 256 * 256
 
     _SIG_FIELDS = ("hidden", "row words (hidden, dtype, scales, top-k)", "num_experts * 256 + top-k", "flags")
 

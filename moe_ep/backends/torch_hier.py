@@ -11,7 +11,8 @@ Wire formats (``uint8`` rows, as in :mod:`moe_ep.backends.torch_a2a`):
 - stage 1 (cross-node) dispatch row: the flat row (``x`` | FP8 scales | ``topk_idx`` | ``topk_weights``)
   followed by ``G`` bytes: which local ranks of the destination node take the token;
 - stage 2 (intra-node) dispatch row: the flat row;
-- stage 2 combine row: BF16 ``2H`` | ``topk_weights`` ``4K``; stage 1 combine row: the node's partial
+- stage 2 combine row: the wire row of ``x`` (BF16 / FP16 ``2H``, or FP8 with ``combine_dtype``) | ``topk_weights``
+  ``4K``; stage 1 combine row: the node's partial
   sum, ``H`` values of ``partial_dtype`` (float32 by default) | ``4K`` weights.
 
 Outputs equal the flat path's: dispatch bitwise (rows in (source rank, token) order, same counts);
@@ -30,6 +31,8 @@ import torch.distributed as dist
 
 from ..collectives import node_topology
 from .base import DispatchResult
+from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, decode_rows, encode_rows
+from ..kernels.logfmt import row_bytes as wire_row_bytes
 from .torch_a2a import (
     TorchBackend,
     TorchDispatchHandle,
@@ -210,14 +213,23 @@ class TorchHierBackend(TorchBackend):
         perm = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
         return perm, flat_counts
 
-    def combine(self, x, handle, topk_weights, bias):
+    def combine(self, x, handle, topk_weights, bias, fmt=None):
+        """As the flat backend's: ``x`` BF16 or FP16 (the output has its dtype), ``fmt`` the stage-2 wire format of
+        the rows (``FMT_FP8``: 1x128 FP8 rows as the flat path's ``encode_rows``; default: ``x``'s 16-bit dtype)."""
         topo = self.topo
         hidden, n = handle.hidden, handle.num_tokens
         num_valid = sum(handle.recv_counts)
-        self.arrival.arrive("combine", {"hidden": hidden,
+        if fmt == FMT_LOGFMT:
+            raise ValueError("LogFMT combine is a low-latency combine format (use combine_dtype=torch.float8_e4m3fn "
+                             "for a compressed normal combine)")
+        if fmt != FMT_FP8:
+            fmt = FMT_FP16 if x.dtype == torch.float16 else FMT_BF16
+        check_hidden(fmt, hidden)
+        self.arrival.arrive("combine", {"hidden": hidden, "x": str(x.dtype).replace("torch.", ""), "fmt": fmt,
                                         "topk_weights": "-" if topk_weights is None else topk_weights.shape[1]})
         # Step 1: rows back to their relays (reverse of the fan-out), in stage-2 receive order.
-        parts = [_bytes(x[:num_valid].index_select(0, handle.perm))]
+        rb = wire_row_bytes(fmt, hidden)
+        parts = [encode_rows(x[:num_valid].index_select(0, handle.perm), fmt)]
         k = 0
         if topk_weights is not None:
             k = topk_weights.shape[1]
@@ -228,9 +240,9 @@ class TorchHierBackend(TorchBackend):
         # NOTES: index_add_ of one block per local rank pins that order (a row appears once per block).
         num_rows1 = sum(handle.recv1_counts)
         part = torch.zeros(num_rows1, hidden + k, dtype=torch.float32, device=x.device)
-        rows = _from_bytes(back2[:, :2 * hidden], torch.bfloat16, hidden).float()
+        rows = decode_rows(back2[:, :rb], fmt, hidden).float()
         if k:
-            rows = torch.cat([rows, _from_bytes(back2[:, 2 * hidden:], torch.float32, k)], dim=1)
+            rows = torch.cat([rows, _from_bytes(back2[:, rb:], torch.float32, k)], dim=1)
         start = 0
         for cnt in handle.send2_counts:
             part.index_add_(0, handle.send2_idx[start:start + cnt], rows[start:start + cnt])
@@ -256,4 +268,4 @@ class TorchHierBackend(TorchBackend):
             if w_acc is not None:
                 w_acc.index_add_(0, idx, wrows[start:start + cnt])
             start += cnt
-        return acc.to(torch.bfloat16), w_acc
+        return acc.to(x.dtype), w_acc

@@ -25,7 +25,7 @@ plus, on the NVSHMEM transport, :func:`_ll_release_kernel` after each receive (s
 
 Signals (int32 words of each rank's signal region; ``sig_off`` selects the double-buffer slot):
 
-    DISP_FULL  + 2s  on receiver d: source s's tokens are in (value N_s + 1); receiver resets to 0
+    DISP_FULL  + 2s  on receiver d: source s's tokens are in (value stamp_s << 16 | N_s + 1); receiver resets to 0
     DISP_BUSY  + 2d  on sender s: d has not drained s's slot yet (1); d resets it to 0 after reading
     COMB_FULL  + 2d  on source s: expert rank d's outputs are in (1); s resets to 0
     COMB_BUSY  + 2s  on expert rank d: s has not drained d's outputs yet (1); s resets to 0
@@ -62,7 +62,7 @@ from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layou
     signal_layout,
 )
 from .nvshmem_device import quiet
-from .signals import arrive_last, now_ns, report_error, signal_release
+from .signals import SEQ_BAD_EXPERT, SEQ_MASK, STATUS_SEQ, arrive_last, now_ns, report_error, signal_release
 from .transport import NVSHMEM, PEER, publish, release_remote, xfer
 from .transport import peer_ptr as _peer
 
@@ -99,6 +99,7 @@ def _ll_dispatch_send_kernel(
     x_ptr,  # [N, H] bf16 (int16 view when not IS_FP8)
     topk_ptr,  # [N, K] int64
     buffer_ptrs, signal_ptrs, status_ptr,
+    stamp_ptr,  # [R + 1] int32 (the handle's call_stamps): entry R = this call's stamp (written here)
     rank, N, T, L, E, R, num_token_progs, timeout_ns,
     cnt_off, msg_off, sig_off,  # bytes / bytes / words of this slot
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MSG: tl.constexpr, HDR: tl.constexpr,
@@ -128,6 +129,11 @@ def _ll_dispatch_send_kernel(
         idx = tl.load(topk_ptr + offs_t[:, None] * K + kk[None, :], mask=tk_mask, other=-1).to(tl.int32)
         # NOTES: integer division truncates (-1 // L == 0): always guard with idx >= 0.
         dst = tl.where(idx >= 0, idx // L, -1)
+        # An expert id >= E (host checks off / graph capture) goes nowhere; it is remembered in the status word's
+        # SEQ_BAD_EXPERT bit and reported by this rank's next combine receive, once the step is complete on every
+        # rank (reporting here would stop this rank's publish and make the peers time out).
+        if tl.max(((idx >= E) & tk_mask).to(tl.int32)) > 0:
+            tl.atomic_or(status_ptr + STATUS_SEQ, SEQ_BAD_EXPERT, sem="relaxed", scope="gpu")
 
         # Step 3: pos[t, k] = earlier tokens of this rank that selected the same expert.
         own = tl.reshape(idx, [BLOCK_T * KP])
@@ -269,11 +275,19 @@ def _ll_dispatch_send_kernel(
         quiet()
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_SEND_CNT, num_progs):
+        # This call's stamp: the rank's dispatch counter (status word STATUS_SEQ, 15 bits), read and advanced by the
+        # last program only (every other program has arrived, so a CUDA-graph replay gets a fresh stamp too). It
+        # travels in the FULL value's high half; expert ranks write it back into every combine row (docs/protocols.md).
+        w = tl.load(status_ptr + STATUS_SEQ, volatile=True)
+        seq = w & SEQ_MASK
+        tl.store(status_ptr + STATUS_SEQ, (w - seq) | ((seq + 1) & SEQ_MASK))
+        tl.store(stamp_ptr + R, seq)
         if tl.load(status_ptr, volatile=True) == 0:
             for d in range(R):
                 if _live(status_ptr, rank, d):
                     tl.atomic_xchg(my_sig + DISP_BUSY + 2 * d, 1, sem="relaxed", scope="sys")
-                    publish(signal_ptrs, rank, d, sig_off, _disp_sig_word(R), DISP_FULL + 2 * rank, N + 1, TRANSPORT)
+                    publish(signal_ptrs, rank, d, sig_off, _disp_sig_word(R), DISP_FULL + 2 * rank,
+                            (seq << 16) | (N + 1), TRANSPORT)
 
 
 @triton.jit
@@ -286,6 +300,7 @@ def _ll_dispatch_recv_kernel(
     wait_stats_ptr,  # [R] int64: ns this receive waited for each source (accumulated), if HAS_WAIT_STATS
     slot_row_ptr,  # [R, T, K] int32 out: le * (R*T) + row of selection (s, t, k), or -1
     recv_tokens_ptr,  # [R] int32 out: tokens of each source
+    stamp_ptr,  # [R + 1] int32 out (the handle's call_stamps): entry s = source s's call stamp
     rank, T, L, R, timeout_ns,
     cnt_off, msg_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MSG: tl.constexpr, HDR: tl.constexpr,
@@ -304,10 +319,11 @@ def _ll_dispatch_recv_kernel(
     # source s's tokens overlaps with waiting for later sources.
     if HAS_WAIT_STATS:
         t_start = now_ns()
-    n_s = tl.full([], 0, tl.int32)
+    v_s = tl.full([], 0, tl.int32)
     for sp in range(s + 1):
         v = _wait(my_sig + DISP_FULL + 2 * sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
-        n_s = tl.where(sp == s, v - 1, n_s)
+        v_s = tl.where(sp == s, v, v_s)
+    n_s = (v_s & 0xFFFF) - 1  # FULL = stamp << 16 | (N + 1)
     if HAS_WAIT_STATS:
         # program (s, 0) reports how long this receive waited (from its start) until source s had sent
         if b == 0:
@@ -337,6 +353,7 @@ def _ll_dispatch_recv_kernel(
             tl.store(stats_ptr + ll, prev + total, mask=ll < L)
     if b == 0:
         tl.store(recv_tokens_ptr + s, n_s)
+        tl.store(stamp_ptr + s, v_s >> 16)
 
     # Step 3: headers -> destination row of each local selection.
     kk = tl.arange(0, KP)

@@ -18,14 +18,40 @@ from .low_latency_common import (
     _wait,
 )
 from .nvshmem_device import quiet
-from .signals import arrive_last, now_ns, report_error, signal_release
+from .signals import (
+    SEQ_BAD_EXPERT,
+    SEQ_MASK,
+    SEQ_STALE_ROW,
+    STATUS_BAD_EXPERT,
+    STATUS_MASK,
+    STATUS_SEQ,
+    STATUS_STALE_ROW,
+    arrive_last,
+    now_ns,
+    report_error,
+    signal_release,
+)
 from .transport import NVSHMEM, PEER, publish, xfer
 from .transport import peer_ptr as _peer
+
+KBITS = tl.constexpr(32)  # top-k at most 32: one bit per selection in the combine receive
+_BAD_EXPERT = tl.constexpr(STATUS_BAD_EXPERT)  # (jit code reads constexpr globals only)
+_STALE_ROW = tl.constexpr(STATUS_STALE_ROW)
 
 __all__ = ["_ll_combine_send_kernel", "_ll_combine_recv_kernel", "_ll_combine_send_fmt_kernel",
            "_ll_combine_recv_fmt_kernel"]
 # The BF16 kernels keep their signatures (callers and compile checks pin them); the ``*_fmt_kernel`` variants take
 # the combine format as constexprs (FMT, IN_F16 / OUT_F16, NATIVE_FP8); both are thin wrappers over one body.
+#
+# Combine slot (t, k) of a source's area (and a staging row on the NVSHMEM transport) is ``_cs(H)`` bytes: a 16-byte
+# stamp header (int32 word 0 = ``stamp_s << 16 | writer + 1``, words 1..3 zero) then the row's wire bytes. The
+# receive sums a row only when its stamp is the one this call expects (docs/protocols.md, "combine isolation").
+
+
+@triton.jit
+def _cs(H):
+    """Bytes per combine slot / staging row: the 16-byte stamp header, then 2H bytes (16-aligned)."""
+    return (2 * H + 15) // 16 * 16 + 16
 
 
 @triton.jit
@@ -37,6 +63,7 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, R
     per group, 128 for FP8, 64 for LogFMT); ``STAGED``: into the staging row of the expert row instead (``2H`` bytes
     per row of ``x``'s ``[L, R*T]`` rows)."""
     NG: tl.constexpr = HC // GS
+    CS: tl.constexpr = (2 * H + 15) // 16 * 16 + 16
     dst32 = dst8.to(tl.pointer_type(tl.int32), bitcast=True)
     offs_c = tl.arange(0, GS)
     for k in tl.static_range(K):
@@ -45,9 +72,9 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, R
         e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
         r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
         if STAGED:
-            sb = (e_k * RT + r_k) * (2 * H)  # byte offset of the expert row's staging row
+            sb = (e_k * RT + r_k) * CS + 16  # byte offset of the expert row's staging row (after its stamp header)
         else:
-            sb = (offs_t.to(tl.int64) * K + k) * (2 * H)  # byte offset of slot (t, k)
+            sb = (offs_t.to(tl.int64) * K + k) * CS + 16  # byte offset of slot (t, k)'s row
         for g0 in range(0, H // GS, NG):
             offs_g = g0 + tl.arange(0, NG)
             g_ok = offs_g < H // GS
@@ -82,7 +109,7 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, R
 @triton.jit
 def _comb_send_body_ll(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
-    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    slot_row_ptr, recv_tokens_ptr, stamp_ptr,  # from the dispatch receive (stamp_ptr: each source's call stamp)
     buffer_ptrs, signal_ptrs, status_ptr,
     rank, T, R, timeout_ns,
     comb_off, sig_off,
@@ -91,6 +118,7 @@ def _comb_send_body_ll(
     FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
     stage_off, TRANSPORT: tl.constexpr, CH: tl.constexpr, ROW_BYTES: tl.constexpr,
 ):
+    CS: tl.constexpr = (2 * H + 15) // 16 * 16 + 16
     s = tl.program_id(0)
     b = tl.program_id(1)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
@@ -114,6 +142,18 @@ def _comb_send_body_ll(
     else:
         dst_rank = rank
         dst_off = stage_off
+    # Step 2a: the stamp header of every slot this block writes (source s's stamp of this call, this rank + 1), before
+    # the rows: a late row (this rank masked by s meanwhile) then carries a stamp s no longer expects.
+    stamp = (tl.load(stamp_ptr + s) << 16) | (rank + 1)
+    dst32s = _peer(buffer_ptrs, dst_rank, dst_off, tl.int32)
+    for k in tl.static_range(K):
+        sel = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+        if TRANSPORT == PEER:
+            at_s = offs_t.to(tl.int64) * K + k
+        else:
+            at_s = tl.where(sel >= 0, sel, 0).to(tl.int64)
+        tl.store(dst32s + at_s * (CS // 4), stamp + offs_t * 0, mask=sel >= 0)
+    tl.debug_barrier()
     if FMT < 2:
         # BF16 / FP16: the 16-bit rows as they are.
         dst16 = _peer(buffer_ptrs, dst_rank, dst_off, tl.int16)
@@ -131,7 +171,7 @@ def _comb_send_body_ll(
                     at = offs_t.to(tl.int64) * K + k
                 else:
                     at = e_k * RT + r_k
-                tl.store(dst16 + at[:, None] * H + offs_h[None, :], y, mask=m)
+                tl.store(dst16 + (at * (CS // 2) + 8)[:, None] + offs_h[None, :], y, mask=m)
     else:
         # FP8 / LogFMT: encode per channel group inside the send (formats: moe_ep.kernels.logfmt); slot (t, k)
         # keeps its 2H bytes, the encoded row uses the first row_bytes(FMT, H) of them.
@@ -151,8 +191,8 @@ def _comb_send_body_ll(
                 for k in tl.static_range(K):
                     src = tl.load(slot_row_ptr + (s * T + t) * K + k)
                     if src >= 0:
-                        xfer(buffer_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * (2 * H),
-                             stage_off + src.to(tl.int64) * (2 * H), ROW_BYTES, CH)
+                        xfer(buffer_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS,
+                             stage_off + src.to(tl.int64) * CS, 16 + ROW_BYTES, CH)
 
     # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s (NVSHMEM: after every
     # program's puts are complete).
@@ -172,12 +212,14 @@ def _comb_recv_body_ll(
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
     wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
-    rank, N, R, timeout_ns,
+    stamp_ptr,  # [R + 1] int32: the dispatch handle's call stamps (entry R: this rank's stamp of this call)
+    rank, N, R, E, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
     FMT: tl.constexpr, OUT_F16: tl.constexpr, TRANSPORT: tl.constexpr,
 ):
+    CS: tl.constexpr = (2 * H + 15) // 16 * 16 + 16
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     num_progs = tl.num_programs(0) * tl.num_programs(1)
@@ -214,18 +256,38 @@ def _comb_recv_body_ll(
     comb8 = buf_ptr + comb_off
     comb32 = comb8.to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros([BLOCK_T, HC], dtype=tl.float32)
-    # NOTES: selections of experts on masked ranks arrive as -1 holes (SymmLowLatency.combine_recv rewrites
-    # topk_idx with the mask before the launch: a per-k mask load here made the FP8 build spill).
+    # Which selections count, decided AFTER the waits (docs/protocols.md): expert id in [0, E), its rank live for
+    # this rank now (a rank masked during this launch's waits included), and slot (t, k)'s stamp is this call's
+    # (this rank's stamp, written by that rank). A live rank's slot with another stamp was overwritten by a late
+    # writer (or never written): the token is NaN and SEQ_STALE_ROW is reported; an id >= E makes the token NaN
+    # and reports SEQ_BAD_EXPERT (both at the end, after the peers are released).
+    L = E // R
+    own = tl.load(stamp_ptr + R) << 16
+    # NOTES: decided once, vectorised over k (a [BLOCK_T, 32] block), into one bit per k (``use``): per-k mask /
+    # stamp loads inside the sum loop below made the builds spill (the sum loop is the original one plus a bit test).
+    kk = tl.arange(0, KBITS)
+    tk = t_ok[:, None] & (kk < K)[None, :]
+    e2 = tl.load(topk_ptr + offs_t[:, None] * K + kk[None, :], mask=tk, other=-1)
+    in_e = (e2 >= 0) & (e2 < E) & tk
+    d2 = tl.where(in_e, e2 // L, 0).to(tl.int32)
+    live2 = in_e & (tl.load(status_ptr + STATUS_MASK + d2, mask=in_e, other=1, volatile=True) == 0)
+    slot2 = offs_t.to(tl.int64)[:, None] * K + kk[None, :]
+    st2 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
+    v2 = live2 & (st2 == (own | (d2 + 1)))
+    use = tl.sum(tl.where(v2, 1 << kk[None, :], 0), axis=1)  # disjoint bits: the sum is an OR
+    stale = tl.max((live2 & ~v2).to(tl.int32), axis=1) > 0
+    badx = tl.max(((e2 >= E) & tk).to(tl.int32), axis=1) > 0
+    tl.debug_barrier()
     for k in tl.static_range(K):
         e_k = tl.load(topk_ptr + offs_t * K + k, mask=t_ok, other=-1)
         w_k = tl.load(w_ptr + offs_t * K + k, mask=t_ok, other=0.0)
-        v_k = (e_k >= 0) & t_ok
+        v_k = (e_k >= 0) & t_ok & (((use >> k) & 1) != 0)
         m = (v_k & ok)[:, None] & h_ok[None, :]
         if FMT < 2:
-            y = tl.load(comb + (offs_t.to(tl.int64) * K + k)[:, None] * H + offs_h[None, :], mask=m,
+            y = tl.load(comb + (offs_t.to(tl.int64) * K + k)[:, None] * (CS // 2) + 8 + offs_h[None, :], mask=m,
                         other=0.0).to(tl.float32)
         else:
-            sb = (offs_t.to(tl.int64) * K + k) * (2 * H)  # byte offset of slot (t, k)
+            sb = (offs_t.to(tl.int64) * K + k) * CS + 16  # byte offset of slot (t, k)'s row
             b = tl.load(comb8 + sb[:, None] + offs_h[None, :], mask=m, other=0)
             if FMT == 2:
                 sc = tl.load(comb32.to(tl.pointer_type(tl.float32), bitcast=True) + ((sb + H) // 4)[:, None]
@@ -239,9 +301,17 @@ def _comb_recv_body_ll(
                 st = tl.load(comb32 + (w0 + H // 64)[:, None] + (offs_h // 64)[None, :], mask=m, other=0)
                 y = logfmt_decode_values(code, lo, st)
         acc += tl.where(v_k[:, None], w_k[:, None] * y, 0.0)
+    # A row rewritten while it was read (a late writer racing this read) shows a changed stamp now.
+    tl.debug_barrier()
+    st3 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
+    stale = stale | (tl.max((v2 & (st3 != st2)).to(tl.int32), axis=1) > 0)
+    flags = (tl.where(tl.max(stale.to(tl.int32), axis=0) > 0, SEQ_STALE_ROW, 0)
+             | tl.where(tl.max(badx.to(tl.int32), axis=0) > 0, SEQ_BAD_EXPERT, 0))
+    if flags != 0:
+        tl.atomic_or(status_ptr + STATUS_SEQ, flags, sem="relaxed", scope="gpu")
     # A timed-out wait (now or earlier: the status word stays set) poisons the output with NaN, never
     # plausible zeros: inside a replayed CUDA graph no exception can say so.
-    acc = tl.where(ok[:, None], acc, float("nan"))
+    acc = tl.where((ok & ~stale & ~badx)[:, None], acc, float("nan"))
     if OUT_F16:
         bits = fp16_bits(acc)
     else:
@@ -259,12 +329,18 @@ def _comb_recv_body_ll(
             for d in range(R):
                 if _live(status_ptr, rank, d):
                     signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + 2 * rank, 0)
+        # The step is complete here (peers released: they are not cut short): report what was seen in it.
+        w = tl.atomic_and(status_ptr + STATUS_SEQ, SEQ_MASK, sem="relaxed", scope="gpu")
+        if (w & SEQ_BAD_EXPERT) != 0:
+            report_error(status_ptr, _BAD_EXPERT)
+        elif (w & SEQ_STALE_ROW) != 0:
+            report_error(status_ptr, _STALE_ROW)
 
 
 @triton.jit
 def _ll_combine_send_kernel(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
-    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    slot_row_ptr, recv_tokens_ptr, stamp_ptr,  # from the dispatch receive
     buffer_ptrs, signal_ptrs, status_ptr,
     rank, T, R, timeout_ns,
     comb_off, sig_off,
@@ -272,7 +348,8 @@ def _ll_combine_send_kernel(
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
 ):
     """BF16 payloads: see :func:`_comb_send_body_ll`."""
-    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
+    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, stamp_ptr, buffer_ptrs,
+                       signal_ptrs,
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
                        COMB_FULL, COMB_SEND_CNT, 0, False, False, 0, 0, 1, 2 * H)
 
@@ -280,18 +357,19 @@ def _ll_combine_send_kernel(
 @triton.jit
 def _ll_combine_send_fmt_kernel(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
-    slot_row_ptr, recv_tokens_ptr,  # from the dispatch receive
+    slot_row_ptr, recv_tokens_ptr, stamp_ptr,  # from the dispatch receive
     buffer_ptrs, signal_ptrs, status_ptr,
     rank, T, R, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
     FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
-    stage_off=0,  # bytes: [L * R*T, 2H] combine staging (TRANSPORT == NVSHMEM)
+    stage_off=0,  # bytes: [L * R*T, 16 + 2H] combine staging (stamp header + row) (TRANSPORT == NVSHMEM)
     TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024, ROW_BYTES: tl.constexpr = 0,  # ROW_BYTES: wire bytes per row
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_send_body_ll`."""
-    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, buffer_ptrs, signal_ptrs,
+    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, stamp_ptr, buffer_ptrs,
+                       signal_ptrs,
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
                        COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8, stage_off, TRANSPORT, CH, ROW_BYTES)
 
@@ -303,14 +381,15 @@ def _ll_combine_recv_kernel(
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
     wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
-    rank, N, R, timeout_ns,
+    stamp_ptr,  # [R + 1] int32: the dispatch handle's call stamps
+    rank, N, R, E, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
 ):
     """BF16 payloads: see :func:`_comb_recv_body_ll`."""
-    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
-                       R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, stamp_ptr,
+                       rank, N, R, E, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
                        COMB_RECV_CNT, 0, False, 0)
 
 
@@ -321,13 +400,14 @@ def _ll_combine_recv_fmt_kernel(
     out_ptr,  # [N, H] bf16 as int16
     signal_ptrs, status_ptr,
     wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
-    rank, N, R, timeout_ns,
+    stamp_ptr,  # [R + 1] int32: the dispatch handle's call stamps
+    rank, N, R, E, timeout_ns,
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
     FMT: tl.constexpr, OUT_F16: tl.constexpr, TRANSPORT: tl.constexpr = 0,
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_recv_body_ll`."""
-    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, rank, N,
-                       R, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
+    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, stamp_ptr,
+                       rank, N, R, E, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
                        COMB_RECV_CNT, FMT, OUT_F16, TRANSPORT)

@@ -127,12 +127,16 @@ def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_o
     if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
         hb = sig_off + _hb_word(R)
         # A peer with no load/store mapping (table entry 0: the nvshmem transport across nodes) has no readable
-        # heartbeat: its own word is read instead, which never changes (plain timeout).
+        # heartbeat: a word nobody writes during a launch is read instead (this rank's local STATUS_SHRINK word,
+        # 1 here), so the wait is a plain timeout_s. (Not this rank's own heartbeat word: the wait itself rewrites
+        # that one every ~1 ms, which restarted the timeout until HB_CAP.)
         peer_base = tl.load(signal_ptrs + peer)
-        peer_base = tl.where(peer_base != 0, peer_base, tl.load(signal_ptrs + rank))
+        if peer_base != 0:
+            peer_hb = tl.multiple_of(peer_base.to(tl.pointer_type(tl.int32)), 16) + hb
+        else:
+            peer_hb = status_ptr + STATUS_SHRINK
         v = wait_ne_masked(sig_ptr, value, status_ptr, status_ptr + STATUS_MASK, rank, peer, timeout_ns,
-                           _peer(signal_ptrs, rank, 0, tl.int32) + hb,
-                           tl.multiple_of(peer_base.to(tl.pointer_type(tl.int32)), 16) + hb)
+                           _peer(signal_ptrs, rank, 0, tl.int32) + hb, peer_hb)
     else:
         v = wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns)
     return v

@@ -33,22 +33,34 @@ from .pdl import INTERPRET
 
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
            "STATUS_MASK", "STATUS_TRAP", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
-           "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT", "STATUS_MESSAGES"]
+           "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT", "STATUS_STALE_ROW", "STATUS_SEQ",
+           "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "STATUS_MESSAGES"]
 
 MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
 MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
 STATUS_SHRINK = tl.constexpr(1)  # status word: 1 = enable_shrink (rank masking on)
 STATUS_MASK = tl.constexpr(4)  # status words STATUS_MASK + r: rank r's mask word (MASK_API / MASK_TIMEOUT)
 STATUS_TRAP = tl.constexpr(2)  # status word: 1 = trap the kernel on a timeout or device error (graph mode)
+# status word 3 (low-latency): bits 0..14 = this rank's dispatch call counter (the per-call stamp, see
+# docs/protocols.md), bit 30 / 29 = a bad expert id / a stale combine row was seen this step (reported as
+# STATUS_BAD_EXPERT / STATUS_STALE_ROW at the end of the next combine receive, after it released its peers).
+STATUS_SEQ = tl.constexpr(3)
+SEQ_MASK = tl.constexpr(0x7FFF)
+SEQ_BAD_EXPERT = tl.constexpr(1 << 30)
+SEQ_STALE_ROW = tl.constexpr(1 << 29)
 HB_CAP = tl.constexpr(4)  # a beating (alive but waiting) peer is masked after HB_CAP timeouts all the same
 STATUS_OVERFLOW = -1
 STATUS_BAD_EXPERT = -2
 STATUS_REPEATED_EXPERT = -3
+STATUS_STALE_ROW = -4
 STATUS_MESSAGES = {
     STATUS_OVERFLOW: "a dispatch received more rows than num_worst_tokens (the extra rows were dropped)",
     STATUS_BAD_EXPERT: "topk_idx held an expert id >= num_experts (input checks were off)",
     STATUS_REPEATED_EXPERT: "topk_idx repeated an expert within tokens more often than the buffer holds (mega MoE: "
                             "at most num_max_tokens_per_rank selections of one expert per rank; those rows were dropped)",
+    STATUS_STALE_ROW: "a low-latency combine row of a live expert rank carried another call's stamp (a late writer, e.g. "
+                      "a masked rank whose kernel was still running, overwrote it, or combine's topk_idx differs from "
+                      "the dispatch's): those tokens are NaN",
 }
 
 
