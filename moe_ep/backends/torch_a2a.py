@@ -302,9 +302,9 @@ class TorchBackend(Backend):
         return DispatchResult(recv_x.contiguous(), None if recv_scales is None else recv_scales.contiguous(),
                               recv_topk_idx, recv_topk_weights, list(per_expert_list), handle)
 
-    def combine(self, x, handle, topk_weights, bias, fmt=None):
-        hidden, n = handle.hidden, handle.num_tokens
-        num_valid = sum(handle.recv_counts)
+    def _combine_arrive(self, x, hidden: int, topk_weights, fmt):
+        """The normal combine's wire format (FP8 on request, else ``x``'s 16-bit dtype; LogFMT refused) and its
+        arrival check, shared by the flat and the node-aware combine."""
         if fmt == FMT_LOGFMT:
             raise ValueError("LogFMT combine is a low-latency combine format (use combine_dtype=torch.float8_e4m3fn "
                              "for a compressed normal combine)")
@@ -313,6 +313,12 @@ class TorchBackend(Backend):
         check_hidden(fmt, hidden)
         self.arrival.arrive("combine", {"hidden": hidden, "x": str(x.dtype).replace("torch.", ""), "fmt": fmt,
                                         "topk_weights": "-" if topk_weights is None else topk_weights.shape[1]})
+        return fmt
+
+    def combine(self, x, handle, topk_weights, bias, fmt=None):
+        hidden, n = handle.hidden, handle.num_tokens
+        num_valid = sum(handle.recv_counts)
+        fmt = self._combine_arrive(x, hidden, topk_weights, fmt)
         pb = wire_row_bytes(fmt, hidden)
         parts = [encode_rows(x[:num_valid], fmt)]
         if topk_weights is not None:

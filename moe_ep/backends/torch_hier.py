@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..collectives import node_topology
 from .base import DispatchResult
-from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, decode_rows, encode_rows
+from ..kernels.logfmt import decode_rows, encode_rows
 from ..kernels.logfmt import row_bytes as wire_row_bytes
 from .torch_a2a import (
     TorchBackend,
@@ -219,14 +219,7 @@ class TorchHierBackend(TorchBackend):
         topo = self.topo
         hidden, n = handle.hidden, handle.num_tokens
         num_valid = sum(handle.recv_counts)
-        if fmt == FMT_LOGFMT:
-            raise ValueError("LogFMT combine is a low-latency combine format (use combine_dtype=torch.float8_e4m3fn "
-                             "for a compressed normal combine)")
-        if fmt != FMT_FP8:
-            fmt = FMT_FP16 if x.dtype == torch.float16 else FMT_BF16
-        check_hidden(fmt, hidden)
-        self.arrival.arrive("combine", {"hidden": hidden, "x": str(x.dtype).replace("torch.", ""), "fmt": fmt,
-                                        "topk_weights": "-" if topk_weights is None else topk_weights.shape[1]})
+        fmt = self._combine_arrive(x, hidden, topk_weights, fmt)
         # Step 1: rows back to their relays (reverse of the fan-out), in stage-2 receive order.
         rb = wire_row_bytes(fmt, hidden)
         parts = [encode_rows(x[:num_valid].index_select(0, handle.perm), fmt)]
