@@ -1,0 +1,83 @@
+"""Opt-in aliases: ``import deep_ep`` / ``import deep_gemm`` resolve to moe-ep's faces in this process.
+
+    import moe_ep.alias
+    moe_ep.alias.install()          # before the engine imports deep_ep / deep_gemm
+    import deep_ep, deep_gemm       # moe_ep (Buffer, Config, EventOverlap, ElasticBuffer, ...) and moe_ep.gemm
+
+or, without editing the engine, ``MOE_EP_ALIAS=deep_ep,deep_gemm python -m moe_ep.alias engine.py [args]`` (runs
+the script as ``__main__`` after installing the named aliases).
+
+A name is aliased only when no real package of that name can be imported: a user who has DeepEP or DeepGEMM
+installed gets them (:func:`install` says so in its return value and warns once), unless ``force=True``. The
+aliases are entries of ``sys.modules`` of this process only: nothing is written anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import runpy
+import sys
+import warnings
+
+__all__ = ["install", "ALIASES"]
+
+# alias -> (module it resolves to, its submodules DeepGEMM / DeepEP users import directly)
+ALIASES = {
+    "deep_ep": ("moe_ep", {}),
+    "deep_gemm": ("moe_ep.gemm", {"utils": "moe_ep.gemm.utils", "utils.layout": "moe_ep.gemm.utils.layout"}),
+}
+
+
+def _real_package(name: str) -> str | None:
+    """Where a real (non-alias) package ``name`` would import from, or None."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        return None if getattr(mod, "__moe_ep_alias__", False) else (getattr(mod, "__file__", None) or "<loaded>")
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return None if spec is None else (spec.origin or "<namespace package>")
+
+
+def install(names=("deep_ep", "deep_gemm"), *, force: bool = False) -> dict:
+    """Alias each of ``names`` (``"deep_ep"``, ``"deep_gemm"``) to moe-ep's module in ``sys.modules``.
+
+    Returns ``{name: "moe_ep..." | "real package at <path> (not aliased)"}``. ``force=True`` aliases even where a
+    real package is importable (this process then never sees it)."""
+    out = {}
+    for name in names:
+        if name not in ALIASES:
+            raise ValueError(f"unknown alias {name!r}: choose from {sorted(ALIASES)}")
+        target, subs = ALIASES[name]
+        real = _real_package(name)
+        if real is not None and not force:
+            warnings.warn(f"moe_ep.alias: a real {name!r} is installed ({real}); it is used, not aliased "
+                          "(install(force=True) aliases anyway)", stacklevel=2)
+            out[name] = f"real package at {real} (not aliased)"
+            continue
+        mod = importlib.import_module(target)
+        mod.__moe_ep_alias__ = True
+        sys.modules[name] = mod
+        for sub, sub_target in subs.items():
+            sys.modules[f"{name}.{sub}"] = importlib.import_module(sub_target)
+        out[name] = target
+    return out
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    names = [n for n in os.environ.get("MOE_EP_ALIAS", "deep_ep,deep_gemm").split(",") if n]
+    install(names)
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
