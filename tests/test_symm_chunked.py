@@ -1,0 +1,184 @@
+"""symm normal mode in a fixed buffer (issue 32): a batch whose receive does not fit moves in rounds of at most
+C tokens per source; every output is bitwise the single-round path's (and the references'), a rank that dies
+between rounds is named, and a buffer below one round is refused with the exact minimum."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moe_ep import RankTimeoutError
+from moe_ep.backends.symm import SymmBackend, virtual_backends, virtual_combine_recv, virtual_dispatch_recv
+from moe_ep.backends.symm_normal import SymmNormal
+from moe_ep.kernels.logfmt import FMT_FP8
+from moe_ep.testing import assert_bitwise_equal
+from moe_ep.testing.inputs import make_all_inputs
+from moe_ep.testing.refs import ref_combine, ref_dispatch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need TRITON_INTERPRET=1")
+
+H = 128
+
+
+def _dispatch(bs, inputs, E, *, fp8=False, worst=0, handles=None, align=1):
+    states = []
+    for r, (b, i) in enumerate(zip(bs, inputs)):
+        x, s = (i.x_fp8, i.x_scales) if fp8 else (i.x, None)
+        if handles is not None:
+            states.append(b.dispatch_send(x, s, handle=handles[r], num_tokens_per_rank=None, is_token_in_rank=None,
+                                          num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                                          num_experts=0, num_worst_tokens=worst))
+            continue
+        lay = b.get_dispatch_layout(i.topk_idx, E)
+        states.append(b.dispatch_send(x, s, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                                      num_tokens_per_expert=lay[2], topk_idx=i.topk_idx, topk_weights=i.topk_weights,
+                                      num_experts=E, num_worst_tokens=worst))
+    return states, virtual_dispatch_recv(bs, states, expert_alignment=align, num_worst_tokens=worst)
+
+
+def _combine(bs, ys, res, fmt=None, biases=None, with_w=True):
+    cs = [b.combine_send(y, o.handle, o.recv_topk_weights if with_w else None, fmt=fmt)
+          for b, y, o in zip(bs, ys, res)]
+    return virtual_combine_recv(bs, cs, biases)
+
+
+def _step(bs, inputs, E, worst=0):
+    """Everything a prefill step does: dispatch BF16 (+ top-k), combine BF16 with weights and bias, combine FP8,
+    cached dispatch FP8, and (``worst``) a num_worst_tokens dispatch + combine. Returns every output."""
+    R = len(bs)
+    out = {}
+    states, res = _dispatch(bs, inputs, E, align=4)
+    out["rounds"] = states[0].rounds
+    ys = [(o.recv_x.float() * (r + 1)).to(torch.bfloat16) for r, o in enumerate(res)]
+    biases = [(torch.randn(i.x.shape, generator=torch.Generator().manual_seed(7 + r)).to(torch.bfloat16),)
+              for r, i in enumerate(inputs)]
+    comb = _combine(bs, ys, res, biases=biases)
+    comb8 = _combine(bs, ys, res, fmt=FMT_FP8, with_w=False)
+    _, cached = _dispatch(bs, inputs, E, fp8=True, handles=[o.handle for o in res])
+    for r in range(R):
+        o = res[r]
+        out[r] = dict(recv_x=o.recv_x, idx=o.recv_topk_idx, w=o.recv_topk_weights, lst=o.num_recv_tokens_per_expert_list,
+                      recv_counts=o.handle.recv_counts, m=o.handle.num_recv_tokens, pos=o.handle.send_pos,
+                      comb=comb[r][0], comb_w=comb[r][1], comb8=comb8[r][0], cx=cached[r].recv_x,
+                      cs=cached[r].recv_x_scales)
+    if worst:
+        _, wres = _dispatch(bs, inputs, E, worst=worst)
+        wy = [(o.recv_x.float() * 3).to(torch.bfloat16) for o in wres]
+        wcomb = _combine(bs, wy, wres)
+        for r in range(R):
+            out[r].update(wx=wres[r].recv_x, widx=wres[r].recv_topk_idx, ww=wres[r].recv_topk_weights,
+                          wcomb=wcomb[r][0])
+    return out
+
+
+def _check_refs(out, inputs, E):
+    xs, idxs, ws = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
+    R = len(inputs)
+    all_recv = [ref_dispatch(r, xs, idxs, ws, E) for r in range(R)]
+    ys = [(a[0].float() * (r + 1)).to(torch.bfloat16) for r, a in enumerate(all_recv)]
+    for r in range(R):
+        ex_x, _, ex_idx, ex_w, ex_list = ref_dispatch(r, xs, idxs, ws, E, expert_alignment=4)
+        o = out[r]
+        assert_bitwise_equal(o["recv_x"], ex_x, f"rank {r} recv_x")
+        assert_bitwise_equal(o["idx"], ex_idx, f"rank {r} recv_topk_idx")
+        assert_bitwise_equal(o["w"], ex_w, f"rank {r} recv_topk_weights")
+        assert o["lst"] == ex_list
+        bias = (torch.randn(inputs[r].x.shape, generator=torch.Generator().manual_seed(7 + r)).to(torch.bfloat16),)
+        ex_c, ex_cw = ref_combine(r, ys, idxs, E, [a[3] for a in all_recv], bias)
+        assert_bitwise_equal(o["comb"], ex_c, f"rank {r} combined_x")
+        assert_bitwise_equal(o["comb_w"], ex_cw, f"rank {r} combined_topk_weights")
+        assert_bitwise_equal(o["comb8"], ref_combine(r, ys, idxs, E, fmt=FMT_FP8)[0], f"rank {r} FP8 combine")
+        ex_q, ex_s, *_ = ref_dispatch(r, [i.x_fp8 for i in inputs], idxs, ws, E, x_scales=[i.x_scales for i in inputs])
+        assert_bitwise_equal(o["cx"], ex_q, f"rank {r} cached recv_x fp8")
+        assert_bitwise_equal(o["cs"], ex_s, f"rank {r} cached scales")
+
+
+@pytest.mark.parametrize("R,n,E,K,routing,worst", [
+    (2, [23, 9], 4, 2, "random", 48),
+    (4, [11, 0, 7, 13], 8, 4, "random", 0),  # an empty rank
+    (4, [6, 13, 0, 5], 8, 4, "one_expert", 40),  # every token to expert 0 (rank 0 receives everything)
+])
+def test_chunked_equals_single_round_and_refs(R, n, E, K, routing, worst):
+    inputs = make_all_inputs(R, n, H, E, K, seed=sum(n) + R, routing=routing)
+    chunk = 3
+    small = SymmBackend.get_normal_size_hint(None, H, K, R, chunk_tokens=chunk)
+    big = SymmBackend.get_normal_size_hint(max(n), H, K, R)
+    assert small * 4 < big  # less than a quarter of what a single-round receive needs
+    one = _step(virtual_backends(R, num_nvl_bytes=big, timeout_s=20), inputs, E, worst)
+    many = _step(virtual_backends(R, num_nvl_bytes=small, timeout_s=20), inputs, E, worst)
+    assert one["rounds"] == 1 and many["rounds"] == -(-max(n) // chunk) > 1
+    for r in range(R):
+        for key, want in one[r].items():
+            got = many[r][key]
+            if isinstance(want, torch.Tensor):
+                assert_bitwise_equal(got, want, f"rank {r} {key}")
+            else:
+                assert got == want, (r, key)
+    _check_refs(many, inputs, E)
+
+
+def test_rank_dying_between_rounds_is_named():
+    R, E, K = 3, 6, 2
+    inputs = make_all_inputs(R, [7, 5, 6], H, E, K, seed=5)
+    bs = virtual_backends(R, num_nvl_bytes=SymmBackend.get_normal_size_hint(None, H, K, R, chunk_tokens=2),
+                          timeout_s=0.3)
+    states = []
+    for b, i in zip(bs, inputs):
+        lay = b.get_dispatch_layout(i.topk_idx, E)
+        states.append(b.dispatch_send(i.x, None, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                                      num_tokens_per_expert=lay[2], topk_idx=i.topk_idx, topk_weights=i.topk_weights,
+                                      num_experts=E))
+    for b, s in zip(bs, states):
+        b.normal.dispatch_recv_round(s, 0, num_worst_tokens=0)
+    assert states[0].rounds == 4
+    alive = [0, 2]  # rank 1 dies after round 0
+    for r in alive:
+        bs[r].normal.dispatch_send_round(states[r], 1)
+    for r in alive:
+        with pytest.raises(RankTimeoutError) as info:
+            bs[r].normal.dispatch_recv_round(states[r], 1, num_worst_tokens=0)
+        assert info.value.missing_ranks == [1]
+
+
+def test_below_one_round_is_refused_with_the_exact_minimum():
+    R, E, K = 2, 4, 2
+    inputs = make_all_inputs(R, [3, 2], H, E, K, seed=9)
+    need = SymmNormal.min_bytes(H, K, R)
+    bs = virtual_backends(R, num_nvl_bytes=need - 4, timeout_s=5)
+    lay = bs[0].get_dispatch_layout(inputs[0].topk_idx, E)
+    with pytest.raises(ValueError, match=f"num_nvl_bytes >= {need} "):
+        bs[0].dispatch_send(inputs[0].x, None, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                            num_tokens_per_expert=lay[2], topk_idx=inputs[0].topk_idx,
+                            topk_weights=inputs[0].topk_weights, num_experts=E)
+    for b in bs:  # nothing was written
+        assert int(b.normal.symm.buffer.abs().sum()) == 0 and int(b.normal.symm.signals.abs().sum()) == 0
+    # exactly the minimum: one token per source per round
+    bs = virtual_backends(R, num_nvl_bytes=need, timeout_s=5)
+    states, res = _dispatch(bs, inputs, E)
+    assert states[0].rounds == 3
+    xs, idxs, ws = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
+    for r in range(R):
+        assert_bitwise_equal(res[r].recv_x, ref_dispatch(r, xs, idxs, ws, E)[0], f"rank {r} recv_x")
+
+
+def test_recv_view_that_does_not_fit_is_refused():
+    R, E, K = 2, 4, 2
+    inputs = make_all_inputs(R, 9, H, E, K, seed=11)
+    bs = virtual_backends(R, num_nvl_bytes=SymmBackend.get_normal_size_hint(None, H, K, R, chunk_tokens=4))
+    lay = bs[0].get_dispatch_layout(inputs[0].topk_idx, E)
+    with pytest.raises(ValueError, match="recv_as_view=True needs the whole receive"):
+        bs[0].dispatch_send(inputs[0].x, None, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                            num_tokens_per_expert=lay[2], topk_idx=inputs[0].topk_idx,
+                            topk_weights=inputs[0].topk_weights, num_experts=E, recv_view=True)
+
+
+def test_size_hints():
+    h, k = 7168, 8
+    assert SymmBackend.get_normal_size_hint(4096, h, k, 8) == SymmNormal.size_hint(4096, h, k, 8)
+    fixed = SymmBackend.get_normal_size_hint(None, h, k, 8)
+    assert fixed == SymmBackend.get_normal_size_hint(None, h, k, 8, chunk_tokens=512)
+    assert fixed == SymmBackend.get_normal_size_hint(32768, h, k, 8, chunk_tokens=512)
+    assert fixed * 8 == SymmBackend.get_normal_size_hint(4096, h, k, 8)
+    assert SymmNormal.min_bytes(h, k, 8) <= SymmBackend.get_normal_size_hint(None, h, k, 8, chunk_tokens=1)
