@@ -20,12 +20,26 @@ Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message
     [P][payload words] | [P][scale words] | [P][2K id words] | [P][K + padding words] (each plane 64-byte
     aligned); source s's rows start at row sum_{s' < s} count(s' -> d), so plane_0[:M] is recv_x
 
-A rank may send at most ``min(cap_d, cap_c)`` tokens per call (checked before anything is written;
-:meth:`SymmNormal.size_hint` gives the bytes for a token count). DeepSeek-V3 prefill (4096 tokens
-per rank, hidden 7168, top-8, EP8): ``size_hint`` = 2 * 8 * 4096 * 14464 = 948 MB per rank (rows of
-2 * 7168 + 96 bytes padded to 64; sized for BF16 payloads; FP8 payloads use 491 MB of it); DeepEP streams
-chunks through a fixed NVLink buffer whose size does not grow with the token count (its config size hint
-gives about 336 MB here).
+Rounds (a batch larger than the buffer). ``C = min(cap_d, cap_c)`` is the rows of a per-source block, the
+most tokens a source can put there in one round. Round ``r`` sends each source's tokens ``[r C, (r + 1) C)``
+(an empty block once a source has none left) and every receiver drains it into the final output before
+its release lets the next round's send in (the busy words, as between calls). Source ``s``'s rows of round
+``r`` land at row ``(rows of the sources < s) + (rows of s in rounds < r)``: the receive order is the
+single-round one (source rank, then source token) and every output is bitwise the same. Round 0 carries
+each source's whole-call sizes (rows per destination, token count) in the ``DISP_META`` words; the receive
+reads them on the host with the receive counts it already read, so every rank derives the same number of
+rounds ``T = ceil(max tokens of any rank / C)`` without another exchange (with ``num_worst_tokens`` this
+is the one host read of the call; a cached dispatch reuses the handle's sizes: no read). ``T = 1`` is
+exactly the single-round path. Combine uses the dispatch's rounds: round ``r`` carries back the rows of
+the sources' round-``r`` tokens (every contribution of a token in one round: the float32 sum keeps its
+rank order). Sends and receives of the rounds are separate host-driven launches (the phase rule).
+A buffer below one token per source per round is refused with the minimum (:meth:`SymmNormal.min_bytes`);
+a receive view must hold the whole receive (refused otherwise). :meth:`SymmNormal.size_hint` gives the
+whole-batch size for a token count, or a fixed size for a chunk (``num_max_tokens=None`` /
+``chunk_tokens=``). DeepSeek-V3 prefill (4096 tokens per rank, hidden 7168, top-8, EP8): whole batch
+2 * 8 * 4096 * 14464 = 948 MB per rank (rows of 2 * 7168 + 96 bytes padded to 64; sized for BF16 payloads;
+FP8 payloads use 491 MB of it); fixed (C = 512, 8 rounds) 118 MB; DeepEP's NVL hint with its default
+config is 336 MB.
 
 Limits of this release: hidden must be even (rows are int32 words); dispatch's packing and
 unpacking are extra passes over the data in torch (fusing them into the kernels is the next step).

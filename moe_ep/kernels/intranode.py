@@ -35,6 +35,14 @@ Signals (int32 words of each rank's signal region, see :func:`signal_layout`)::
     *_CNT       local arrive_last counters (nobody waits on them)
     DISP_CNT + s   on receiver: source s's dispatch row count + 1, written before its rows (view prefixes)
     DISP_HELD + s  on receiver: 1 while source s's rows are handed out as a receive view
+    DISP_META + s, DISP_META + R + s   on receiver: source s's rows for us over the whole call and its token
+                   count (written before FULL; they fix a chunked dispatch's offsets and number of rounds)
+
+Rounds (a batch larger than the buffer, :mod:`moe_ep.backends.symm_normal`): each round is one send and one
+receive launch of these kernels on a slice of the tokens; :func:`_gather_recv_kernel` with ``OFFS`` puts each
+source's rows at given output rows, :func:`_scatter_send_kernel` with ``SEG`` sends each destination a
+contiguous run of rows (a chunked combine), and :func:`_recv_counts_kernel` with ``META`` also returns the
+whole-call sizes.
 
 NOTES: a timed-out wait leaves ``status`` set; programs then mask their writes and the last program
 does not publish, so peers time out too (naming this rank) instead of reading half-written rows.
