@@ -92,7 +92,7 @@ def _intranode_cases() -> list[Case]:
                                          ("combine BF16", w_comb, "COMB_FULL", "COMB_BUSY", "COMB_SEND_CNT")):
         cases.append(_case("normal_send", f"{what} H={H} N={N} EP{R} W={words}", k._scatter_send_kernel,
                            {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", "tot_ptr": "*i32", **_SYMM_PTRS},
-                           {"rank": _RANK, "N": N, "R": R, "W": words, "block_off": _RANK * cap * words,
+                           {"rank": _RANK, "N": N, "R": R, "W": words, "block_off": _RANK * cap * words, "cap": cap,
                             "timeout_ns": _TIMEOUT_NS, "ntok": N, **dict.fromkeys(("S1", "S2", "S3", "O1", "O2", "O3"), words)},
                            {"FULL": sig[full], "BUSY": sig[busy], "SEND_CNT": sig[cnt], "BLOCK_T": 16, "BLOCK_W": 256,
                             "CNT": sig["DISP_CNT"] if full == "DISP_FULL" else -1}))
@@ -102,7 +102,8 @@ def _intranode_cases() -> list[Case]:
     planes = k.view_planes(rows, bounds, w_disp)[:3]
     cases.append(_case("normal_send", f"dispatch FP8 view H={H} N={N} EP{R} W={w_disp}", k._scatter_send_kernel,
                        {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", "tot_ptr": "*i32", **_SYMM_PTRS},
-                       {"rank": _RANK, "N": N, "R": R, "W": w_disp, "block_off": 0, "timeout_ns": _TIMEOUT_NS, "ntok": N,
+                       {"rank": _RANK, "N": N, "R": R, "W": w_disp, "block_off": 0, "cap": cap,
+                        "timeout_ns": _TIMEOUT_NS, "ntok": N,
                         **dict(zip(("S1", "S2", "S3"), bounds)), **dict(zip(("O1", "O2", "O3"), planes))},
                        {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "SEND_CNT": sig["DISP_SEND_CNT"],
                         "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "VIEW": True}))

@@ -222,3 +222,110 @@ def test_rank_dying_between_rounds_forked():
     from moe_ep.testing import launch
 
     assert launch(_die_between_rounds, 3, timeout_s=120, allow_dead=(1,)) == [[1], None, [1]]
+
+
+# ------------------------------------------------------------------ num_worst_tokens <= C: one round, no host read
+def _routed(R, E, K, routes, seed):
+    """Inputs whose token ``t`` of rank ``r`` selects the experts ``routes[r][t]`` (the rest of its top-k: -1)."""
+    inputs = make_all_inputs(R, [len(rt) for rt in routes], H, E, K, seed=seed)
+    for i, rt in zip(inputs, routes):
+        idx = torch.full((len(rt), K), -1, dtype=torch.int64)
+        for t, es in enumerate(rt):
+            idx[t, :len(es)] = torch.tensor(es)
+        i.topk_idx = idx
+    return inputs
+
+
+def _send_all(bs, inputs, E, worst, order=None):
+    states = {}
+    for r in (order or range(len(bs))):
+        b, i = bs[r], inputs[r]
+        lay = b.get_dispatch_layout(i.topk_idx, E)
+        states[r] = b.dispatch_send(i.x, None, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                                    num_tokens_per_expert=lay[2], topk_idx=i.topk_idx, topk_weights=i.topk_weights,
+                                    num_experts=E, num_worst_tokens=worst[r] if isinstance(worst, list) else worst)
+    return [states[r] for r in sorted(states)]
+
+
+def test_worst_tokens_within_a_block_take_one_round_without_host_reads():
+    """num_worst_tokens <= C: every rank sends all its tokens in round 0 (rank 0 has more than C) and nothing is read
+    on the host, as before rounds existed; the results are the single-round path's and the references'."""
+    from moe_ep.testing.traps import host_reads_trapped
+
+    R, E, K, chunk, worst = 2, 4, 2, 4, 4
+    # rank 0: 7 tokens (> C = 4), 3 for rank 0 and 4 for rank 1; rank 1: one token for rank 0 (each receives 4)
+    inputs = _routed(R, E, K, [[[0], [2], [1, 0], [3], [2], [0], [3]], [[1]]], seed=13)
+    small = virtual_backends(R, num_nvl_bytes=SymmBackend.get_normal_size_hint(None, H, K, R, chunk_tokens=chunk),
+                             timeout_s=20)
+    big = virtual_backends(R, num_nvl_bytes=SymmBackend.get_normal_size_hint(8, H, K, R), timeout_s=20)
+    with host_reads_trapped():
+        states, res = _dispatch(small, inputs, E, worst=worst)
+    assert states[0].cap == chunk and inputs[0].x.shape[0] > chunk
+    assert [s.rounds for s in states] == [1, 1] and all(s.worst_fit for s in states)
+    _, one = _dispatch(big, inputs, E, worst=worst)
+    xs, idxs, ws = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
+    ys, ys_ref = [], []
+    for r in range(R):
+        for name in ("recv_x", "recv_topk_idx", "recv_topk_weights"):
+            assert_bitwise_equal(getattr(res[r], name), getattr(one[r], name), f"rank {r} {name}")
+        ex_x, _, ex_idx, ex_w, _ = ref_dispatch(r, xs, idxs, ws, E)
+        m = ex_x.shape[0]
+        assert m <= worst and res[r].recv_x.shape[0] == worst
+        assert_bitwise_equal(res[r].recv_x[:m], ex_x, f"rank {r} recv_x")
+        assert_bitwise_equal(res[r].recv_topk_idx[:m], ex_idx, f"rank {r} recv_topk_idx")
+        assert_bitwise_equal(res[r].recv_topk_weights[:m], ex_w, f"rank {r} recv_topk_weights")
+        assert int(res[r].recv_x[m:].abs().sum()) == 0 and bool((res[r].recv_topk_idx[m:] == -1).all())
+        ys_ref.append((ex_x.float() * (r + 1)).to(torch.bfloat16))
+        ys.append(torch.cat([ys_ref[-1], torch.zeros(worst - m, H, dtype=torch.bfloat16)]))
+    # the handle is a one-round handle whatever the token count: combine is one round, bitwise the references'
+    with host_reads_trapped():
+        comb = _combine(small, ys, res)
+    all_w = [ref_dispatch(r, xs, idxs, ws, E)[3] for r in range(R)]
+    for r in range(R):
+        ex_c, ex_cw = ref_combine(r, ys_ref, idxs, E, all_w)
+        assert_bitwise_equal(comb[r][0], ex_c, f"rank {r} combined_x")
+        assert_bitwise_equal(comb[r][1], ex_cw, f"rank {r} combined_topk_weights")
+    # a cached dispatch with the same num_worst_tokens: one round, no host read either
+    with host_reads_trapped():
+        _, cached = _dispatch(small, inputs, E, worst=worst, handles=[o.handle for o in res])
+    for r in range(R):
+        assert_bitwise_equal(cached[r].recv_x, res[r].recv_x, f"rank {r} cached recv_x")
+
+
+def test_more_rows_than_worst_tokens_is_refused_without_writing_past_the_block():
+    """A rank that sends one destination more rows than num_worst_tokens (<= C) breaks the contract: its send raises
+    naming the destination, and the rows past its block (the next source's block) are never written."""
+    R, E, K, chunk, worst = 2, 4, 2, 4, 4
+    # rank 0: 6 tokens, all for rank 0 (6 > num_worst_tokens); rank 1: 2 tokens for rank 0
+    inputs = _routed(R, E, K, [[[0]] * 6, [[1], [0]]], seed=17)
+    bs = virtual_backends(R, num_nvl_bytes=SymmBackend.get_normal_size_hint(None, H, K, R, chunk_tokens=chunk),
+                          timeout_s=0.5)
+    _send_all(bs, inputs, E, worst, order=[1])  # rank 1's rows are in its block of rank 0's area first
+    area = bs[0].normal.symm.buffer.clone()
+    with pytest.raises(RuntimeError, match="more rows than num_worst_tokens for destination 0"):
+        _send_all(bs, inputs, E, worst, order=[0])
+    st_words = bs[0].normal._dispatch_words(H, K, False)
+    block = chunk * st_words * 4  # bytes of one source's block
+    assert bs[0].normal._cap(st_words) == chunk
+    after = bs[0].normal.symm.buffer
+    assert torch.equal(after[block:], area[block:])  # rank 1's block (and beyond) intact
+    assert not torch.equal(after[:block], area[:block])  # rank 0's own rows within its block were written
+    with pytest.raises(RuntimeError, match="unusable"):  # the Buffer is unusable after the error
+        bs[0].normal.symm.check_usable()
+
+
+def test_ranks_disagreeing_on_worst_tokens_get_the_signature_mismatch():
+    """One rank takes the one-round path (num_worst_tokens <= C), the other would read the sizes and run rounds
+    (num_worst_tokens > C): the receives refuse the call as a signature mismatch (flags) instead of mixing paths."""
+    from moe_ep.sync import CallMismatchError
+
+    R, E, K, chunk = 2, 4, 2, 4
+    inputs = _routed(R, E, K, [[[0], [2]], [[1], [3]]], seed=19)
+    bs = virtual_backends(R, num_nvl_bytes=SymmBackend.get_normal_size_hint(None, H, K, R, chunk_tokens=chunk),
+                          timeout_s=5)
+    states = _send_all(bs, inputs, E, [chunk, 2 * chunk])
+    assert [s.worst_fit for s in states] == [True, False]
+    for r, (b, s) in enumerate(zip(bs, states)):
+        with pytest.raises(CallMismatchError, match="flags") as info:
+            b.normal.dispatch_recv_round(s, 0, num_worst_tokens=[chunk, 2 * chunk][r])
+        assert info.value.fields == ["flags"]

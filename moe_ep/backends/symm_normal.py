@@ -4,8 +4,9 @@ Each operation is a send launch and a receive launch (:mod:`moe_ep.kernels.intra
 travels once per destination rank as one message row of int32 words, packed on the sender by torch
 ops on the device (payload | FP8 scales | top-k ids | top-k weights); the receiver unpacks views of
 the received rows. Without ``num_worst_tokens``, dispatch reads the receive counts (to size ``recv_x``)
-and the per-expert counts (for the Python list) on the host; with it, no call reads device data on the
-host. The layout
+and the per-expert counts (for the Python list) on the host; with ``0 < num_worst_tokens <= C`` (below) no
+call reads device data on the host; with ``num_worst_tokens > C`` dispatch reads the round-0 sizes once
+(Rounds, below). The layout
 (``get_dispatch_layout``) is one Triton kernel (:mod:`moe_ep.kernels.layout`), no host synchronisation.
 
 Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message width ``W``)::
@@ -28,11 +29,25 @@ its release lets the next round's send in (the busy words, as between calls). So
 single-round one (source rank, then source token) and every output is bitwise the same. Round 0 carries
 each source's whole-call sizes (rows per destination, token count) in the ``DISP_META`` words; the receive
 reads them on the host with the receive counts it already read, so every rank derives the same number of
-rounds ``T = ceil(max tokens of any rank / C)`` without another exchange (with ``num_worst_tokens`` this
+rounds ``T = ceil(max tokens of any rank / C)`` without another exchange (with ``num_worst_tokens > C`` this
 is the one host read of the call; a cached dispatch reuses the handle's sizes: no read). ``T = 1`` is
 exactly the single-round path. Combine uses the dispatch's rounds: round ``r`` carries back the rows of
 the sources' round-``r`` tokens (every contribution of a token in one round: the float32 sum keeps its
 rank order). Sends and receives of the rounds are separate host-driven launches (the phase rule).
+
+``0 < num_worst_tokens <= C`` (not a receive view): every rank takes the single-round path with no host read
+and sends all its tokens in round 0, whatever its token count. This is safe: the rows any source sends a
+destination ``d`` are at most the rows ``d`` receives, which the ``num_worst_tokens`` contract bounds by
+``num_worst_tokens <= C``, the rows of a source's block. The ranks agree on this path without an exchange
+because ``num_worst_tokens`` must be the same on every rank: whether the rule applies is bit 6 of the
+dispatch's call signature (``DISP_SIG`` flags), so ranks that disagree (one ``<= C``, one ``> C``) get the
+signature mismatch (:class:`~moe_ep.CallMismatchError` naming ``flags``) instead of a wrong result. The
+contract is guarded on the device: the send kernel never writes a slot past the sender's block (it would
+land in the next source's block); the sender's status word then names the destination and its send raises
+"more rows than num_worst_tokens for destination d" (the destination's receive times out on it), and a
+receiver's gather drops rows past ``num_worst_tokens`` and flags them. The handle is a one-round handle
+(its combine is one round too); a cached dispatch with ``num_worst_tokens <= C`` takes the same path.
+
 A buffer below one token per source per round is refused with the minimum (:meth:`SymmNormal.min_bytes`);
 a receive view must hold the whole receive (refused otherwise). :meth:`SymmNormal.size_hint` gives the
 whole-batch size for a token count, or a fixed size for a chunk (``num_max_tokens=None`` /
@@ -42,7 +57,10 @@ FP8 payloads use 491 MB of it); fixed (C = 512, 8 rounds) 118 MB; DeepEP's NVL h
 config is 336 MB.
 
 Limits of this release: hidden must be even (rows are int32 words); dispatch's packing and
-unpacking are extra passes over the data in torch (fusing them into the kernels is the next step).
+unpacking are extra passes over the data in torch (fusing them into the kernels is the next step); a
+dispatch with ``num_worst_tokens > C`` reads the round-0 sizes on the host once (it is not CUDA-graph
+capturable: size the buffer so that ``num_worst_tokens <= C``, e.g. ``get_normal_size_hint(num_worst_tokens,
+...)`` or ``chunk_tokens=num_worst_tokens``).
 """
 
 from __future__ import annotations
@@ -162,6 +180,7 @@ class _SendState:
     dst: torch.Tensor = None  # [R] next output row of each source's rows (chunked)
     round_counts: list = None
     ntok_max: int = None
+    worst_fit: bool = False  # 0 < num_worst_tokens <= cap (not a view): one round, every token, no host read
 
 
 @dataclasses.dataclass
@@ -342,8 +361,12 @@ class SymmNormal:
         # bit 5: a layout-only dispatch (no top-k) without num_worst_tokens, whose per-expert counts the ranks
         # exchange on the host after the receive (SymmBackend.dispatch_recv): every rank must enter it
         exchange = handle is None and k == 0 and num_worst_tokens == 0
+        # bit 6: 0 < num_worst_tokens <= C: one round with every token, no host read (the receive cannot learn the
+        # rounds without one, so the ranks must agree on taking this path: a rank that would read and run rounds
+        # while a peer sent everything at once gets the signature mismatch instead)
+        worst_fit = not recv_view and 0 < num_worst_tokens <= cap
         flags = 1 | int(x_scales is not None) << 1 | int(x_scales is not None and x_scales.dtype == torch.int32) << 2 \
-            | int(handle is not None) << 3 | int(bool(recv_view)) << 4 | int(exchange) << 5
+            | int(handle is not None) << 3 | int(bool(recv_view)) << 4 | int(exchange) << 5 | int(worst_fit) << 6
         if release:  # before the signature: the release clears the held sources' entries, this rank's own too
             self.dispatch_release()
         self._write_signature("DISP_SIG", (hidden, words, (num_experts or 0) * 256 + k, flags))
@@ -354,7 +377,7 @@ class SymmNormal:
                         scale_dtype=x_scales.dtype if x_scales is not None else torch.float32,
                         scale_cols=scale_cols, view=bool(recv_view), bounds=bounds, planes=planes,
                         view_rows=view_rows, num_tokens_per_expert=num_tokens_per_expert if exchange else None,
-                        rows=rows)
+                        rows=rows, worst_fit=worst_fit)
         st.sig = (hidden, words, (num_experts or 0) * 256 + k, flags)  # later rounds rewrite it (receives clear it)
         self._dispatch_send_round(st, 0)
         return st
@@ -371,10 +394,11 @@ class SymmNormal:
 
     def _dispatch_send_round(self, st: _SendState, r: int) -> None:
         """Tokens ``[r C, (r + 1) C)`` (``C = st.cap``) to every destination's area (an empty block when none
-        are left). Round 0 of a batch that fits sends exactly what the single-round path sends."""
+        are left). Round 0 of a batch that fits sends exactly what the single-round path sends; so does round 0
+        of a ``num_worst_tokens <= C`` dispatch (``st.worst_fit``), with every token whatever their number."""
         R, L, n, C = self.symm.world_size, self.sig, st.n, st.cap
         t0 = min(r * C, n)
-        t1 = min(t0 + C, n)
+        t1 = n if st.worst_fit else min(t0 + C, n)
         if r == 0 and t1 == n:
             rows, pos, counts = st.rows, st.pos, st.counts
         else:
@@ -391,7 +415,7 @@ class SymmNormal:
         _scatter_send_kernel[(R, max(1, triton.cdiv(t1 - t0, bt)))](
             rows, pos.contiguous(), counts.contiguous(), st.counts.contiguous(), self.symm.buffer_ptrs,
             self.symm.signal_ptrs, self.symm.status, self.symm.rank, t1 - t0, R, st.words,
-            0 if st.view else self.symm.rank * st.cap * st.words, self.symm.timeout_ns, n,
+            0 if st.view else self.symm.rank * st.cap * st.words, st.cap, self.symm.timeout_ns, n,
             *st.bounds, *st.planes,
             FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw,
             CNT=L["DISP_CNT"], VIEW=st.view, META=-1 if st.view else L["DISP_META"])
@@ -420,6 +444,10 @@ class SymmNormal:
             return
         h = st.handle
         C = st.cap
+        if st.worst_fit:  # 0 < num_worst_tokens <= C: every source sent everything in round 0; no host read
+            st.ntok_max, st.host, st.rounds, st.m = None, None, 1, num_worst_tokens
+            self._gather_single(st, num_worst_tokens)
+            return
         if h is not None and h.ntok_max is not None:  # cached: the sizes of the dispatch that made the handle
             st.ntok_max = h.ntok_max
             st.host = h.recv_counts_host
@@ -442,26 +470,32 @@ class SymmNormal:
                 st.host, tot = (None if num_worst_tokens > 0 else vals[R:2 * R]), meta[R:2 * R].clone()
         st.rounds = max(1, -(-st.ntok_max // C))
         st.m = num_worst_tokens if num_worst_tokens > 0 else (sum(st.host) if st.host is not None else sum(tot.tolist()))
-        st.out = torch.zeros(st.m, st.words, dtype=torch.int32, device=dev)
-        if st.rounds == 1:  # the single-round path: every source's rows after those of the lower sources
-            counts = torch.zeros(R, dtype=torch.int32, device=dev)
-            max_rows = min(C, st.m) if num_worst_tokens > 0 else max(st.host)
-            bt, bw = self._blocks(st.words)
-            _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
-                st.out, counts, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-                self.symm.rank, R, st.words, C, 0, st.m, self.symm.timeout_ns,
-                FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw,
-                CNT=L["DISP_CNT"])
-            self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
-            # (more rows than num_worst_tokens: the gather kernel drops them and sets the status flag, which the
-            # check above reports; no host read)
-            st.rcounts = counts
+        if st.rounds == 1:
+            self._gather_single(st, num_worst_tokens)
             return
         # Chunked: source s's rows of round r land at (rows of the sources before s) + (rows of s in rounds < r).
+        st.out = torch.zeros(st.m, st.words, dtype=torch.int32, device=dev)
         st.rcounts = tot.to(torch.int32)
         st.dst = (st.rcounts.cumsum(0, dtype=torch.int32) - st.rcounts).contiguous()
         st.round_counts = []
         self._gather_round(st)
+
+    def _gather_single(self, st: _SendState, num_worst_tokens: int) -> None:
+        """The single-round receive: every source's rows after those of the lower sources (``st.m`` rows)."""
+        R, dev, L, C = self.symm.world_size, self.symm.device, self.sig, st.cap
+        st.out = torch.zeros(st.m, st.words, dtype=torch.int32, device=dev)
+        counts = torch.zeros(R, dtype=torch.int32, device=dev)
+        max_rows = min(C, st.m) if num_worst_tokens > 0 else max(st.host)
+        bt, bw = self._blocks(st.words)
+        _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
+            st.out, counts, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
+            self.symm.rank, R, st.words, C, 0, st.m, self.symm.timeout_ns,
+            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw,
+            CNT=L["DISP_CNT"])
+        self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
+        # (more rows than num_worst_tokens: the gather kernel drops them and sets the status flag, which the
+        # check above reports; no host read)
+        st.rcounts = counts
 
     def _gather_round(self, st: _SendState) -> None:
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
@@ -587,7 +621,8 @@ class SymmNormal:
         bt, bw = self._blocks(words)
         _scatter_send_kernel[(R, max(1, triton.cdiv(m, bt)))](
             rows, pos, counts, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-            self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, self.symm.timeout_ns, 0,
+            self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, cap, self.symm.timeout_ns,
+            0,
             words, words, words, words, words, words,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
         self.symm.check_status("combine (send)")
@@ -605,7 +640,7 @@ class SymmNormal:
         bt, bw = self._blocks(w)
         _scatter_send_kernel[(R, max(1, triton.cdiv(st.handle.chunk, bt)))](
             st.rows, st.offs[r], rc, rc, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-            self.symm.rank, st.rows.shape[0], R, w, self.symm.nbytes // 8 + self.symm.rank * st.cap * w,
+            self.symm.rank, st.rows.shape[0], R, w, self.symm.nbytes // 8 + self.symm.rank * st.cap * w, st.cap,
             self.symm.timeout_ns, 0, w, w, w, w, w, w,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw, SEG=True)
         self.symm.check_status("combine (send)")

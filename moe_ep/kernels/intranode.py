@@ -7,6 +7,8 @@ so one send kernel and one receive kernel serve dispatch, cached dispatch and co
   goes to slot ``pos[t, d]`` of this rank's block in destination ``d``'s area (``pos = -1``: not sent).
   Before writing, every program waits until ``d`` has drained the previous message block (busy word);
   the last program of ``d`` sets the busy word and publishes ``count + 1`` in ``d``'s full word.
+  A slot ``>= cap`` (past this rank's block) is not written: the status word reports
+  ``STATUS_WORST_EXCEEDED - d`` (a single-round dispatch with ``num_worst_tokens`` whose caller broke its word).
 - :func:`_recv_counts_kernel`: waits for every source and records its row count (the host reads them to
   size the outputs when ``num_worst_tokens`` is 0).
 - :func:`_gather_recv_kernel` (grid ``(R sources, row blocks)``): copies source ``s``'s rows after the
@@ -55,7 +57,9 @@ import triton.language as tl
 
 from .logfmt import e4m3_decode, fp16_bits
 from .low_latency_common import _bf16_bits, _signature_differs, _status_ok
-from .signals import report_error, arrive_last, signal_release, wait_ne
+from .signals import STATUS_WORST_EXCEEDED, report_error, arrive_last, signal_release, wait_ne
+
+assert STATUS_WORST_EXCEEDED == -16777216  # (written as a literal in the kernel)
 
 __all__ = ["signal_layout", "view_planes", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
            "_view_recv_kernel", "_release_held_kernel", "_combine_recv_kernel", "_combine_recv_fmt_kernel"]
@@ -164,7 +168,8 @@ def _scatter_send_kernel(
     counts_ptr,  # [R] int32 rows sent to each destination (this round)
     tot_ptr,  # META: [R] int32 rows of the whole call for each destination (all rounds)
     buffer_ptrs, signal_ptrs, status_ptr,
-    rank, N, R, W, block_off, timeout_ns,  # block_off: words from the region start to our block at d
+    rank, N, R, W, block_off, cap, timeout_ns,  # block_off: words from the region start to our block at d;
+    # cap: rows of that block (a slot >= cap is never written: it is the next source's block)
     ntok,  # META: this rank's token count of the whole call
     S1, S2, S3, O1, O2, O3,  # VIEW: first column of segments 1-3 and word offsets of their planes
     FULL: tl.constexpr, BUSY: tl.constexpr, SEND_CNT: tl.constexpr,
@@ -211,6 +216,12 @@ def _scatter_send_kernel(
     else:
         # Step 2: rows -> our block of d's area: [R sources][cap rows][W words].
         ok = (pos >= 0) & t_ok & _status_ok(status_ptr, offs_t)
+        # A slot past our block (a dispatch with num_worst_tokens <= cap sends every token in one round, on the
+        # caller's word that d receives at most num_worst_tokens rows) would overwrite the next source's rows:
+        # never written; the status word names d, and the last program does not publish.
+        if tl.sum((ok & (pos >= cap)).to(tl.int32), axis=0) > 0:
+            report_error(status_ptr, -16777216 - d)  # STATUS_WORST_EXCEEDED - d
+        ok = ok & (pos < cap)
         dst = _words(buffer_ptrs, d) + block_off
         for w0 in range(0, W, BLOCK_W):
             offs_w = w0 + tl.arange(0, BLOCK_W)
