@@ -99,7 +99,9 @@ class SymmBuffer:
                                "destroy the Buffer and create a new one")
 
     def _raise_status(self, code: int, what: str) -> None:
-        if code <= -16:  # STATUS_SIG_MISMATCH - peer: that peer's call signature differs from ours
+        from .kernels.signals import STATUS_WORST_EXCEEDED, status_message
+
+        if STATUS_WORST_EXCEEDED < code <= -16:  # STATUS_SIG_MISMATCH - peer: that peer's call signature differs
             from .sync import CallMismatchError
             peer = -16 - code
             self.broken = f"rank {peer} made a different call ({what})"
@@ -108,8 +110,7 @@ class SymmBuffer:
             exc.peer = peer
             raise exc
         if code < 0:  # a device-side error flag (see moe_ep.kernels.signals.STATUS_*)
-            from .kernels.signals import STATUS_MESSAGES
-            self.broken = STATUS_MESSAGES.get(code, f"device error code {code}")
+            self.broken = status_message(code)
             raise RuntimeError(f"moe_ep {what}: {self.broken} (this is rank {self.rank}; outputs since then are "
                                "NaN; destroy the Buffer)")
         peer = code - 1

@@ -91,9 +91,9 @@ def _intranode_cases() -> list[Case]:
     for what, words, full, busy, cnt in (("dispatch FP8", w_disp, "DISP_FULL", "DISP_BUSY", "DISP_SEND_CNT"),
                                          ("combine BF16", w_comb, "COMB_FULL", "COMB_BUSY", "COMB_SEND_CNT")):
         cases.append(_case("normal_send", f"{what} H={H} N={N} EP{R} W={words}", k._scatter_send_kernel,
-                           {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", **_SYMM_PTRS},
-                           {"rank": _RANK, "N": N, "R": R, "W": words, "block_off": _RANK * cap * words,
-                            "timeout_ns": _TIMEOUT_NS, **dict.fromkeys(("S1", "S2", "S3", "O1", "O2", "O3"), words)},
+                           {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", "tot_ptr": "*i32", **_SYMM_PTRS},
+                           {"rank": _RANK, "N": N, "R": R, "W": words, "block_off": _RANK * cap * words, "cap": cap,
+                            "timeout_ns": _TIMEOUT_NS, "ntok": N, **dict.fromkeys(("S1", "S2", "S3", "O1", "O2", "O3"), words)},
                            {"FULL": sig[full], "BUSY": sig[busy], "SEND_CNT": sig[cnt], "BLOCK_T": 16, "BLOCK_W": 256,
                             "CNT": sig["DISP_CNT"] if full == "DISP_FULL" else -1}))
     # receive as a view: the same rows written as planes (payload | scales | top-k ids | weights + padding)
@@ -101,8 +101,9 @@ def _intranode_cases() -> list[Case]:
     rows = (nbytes // 2 // 4) // w_disp
     planes = k.view_planes(rows, bounds, w_disp)[:3]
     cases.append(_case("normal_send", f"dispatch FP8 view H={H} N={N} EP{R} W={w_disp}", k._scatter_send_kernel,
-                       {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", **_SYMM_PTRS},
-                       {"rank": _RANK, "N": N, "R": R, "W": w_disp, "block_off": 0, "timeout_ns": _TIMEOUT_NS,
+                       {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", "tot_ptr": "*i32", **_SYMM_PTRS},
+                       {"rank": _RANK, "N": N, "R": R, "W": w_disp, "block_off": 0, "cap": cap,
+                        "timeout_ns": _TIMEOUT_NS, "ntok": N,
                         **dict(zip(("S1", "S2", "S3"), bounds)), **dict(zip(("O1", "O2", "O3"), planes))},
                        {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "SEND_CNT": sig["DISP_SEND_CNT"],
                         "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "VIEW": True}))
@@ -118,7 +119,7 @@ def _intranode_cases() -> list[Case]:
                        {"counts_ptr": "*i32", "signal_ptrs": "*i64", "status_ptr": "*i32"},
                        {"rank": _RANK, "timeout_ns": _TIMEOUT_NS}, {"FULL": sig["DISP_FULL"]}))
     cases.append(_case("normal_gather_recv", f"dispatch FP8 H={H} EP{R} W={w_disp}", k._gather_recv_kernel,
-                       {"out_ptr": "*i32", "counts_ptr": "*i32", **_SYMM_PTRS},
+                       {"out_ptr": "*i32", "counts_ptr": "*i32", "dst_ptr": "*i32", **_SYMM_PTRS},
                        {"rank": _RANK, "R": R, "W": w_disp, "cap": cap, "area_off": 0, "M": R * N,
                         "timeout_ns": _TIMEOUT_NS},
                        {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "RECV_CNT": sig["DISP_RECV_CNT"],

@@ -389,8 +389,8 @@ from triton.compiler import ASTSource
 from moe_ep.kernels import intranode as k
 
 sig = {"counts_ptr": "*i32", "signal_ptrs": "*i64", "status_ptr": "*i32", "rank": "i32", "timeout_ns": "i64",
-       "FULL": "constexpr"}
-ptx = triton.compile(ASTSource(k._recv_counts_kernel, sig, {"FULL": 0}), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+       "FULL": "constexpr", "META": "constexpr"}
+ptx = triton.compile(ASTSource(k._recv_counts_kernel, sig, {"FULL": 0, "META": -1}), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 print(json.dumps({"trap": ptx.count("trap;")}))
 '''
 

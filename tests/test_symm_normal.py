@@ -27,7 +27,10 @@ def _send(b, inp, handle=None):
 
 @cpu_kernels
 def test_capacity_error_before_anything_is_written():
-    bs = virtual_backends(2, num_nvl_bytes=SymmBackend.get_normal_size_hint(4, H, K, 2), timeout_s=5)
+    # (a batch larger than the buffer streams in rounds, tests/test_symm_chunked.py; below one round is refused)
+    from moe_ep.backends.symm_normal import SymmNormal
+
+    bs = virtual_backends(2, num_nvl_bytes=SymmNormal.min_bytes(H, K, 2) - 256, timeout_s=5)
     inputs = make_all_inputs(2, 9, H, E, K, seed=3)
     with pytest.raises(ValueError, match="num_nvl_bytes >= "):
         _send(bs[0], inputs[0])
@@ -116,10 +119,19 @@ def compile_layout():
 
 P = {"src_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", "buffer_ptrs": "*i64", "signal_ptrs": "*i64",
      "status_ptr": "*i32", "timeout_ns": "i64", "block_off": "i64", "area_off": "i64", "out_ptr": "*i32",
-     "acc_ptr": "*fp32", "wout_ptr": "*fp32"}
+     "acc_ptr": "*fp32", "wout_ptr": "*fp32", "tot_ptr": "*i32", "dst_ptr": "*i32"}
 CASES = {
     "send": lambda: compile_one("_scatter_send_kernel", P, {"FULL": 0, "BUSY": 8, "SEND_CNT": 32, "BLOCK_T": 16,
                                                             "BLOCK_W": 256}),
+    "send_chunked": lambda: compile_one("_scatter_send_kernel", P, {"FULL": 0, "BUSY": 8, "SEND_CNT": 32,
+                                                                    "BLOCK_T": 16, "BLOCK_W": 256, "CNT": 114,
+                                                                    "META": 130}),
+    "send_seg": lambda: compile_one("_scatter_send_kernel", P, {"FULL": 16, "BUSY": 24, "SEND_CNT": 40,
+                                                                "BLOCK_T": 16, "BLOCK_W": 256, "SEG": True}),
+    "counts_meta": lambda: compile_one("_recv_counts_kernel", P, {"FULL": 0, "META": 130}),
+    "gather_offs": lambda: compile_one("_gather_recv_kernel", P, {"FULL": 0, "BUSY": 8, "RECV_CNT": 48,
+                                                                  "BLOCK_T": 16, "BLOCK_W": 256, "CNT": 114,
+                                                                  "OFFS": True}),
     "send_view": lambda: compile_one("_scatter_send_kernel", P, {"FULL": 0, "BUSY": 8, "SEND_CNT": 32, "BLOCK_T": 16,
                                                                  "BLOCK_W": 256, "CNT": 114, "VIEW": True}),
     "view_recv": lambda: compile_one("_view_recv_kernel", P, {"FULL": 0, "HELD": 122}),
@@ -141,7 +153,8 @@ def compiled():
     return compile_in_subprocess(SCRIPT, KERNELS, "the normal-mode kernels")
 
 
-KERNELS = ["send", "send_view", "view_recv", "release_held", "counts", "gather", "combine", "layout"]
+KERNELS = ["send", "send_view", "view_recv", "release_held", "counts", "gather", "combine", "layout",
+           "send_chunked", "send_seg", "counts_meta", "gather_offs"]
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -154,9 +167,9 @@ def test_compiles_for_sm90(compiled, name):
         assert ops[r"globaltimer"] == 0 and ops[r"\.release"] > 0, ops
         return
     assert ops[r"globaltimer"] > 0, f"waits must be bounded by the GPU timer: {ops}"
-    if name in ("send", "send_view", "gather", "combine"):
+    if name in ("send", "send_view", "gather", "combine", "send_chunked", "send_seg", "gather_offs"):
         assert ops[r"\.release"] > 0, f"signals must be published with release semantics: {ops}"
-    if name in ("send", "send_view", "gather"):
+    if name in ("send", "send_view", "gather", "send_chunked", "send_seg", "gather_offs"):
         assert ops[r"ld\.global\.v4\.b32"] > 0 and ops[r"st\.global\.v4\.b32"] > 0, f"rows not moved in 16-byte vectors: {ops}"
     if name == "combine":
         assert ops[r"fma\.rn\.f32"] == 0, f"no FMA contraction in the reduction: {ops}"

@@ -32,7 +32,7 @@ from ..kernels.signals import STATUS_BAD_EXPERT
 from ..symm import create_symm_buffer, create_virtual_symm_buffers
 from .base import Backend, LowLatencyDispatchResult
 
-__all__ = ["SymmBackend", "virtual_backends"]
+__all__ = ["SymmBackend", "virtual_backends", "virtual_dispatch_recv", "virtual_combine_recv"]
 
 # torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -103,9 +103,13 @@ class SymmBackend(Backend):
 
     # ------------------------------------------------------------------ size hints
     @staticmethod
-    def get_normal_size_hint(num_max_tokens: int, hidden: int, num_topk: int, num_ranks: int) -> int:
-        """``num_nvl_bytes`` that lets every rank dispatch ``num_max_tokens`` tokens (BF16 or FP8)."""
-        return _normal_path().size_hint(num_max_tokens, hidden, num_topk, num_ranks)
+    def get_normal_size_hint(num_max_tokens: Optional[int], hidden: int, num_topk: int, num_ranks: int, *,
+                             chunk_tokens: Optional[int] = None) -> int:
+        """``num_nvl_bytes`` for normal mode (BF16 or FP8). ``num_max_tokens``: every rank's batch of up to that
+        many tokens moves in one round (the whole receive fits; receive views need this). ``None`` (or
+        ``chunk_tokens=C``): a fixed size independent of the batch; larger batches stream through it in rounds
+        of ``C`` tokens per source (default ``max(64, 4096 // num_ranks)``)."""
+        return _normal_path().size_hint(num_max_tokens, hidden, num_topk, num_ranks, chunk_tokens=chunk_tokens)
 
     @staticmethod
     def get_low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -295,3 +299,33 @@ def virtual_backends(world_size: int, *, num_nvl_bytes: int, num_rdma_bytes: int
     return [SymmBackend(None, r, world_size, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                         low_latency_mode=low_latency_mode, timeout_s=timeout_s, _symm_buffers=(normal[r], ll[r]))
             for r in range(world_size)]
+
+
+def virtual_dispatch_recv(backends: list, states: list, *, expert_alignment: int = 1,
+                          num_worst_tokens: int = 0) -> list:
+    """The receive phase of a normal dispatch over virtual ranks (after every rank's ``dispatch_send``), round by
+    round: every rank's receive of round 0, then per later round every rank's send, then every rank's receive.
+    A batch that fits the buffer takes one round (then this equals calling ``dispatch_recv`` rank by rank)."""
+    paths = [b.normal for b in backends]
+    for p, s in zip(paths, states):
+        p.dispatch_recv_round(s, 0, num_worst_tokens=num_worst_tokens)
+    for r in range(1, states[0].rounds):
+        for p, s in zip(paths, states):
+            p.dispatch_send_round(s, r)
+        for p, s in zip(paths, states):
+            p.dispatch_recv_round(s, r, num_worst_tokens=num_worst_tokens)
+    return [p.dispatch_finish(s, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+            for p, s in zip(paths, states)]
+
+
+def virtual_combine_recv(backends: list, states: list, biases: Optional[list] = None) -> list:
+    """The receive phase of a normal combine over virtual ranks (after every rank's ``combine_send``), round by
+    round like :func:`virtual_dispatch_recv`; ``biases``: per rank, a tuple of bias tensors."""
+    paths = [b.normal for b in backends]
+    for r in range(states[0].handle.rounds):
+        if r:
+            for p, s in zip(paths, states):
+                p.combine_send_round(s, r)
+        for i, (p, s) in enumerate(zip(paths, states)):
+            p.combine_recv_round(s, r, (biases[i] if biases is not None else ()) if r == 0 else ())
+    return [p.combine_finish(s) for p, s in zip(paths, states)]

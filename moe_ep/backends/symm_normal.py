@@ -4,8 +4,9 @@ Each operation is a send launch and a receive launch (:mod:`moe_ep.kernels.intra
 travels once per destination rank as one message row of int32 words, packed on the sender by torch
 ops on the device (payload | FP8 scales | top-k ids | top-k weights); the receiver unpacks views of
 the received rows. Without ``num_worst_tokens``, dispatch reads the receive counts (to size ``recv_x``)
-and the per-expert counts (for the Python list) on the host; with it, no call reads device data on the
-host. The layout
+and the per-expert counts (for the Python list) on the host; with ``0 < num_worst_tokens <= C`` (below) no
+call reads device data on the host; with ``num_worst_tokens > C`` dispatch reads the round-0 sizes once
+(Rounds, below). The layout
 (``get_dispatch_layout``) is one Triton kernel (:mod:`moe_ep.kernels.layout`), no host synchronisation.
 
 Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message width ``W``)::
@@ -20,15 +21,46 @@ Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message
     [P][payload words] | [P][scale words] | [P][2K id words] | [P][K + padding words] (each plane 64-byte
     aligned); source s's rows start at row sum_{s' < s} count(s' -> d), so plane_0[:M] is recv_x
 
-A rank may send at most ``min(cap_d, cap_c)`` tokens per call (checked before anything is written;
-:meth:`SymmNormal.size_hint` gives the bytes for a token count). DeepSeek-V3 prefill (4096 tokens
-per rank, hidden 7168, top-8, EP8): ``size_hint`` = 2 * 8 * 4096 * 14464 = 948 MB per rank (rows of
-2 * 7168 + 96 bytes padded to 64; sized for BF16 payloads; FP8 payloads use 491 MB of it); DeepEP streams
-chunks through a fixed NVLink buffer whose size does not grow with the token count (its config size hint
-gives about 336 MB here).
+Rounds (a batch larger than the buffer). ``C = min(cap_d, cap_c)`` is the rows of a per-source block, the
+most tokens a source can put there in one round. Round ``r`` sends each source's tokens ``[r C, (r + 1) C)``
+(an empty block once a source has none left) and every receiver drains it into the final output before
+its release lets the next round's send in (the busy words, as between calls). Source ``s``'s rows of round
+``r`` land at row ``(rows of the sources < s) + (rows of s in rounds < r)``: the receive order is the
+single-round one (source rank, then source token) and every output is bitwise the same. Round 0 carries
+each source's whole-call sizes (rows per destination, token count) in the ``DISP_META`` words; the receive
+reads them on the host with the receive counts it already read, so every rank derives the same number of
+rounds ``T = ceil(max tokens of any rank / C)`` without another exchange (with ``num_worst_tokens > C`` this
+is the one host read of the call; a cached dispatch reuses the handle's sizes: no read). ``T = 1`` is
+exactly the single-round path. Combine uses the dispatch's rounds: round ``r`` carries back the rows of
+the sources' round-``r`` tokens (every contribution of a token in one round: the float32 sum keeps its
+rank order). Sends and receives of the rounds are separate host-driven launches (the phase rule).
+
+``0 < num_worst_tokens <= C`` (not a receive view): every rank takes the single-round path with no host read
+and sends all its tokens in round 0, whatever its token count. This is safe: the rows any source sends a
+destination ``d`` are at most the rows ``d`` receives, which the ``num_worst_tokens`` contract bounds by
+``num_worst_tokens <= C``, the rows of a source's block. The ranks agree on this path without an exchange
+because ``num_worst_tokens`` must be the same on every rank: whether the rule applies is bit 6 of the
+dispatch's call signature (``DISP_SIG`` flags), so ranks that disagree (one ``<= C``, one ``> C``) get the
+signature mismatch (:class:`~moe_ep.CallMismatchError` naming ``flags``) instead of a wrong result. The
+contract is guarded on the device: the send kernel never writes a slot past the sender's block (it would
+land in the next source's block); the sender's status word then names the destination and its send raises
+"more rows than num_worst_tokens for destination d" (the destination's receive times out on it), and a
+receiver's gather drops rows past ``num_worst_tokens`` and flags them. The handle is a one-round handle
+(its combine is one round too); a cached dispatch with ``num_worst_tokens <= C`` takes the same path.
+
+A buffer below one token per source per round is refused with the minimum (:meth:`SymmNormal.min_bytes`);
+a receive view must hold the whole receive (refused otherwise). :meth:`SymmNormal.size_hint` gives the
+whole-batch size for a token count, or a fixed size for a chunk (``num_max_tokens=None`` /
+``chunk_tokens=``). DeepSeek-V3 prefill (4096 tokens per rank, hidden 7168, top-8, EP8): whole batch
+2 * 8 * 4096 * 14464 = 948 MB per rank (rows of 2 * 7168 + 96 bytes padded to 64; sized for BF16 payloads;
+FP8 payloads use 491 MB of it); fixed (C = 512, 8 rounds) 118 MB; DeepEP's NVL hint with its default
+config is 336 MB.
 
 Limits of this release: hidden must be even (rows are int32 words); dispatch's packing and
-unpacking are extra passes over the data in torch (fusing them into the kernels is the next step).
+unpacking are extra passes over the data in torch (fusing them into the kernels is the next step); a
+dispatch with ``num_worst_tokens > C`` reads the round-0 sizes on the host once (it is not CUDA-graph
+capturable: size the buffer so that ``num_worst_tokens <= C``, e.g. ``get_normal_size_hint(num_worst_tokens,
+...)`` or ``chunk_tokens=num_worst_tokens``).
 """
 
 from __future__ import annotations
@@ -98,6 +130,10 @@ class SymmNormalHandle(DispatchHandle):
     num_recv_tokens_per_expert_list: list = None
     recv_counts_host: list = None  # the same counts on the host (None after a num_worst_tokens dispatch)
     rank: int = 0
+    chunk: int = 0  # C: tokens per source per round of the dispatch that made the handle
+    rounds: int = 1  # T: its rounds (every rank has the same); combine uses the same rounds
+    round_counts: torch.Tensor = None  # [T, R] int32 rows received from each source per round (T > 1)
+    ntok_max: int = None  # the largest token count of any rank (cached dispatches reuse it: no host read)
 
     def deepep_field(self, name: str):
         if name == "rank_prefix_matrix":
@@ -132,6 +168,19 @@ class _SendState:
     planes: tuple = ()  # (O1, O2, O3): word offsets of their planes
     view_rows: int = 0  # P: rows of each plane
     num_tokens_per_expert: torch.Tensor = None  # [E] of a layout-only dispatch that exchanges it (flag bit 5)
+    rows: torch.Tensor = None  # [N, W] packed message rows (all rounds)
+    cum0: torch.Tensor = None  # [N + 1, R] int32 tokens before t that go to d (chunked rounds)
+    sig: tuple = ()  # this rank's 4 signature words (rewritten before each later round)
+    # receive side (filled by dispatch_recv_round)
+    rounds: int = 0  # T, known after round 0's receive
+    m: int = 0
+    out: torch.Tensor = None
+    rcounts: torch.Tensor = None  # [R] rows received from each source (whole call)
+    host: list = None
+    dst: torch.Tensor = None  # [R] next output row of each source's rows (chunked)
+    round_counts: list = None
+    ntok_max: int = None
+    worst_fit: bool = False  # 0 < num_worst_tokens <= cap (not a view): one round, every token, no host read
 
 
 @dataclasses.dataclass
@@ -142,6 +191,13 @@ class _CombineState:
     has_w: bool
     fmt: int = FMT_BF16
     out_dtype: torch.dtype = torch.bfloat16
+    rows: torch.Tensor = None  # [M, W] packed rows (chunked rounds)
+    offs: torch.Tensor = None  # [T, R] first row of each source's rows per round (chunked rounds)
+    sig: tuple = ()
+    acc: torch.Tensor = None
+    out: torch.Tensor = None
+    wout: torch.Tensor = None
+    cum0: torch.Tensor = None
 
 
 class SymmNormal:
@@ -164,13 +220,41 @@ class SymmNormal:
         payload = (hidden + 4 * (hidden // 128)) if fp8 else 2 * hidden
         return _pad16((payload + (12 * num_topk if with_topk else 0)) // 4)
 
+    #: rows one rank receives per round (all sources together) that the default chunk size aims at: large
+    #: enough that a round's transfer (~60 MB at DeepSeek-V3 shapes) dwarfs its two launches and its wait
+    ROUND_ROWS = 4096
+    MIN_CHUNK = 64
+
     @staticmethod
-    def size_hint(num_max_tokens: int, hidden: int, num_topk: int, world_size: int) -> int:
-        """``num_nvl_bytes`` that lets every rank send ``num_max_tokens`` tokens (BF16 or FP8, with top-k), with the
-        copying receive or a receive view (``recv_as_view``: its four planes start 64-byte aligned, up to 3 x 64
-        bytes of padding in the dispatch half), and lets a view hold the ``R * num_max_tokens`` worst-case rows."""
+    def default_chunk(world_size: int) -> int:
+        """Tokens per source per round of the fixed-size hint: ``max(64, 4096 // world_size)``."""
+        return max(SymmNormal.MIN_CHUNK, SymmNormal.ROUND_ROWS // max(world_size, 1))
+
+    @staticmethod
+    def size_hint(num_max_tokens, hidden: int, num_topk: int, world_size: int, *, chunk_tokens=None) -> int:
+        """``num_nvl_bytes`` for normal-mode calls (BF16 or FP8, with top-k).
+
+        ``num_max_tokens`` given, no ``chunk_tokens``: every rank's batch of up to ``num_max_tokens`` tokens
+        moves in one round (the whole receive in the buffer, the fastest path; needed by receive views).
+        ``num_max_tokens=None`` and/or ``chunk_tokens=C``: a fixed size, independent of the batch: batches of
+        more than ``C`` tokens move in rounds of ``C`` tokens per source (``C`` defaults to
+        :meth:`default_chunk`). Either way the size covers a receive view's plane padding (its four planes start
+        64-byte aligned: up to 3 x 64 bytes in the dispatch half), so a view holds the ``R * num_max_tokens``
+        worst-case rows."""
+        if num_max_tokens is None or chunk_tokens is not None:
+            c = SymmNormal.default_chunk(world_size) if chunk_tokens is None else int(chunk_tokens)
+            if c < 1:
+                raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+            num_max_tokens = c if num_max_tokens is None else min(num_max_tokens, c)
         w = max(SymmNormal._dispatch_words(hidden, num_topk, False), _pad16(hidden // 2 + num_topk))
         return (2 * (world_size * max(num_max_tokens, 1) * 4 * w + 3 * 64) + 255) // 256 * 256
+
+    @staticmethod
+    def min_bytes(hidden: int, num_topk: int, world_size: int, words: int = 0) -> int:
+        """The smallest ``num_nvl_bytes`` that moves one token per source per round (rows of ``words`` int32
+        words: the dispatch's message width; 0: BF16 with top-k)."""
+        w = max(words or SymmNormal._dispatch_words(hidden, num_topk, False), _pad16(hidden // 2 + num_topk))
+        return 2 * world_size * 4 * w
 
     _SIG_FIELDS = ("hidden", "row words (hidden, dtype, scales, top-k)", "num_experts * 256 + top-k", "flags")
 
@@ -259,60 +343,191 @@ class SymmNormal:
         planes, view_rows = (words, words, words), 0
         if recv_view:
             cap, view_rows, planes = self._view_layout(cap, bounds, words)
-        if n > cap:
+        if recv_view and n > cap:
             need = SymmNormal.size_hint(n, hidden, k, R)
-            raise ValueError(f"backend 'symm': {n} tokens do not fit this rank's normal-mode buffer (at most {cap} "
-                             f"for hidden={hidden}, top-{k}): pass num_nvl_bytes >= {need} "
-                             f"(SymmBackend.get_normal_size_hint)")
+            raise ValueError(f"backend 'symm': recv_as_view=True needs the whole receive in the buffer, and {n} tokens "
+                             f"do not fit this rank's normal-mode buffer (at most {cap} for hidden={hidden}, top-{k}): "
+                             f"pass num_nvl_bytes >= {need} (SymmBackend.get_normal_size_hint), or recv_as_view=False, "
+                             "which streams any batch through the buffer in rounds")
+        if cap < 1:
+            need = SymmNormal.min_bytes(hidden, k, R, words)
+            raise ValueError(f"backend 'symm': num_nvl_bytes={self.symm.nbytes} is below the minimum for one round of "
+                             f"normal-mode dispatch/combine (hidden={hidden}, top-{k}, {R} ranks, {4 * words}-byte rows): "
+                             f"pass num_nvl_bytes >= {need} (one token per source per round; "
+                             "SymmBackend.get_normal_size_hint(None, hidden, num_topk, num_ranks) gives a fixed size "
+                             "chosen for bandwidth)")
         if recv_view and num_worst_tokens > view_rows:
             raise ValueError(f"backend 'symm': a receive view holds at most {view_rows} rows of {4 * words} bytes, "
                              f"num_worst_tokens={num_worst_tokens} asks for more: pass a larger num_nvl_bytes or a "
                              "smaller num_worst_tokens")
-        bt, bw = self._blocks(words)
-        L = self.sig
         # bit 5: a layout-only dispatch (no top-k) without num_worst_tokens, whose per-expert counts the ranks
         # exchange on the host after the receive (SymmBackend.dispatch_recv): every rank must enter it
         exchange = handle is None and k == 0 and num_worst_tokens == 0
+        # bit 6: 0 < num_worst_tokens <= C: one round with every token, no host read (the receive cannot learn the
+        # rounds without one, so the ranks must agree on taking this path: a rank that would read and run rounds
+        # while a peer sent everything at once gets the signature mismatch instead)
+        worst_fit = not recv_view and 0 < num_worst_tokens <= cap
         flags = 1 | int(x_scales is not None) << 1 | int(x_scales is not None and x_scales.dtype == torch.int32) << 2 \
-            | int(handle is not None) << 3 | int(bool(recv_view)) << 4 | int(exchange) << 5
+            | int(handle is not None) << 3 | int(bool(recv_view)) << 4 | int(exchange) << 5 | int(worst_fit) << 6
         if release:  # before the signature: the release clears the held sources' entries, this rank's own too
             self.dispatch_release()
         self._write_signature("DISP_SIG", (hidden, words, (num_experts or 0) * 256 + k, flags))
         if recv_view:
             self._view_used = True
-        _scatter_send_kernel[(R, max(1, triton.cdiv(n, bt)))](
-            rows, pos.contiguous(), counts.contiguous(), self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-            self.symm.rank, n, R, words, 0 if recv_view else self.symm.rank * cap * words, self.symm.timeout_ns,
-            *bounds, *planes,
-            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw,
-            CNT=L["DISP_CNT"], VIEW=bool(recv_view))
-        self.symm.check_status("dispatch (send)")
-        return _SendState(handle, n, hidden, x.dtype, x_scales is not None, k, num_experts, words, cap, pos, counts,
-                          is_token_in_rank, num_tokens_per_rank,
-                          scale_dtype=x_scales.dtype if x_scales is not None else torch.float32,
-                          scale_cols=scale_cols, view=bool(recv_view), bounds=bounds, planes=planes,
-                          view_rows=view_rows, num_tokens_per_expert=num_tokens_per_expert if exchange else None)
+        st = _SendState(handle, n, hidden, x.dtype, x_scales is not None, k, num_experts, words, cap, pos, counts,
+                        is_token_in_rank, num_tokens_per_rank,
+                        scale_dtype=x_scales.dtype if x_scales is not None else torch.float32,
+                        scale_cols=scale_cols, view=bool(recv_view), bounds=bounds, planes=planes,
+                        view_rows=view_rows, num_tokens_per_expert=num_tokens_per_expert if exchange else None,
+                        rows=rows, worst_fit=worst_fit)
+        st.sig = (hidden, words, (num_experts or 0) * 256 + k, flags)  # later rounds rewrite it (receives clear it)
+        self._dispatch_send_round(st, 0)
+        return st
 
-    def dispatch_recv(self, st: _SendState, *, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
+    @staticmethod
+    def _cum0(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+        """`[N + 1, R]` int32: entry ``[t, d]`` = tokens before ``t`` that go to ``d``."""
+        c = is_token_in_rank.to(torch.int32).cumsum(0, dtype=torch.int32)
+        return torch.cat([torch.zeros(1, c.shape[1], dtype=torch.int32, device=c.device), c])
+
+    def dispatch_send_round(self, st: _SendState, r: int) -> None:
+        """Send round ``r >= 1`` of a chunked dispatch (after this rank's receive of round ``r - 1``)."""
+        self._dispatch_send_round(st, r)
+
+    def _dispatch_send_round(self, st: _SendState, r: int) -> None:
+        """Tokens ``[r C, (r + 1) C)`` (``C = st.cap``) to every destination's area (an empty block when none
+        are left). Round 0 of a batch that fits sends exactly what the single-round path sends; so does round 0
+        of a ``num_worst_tokens <= C`` dispatch (``st.worst_fit``), with every token whatever their number."""
+        R, L, n, C = self.symm.world_size, self.sig, st.n, st.cap
+        t0 = min(r * C, n)
+        t1 = n if st.worst_fit else min(t0 + C, n)
+        if r == 0 and t1 == n:
+            rows, pos, counts = st.rows, st.pos, st.counts
+        else:
+            if st.cum0 is None:
+                st.cum0 = self._cum0(st.is_token_in_rank)
+            base = st.cum0[t0]
+            counts = st.cum0[t1] - base
+            p = st.pos[t0:t1]
+            pos = torch.where(p >= 0, p - base, -1).to(torch.int32)
+            rows = st.rows[t0:t1]
+        if r > 0:
+            self._write_signature("DISP_SIG", st.sig)
+        bt, bw = self._blocks(st.words)
+        _scatter_send_kernel[(R, max(1, triton.cdiv(t1 - t0, bt)))](
+            rows, pos.contiguous(), counts.contiguous(), st.counts.contiguous(), self.symm.buffer_ptrs,
+            self.symm.signal_ptrs, self.symm.status, self.symm.rank, t1 - t0, R, st.words,
+            0 if st.view else self.symm.rank * st.cap * st.words, st.cap, self.symm.timeout_ns, n,
+            *st.bounds, *st.planes,
+            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw,
+            CNT=L["DISP_CNT"], VIEW=st.view, META=-1 if st.view else L["DISP_META"])
+        self.symm.check_status("dispatch (send)")
+
+    def dispatch_recv_round(self, st: _SendState, r: int, *, num_worst_tokens: int) -> None:
+        """Receive round ``r`` into the final output. Round 0 also learns the whole call's sizes (rows from
+        each source, every source's token count: the number of rounds ``st.rounds``, the same on every rank)."""
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
-        counts = torch.zeros(R, dtype=torch.int32, device=dev)
-        if st.view:  # wait, count, check signatures; the rows stay where the senders wrote them
+        if st.view:
+            counts = torch.zeros(R, dtype=torch.int32, device=dev)
             _view_recv_kernel[(1,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank, R,
                                     num_worst_tokens if num_worst_tokens > 0 else st.view_rows, self.symm.timeout_ns,
                                     FULL=L["DISP_FULL"], HELD=L["DISP_HELD"], num_warps=1)
             self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
-        elif num_worst_tokens == 0:
-            _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
-                                      self.symm.timeout_ns, FULL=L["DISP_FULL"])
-            self.symm.check_status("dispatch (receive)")
-        if num_worst_tokens > 0:
-            m = num_worst_tokens
-        else:
-            if st.handle is not None and st.handle.recv_counts_host is not None:
-                host = st.handle.recv_counts_host  # cached dispatch: the same routing, no host read
+            if num_worst_tokens > 0:
+                st.m, st.host = num_worst_tokens, None
             else:
-                host = counts.tolist()  # NOTES: host reads happen only without num_worst_tokens (outputs sized by them)
-            m = sum(host)
+                h = st.handle
+                st.host = h.recv_counts_host if h is not None and h.recv_counts_host is not None else counts.tolist()
+                st.m = sum(st.host)
+            st.rcounts, st.rounds = counts, 1
+            return
+        if r > 0:
+            self._gather_round(st)
+            return
+        h = st.handle
+        C = st.cap
+        if st.worst_fit:  # 0 < num_worst_tokens <= C: every source sent everything in round 0; no host read
+            st.ntok_max, st.host, st.rounds, st.m = None, None, 1, num_worst_tokens
+            self._gather_single(st, num_worst_tokens)
+            return
+        if h is not None and h.ntok_max is not None:  # cached: the sizes of the dispatch that made the handle
+            st.ntok_max = h.ntok_max
+            st.host = h.recv_counts_host
+            tot = h.recv_counts
+            if num_worst_tokens == 0 and -(-h.ntok_max // C) <= 1:  # (as the single-round path always did)
+                counts = torch.zeros(R, dtype=torch.int32, device=dev)
+                _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
+                                          self.symm.timeout_ns, FULL=L["DISP_FULL"])
+                self.symm.check_status("dispatch (receive)")
+        else:
+            meta = torch.zeros(3 * R, dtype=torch.int32, device=dev)
+            _recv_counts_kernel[(R,)](meta, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
+                                      self.symm.timeout_ns, FULL=L["DISP_FULL"], META=L["DISP_META"])
+            self.symm.check_status("dispatch (receive)")
+            vals = meta.tolist()  # NOTES: the one host read of a dispatch (sizes the output, fixes the rounds)
+            st.ntok_max = max(vals[2 * R:])
+            if h is not None:
+                st.host, tot = h.recv_counts_host, h.recv_counts
+            else:
+                st.host, tot = (None if num_worst_tokens > 0 else vals[R:2 * R]), meta[R:2 * R].clone()
+        st.rounds = max(1, -(-st.ntok_max // C))
+        st.m = num_worst_tokens if num_worst_tokens > 0 else (sum(st.host) if st.host is not None else sum(tot.tolist()))
+        if st.rounds == 1:
+            self._gather_single(st, num_worst_tokens)
+            return
+        # Chunked: source s's rows of round r land at (rows of the sources before s) + (rows of s in rounds < r).
+        st.out = torch.zeros(st.m, st.words, dtype=torch.int32, device=dev)
+        st.rcounts = tot.to(torch.int32)
+        st.dst = (st.rcounts.cumsum(0, dtype=torch.int32) - st.rcounts).contiguous()
+        st.round_counts = []
+        self._gather_round(st)
+
+    def _gather_single(self, st: _SendState, num_worst_tokens: int) -> None:
+        """The single-round receive: every source's rows after those of the lower sources (``st.m`` rows)."""
+        R, dev, L, C = self.symm.world_size, self.symm.device, self.sig, st.cap
+        st.out = torch.zeros(st.m, st.words, dtype=torch.int32, device=dev)
+        counts = torch.zeros(R, dtype=torch.int32, device=dev)
+        max_rows = min(C, st.m) if num_worst_tokens > 0 else max(st.host)
+        bt, bw = self._blocks(st.words)
+        _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
+            st.out, counts, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
+            self.symm.rank, R, st.words, C, 0, st.m, self.symm.timeout_ns,
+            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw,
+            CNT=L["DISP_CNT"])
+        self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
+        # (more rows than num_worst_tokens: the gather kernel drops them and sets the status flag, which the
+        # check above reports; no host read)
+        st.rcounts = counts
+
+    def _gather_round(self, st: _SendState) -> None:
+        R, dev, L = self.symm.world_size, self.symm.device, self.sig
+        counts = torch.zeros(R, dtype=torch.int32, device=dev)
+        max_rows = st.cap if st.host is None else max(1, min(st.cap, max(st.host)))
+        bt, bw = self._blocks(st.words)
+        _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
+            st.out, counts, st.dst, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
+            self.symm.rank, R, st.words, st.cap, 0, st.m, self.symm.timeout_ns,
+            FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw,
+            CNT=L["DISP_CNT"], OFFS=True)
+        self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
+        st.round_counts.append(counts)
+        st.dst = st.dst + counts
+
+    def dispatch_recv(self, st: _SendState, *, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
+        """Every round of the receive (the sends of rounds >= 1 in between), then the unpacked result."""
+        self.dispatch_recv_round(st, 0, num_worst_tokens=num_worst_tokens)
+        if st.rounds > 1 and self.symm.provider == "virtual":
+            raise ValueError("virtual ranks: a dispatch that needs several rounds must run round by round over every "
+                             "rank (moe_ep.backends.symm.virtual_dispatch_recv)")
+        for r in range(1, st.rounds):
+            self.dispatch_send_round(st, r)
+            self.dispatch_recv_round(st, r, num_worst_tokens=num_worst_tokens)
+        return self.dispatch_finish(st, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+
+    def dispatch_finish(self, st: _SendState, *, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
+        """The result of a received dispatch (views of the received words, or of this rank's buffer)."""
+        R, dev = self.symm.world_size, self.symm.device
+        m, counts = st.m, st.rcounts
         if st.view:
             P = st.view_rows
             words = self.symm.buffer[:(self.symm.nbytes // 2) // 4 * 4].view(torch.int32)
@@ -320,17 +535,7 @@ class SymmNormal:
             segs = [words[o:o + P * (cols[j + 1] - cols[j])].view(P, cols[j + 1] - cols[j])[:m]
                     for j, o in enumerate(offs)]
         else:
-            max_rows = min(st.cap, m) if num_worst_tokens > 0 else max(host)
-            out = torch.zeros(m, st.words, dtype=torch.int32, device=dev)
-            bt, bw = self._blocks(st.words)
-            _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
-                out, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-                self.symm.rank, R, st.words, st.cap, 0, m, self.symm.timeout_ns,
-                FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw,
-                CNT=L["DISP_CNT"])
-            self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
-            # (more rows than num_worst_tokens: the gather kernel drops them and sets the status flag, which the
-            # check above reports; no host read)
+            out = st.out
             segs = [out[:, a:b] for a, b in zip((0, *st.bounds), (*st.bounds, st.words))]
         # Unpack the rows (views of the received words; with st.view, views of this rank's buffer).
         h = st.hidden
@@ -363,7 +568,9 @@ class SymmNormal:
                                       is_token_in_rank=st.is_token_in_rank, num_tokens_per_rank=st.num_tokens_per_rank,
                                       send_pos=st.pos, recv_counts=counts, num_topk=k,
                                       num_recv_tokens_per_expert_list=per_expert,
-                                      recv_counts_host=None if num_worst_tokens > 0 else host, rank=self.symm.rank)
+                                      recv_counts_host=None if num_worst_tokens > 0 else st.host, rank=self.symm.rank,
+                                      chunk=st.cap, rounds=st.rounds, ntok_max=st.ntok_max,
+                                      round_counts=torch.stack(st.round_counts) if st.rounds > 1 else None)
         else:
             handle = st.handle
             if m != handle.num_recv_tokens:
@@ -389,6 +596,22 @@ class SymmNormal:
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
         m, h = handle.num_recv_tokens, handle.hidden
         counts = handle.recv_counts
+        parts = [_words(encode_rows(x, FMT_FP8) if fmt == FMT_FP8 else x)]
+        if topk_weights is not None:
+            parts.append(_words(topk_weights))
+        rows = _rows(parts)
+        words = rows.shape[1]
+        cap = self._cap(_pad16(h // 2 + handle.num_topk))  # the 16-bit row width: FP8 rows are narrower
+        sig = (h, words, handle.num_topk, 2 | int(fmt) << 2 | int(topk_weights is not None) << 6)
+        self._write_signature("COMB_SIG", sig)
+        st = _CombineState(handle, words, cap, topk_weights is not None, fmt, x.dtype, sig=sig)
+        if handle.rounds > 1:  # chunked: round r carries back the rows of the sources' round-r tokens
+            rc = handle.round_counts
+            prefix = counts.to(torch.int32).cumsum(0, dtype=torch.int32) - counts.to(torch.int32)
+            st.rows = rows
+            st.offs = (prefix[None, :] + rc.cumsum(0, dtype=torch.int32) - rc).contiguous()
+            self._combine_send_round(st, 0)
+            return st
         ends = counts.cumsum(0)
         rows_idx = torch.arange(m, device=dev)
         src = torch.searchsorted(ends, rows_idx, right=True)  # source rank of each received row
@@ -397,39 +620,79 @@ class SymmNormal:
         slot = rows_idx - (ends[src_c] - counts[src_c])
         pos = torch.full((m, R), -1, dtype=torch.int32, device=dev)
         pos[rows_idx, src_c] = torch.where(valid, slot, -1).to(torch.int32)  # no boolean indexing: no host sync
-        parts = [_words(encode_rows(x, FMT_FP8) if fmt == FMT_FP8 else x)]
-        if topk_weights is not None:
-            parts.append(_words(topk_weights))
-        rows = _rows(parts)
-        words = rows.shape[1]
-        cap = self._cap(_pad16(h // 2 + handle.num_topk))  # the 16-bit row width: FP8 rows are narrower
         bt, bw = self._blocks(words)
-        self._write_signature("COMB_SIG", (h, words, handle.num_topk, 2 | int(fmt) << 2 | int(topk_weights is not None) << 6))
         _scatter_send_kernel[(R, max(1, triton.cdiv(m, bt)))](
-            rows, pos, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-            self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, self.symm.timeout_ns,
+            rows, pos, counts, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
+            self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, cap, self.symm.timeout_ns,
+            0,
             words, words, words, words, words, words,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
         self.symm.check_status("combine (send)")
-        return _CombineState(handle, words, cap, topk_weights is not None, fmt, x.dtype)
+        return st
 
-    def combine_recv(self, st: _CombineState, bias: tuple):
+    def combine_send_round(self, st: _CombineState, r: int) -> None:
+        """Send round ``r >= 1`` of a chunked combine (after this rank's combine receive of round ``r - 1``)."""
+        self._combine_send_round(st, r)
+
+    def _combine_send_round(self, st: _CombineState, r: int) -> None:
+        R, L, w = self.symm.world_size, self.sig, st.words
+        if r > 0:
+            self._write_signature("COMB_SIG", st.sig)
+        rc = st.handle.round_counts[r]
+        bt, bw = self._blocks(w)
+        _scatter_send_kernel[(R, max(1, triton.cdiv(st.handle.chunk, bt)))](
+            st.rows, st.offs[r], rc, rc, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
+            self.symm.rank, st.rows.shape[0], R, w, self.symm.nbytes // 8 + self.symm.rank * st.cap * w, st.cap,
+            self.symm.timeout_ns, 0, w, w, w, w, w, w,
+            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw, SEG=True)
+        self.symm.check_status("combine (send)")
+
+    def combine_recv_round(self, st: _CombineState, r: int, bias: tuple = ()) -> None:
+        """Reduce round ``r`` (the original tokens ``[r C, (r + 1) C)``; all of them when the dispatch took one
+        round) into the output; round 0 starts from the bias terms."""
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
         handle = st.handle
         n, h, k = handle.num_tokens, handle.hidden, handle.num_topk
-        acc = torch.zeros(n, h, dtype=torch.float32, device=dev)
-        for b in bias:  # the reference order: bias terms first
-            acc += b.float()
-        out = torch.empty(n, h, dtype=st.out_dtype, device=dev)
-        wout = torch.empty(n, k, dtype=torch.float32, device=dev) if st.has_w else acc
+        if r == 0:
+            st.acc = torch.zeros(n, h, dtype=torch.float32, device=dev)
+            for b in bias:  # the reference order: bias terms first
+                st.acc += b.float()
+            st.out = torch.empty(n, h, dtype=st.out_dtype, device=dev)
+            st.wout = torch.empty(n, k, dtype=torch.float32, device=dev) if st.has_w else st.acc
+        if handle.rounds > 1:
+            C = handle.chunk
+            t0 = min(r * C, n)
+            t1 = min(t0 + C, n)
+            if st.cum0 is None:
+                st.cum0 = self._cum0(handle.is_token_in_rank)
+            p = handle.send_pos[t0:t1]
+            pos = torch.where(p >= 0, p - st.cum0[t0], -1).to(torch.int32).contiguous()
+        else:
+            t0, t1, pos = 0, n, handle.send_pos
+        nr = t1 - t0
         bt, hc = (64, triton.next_power_of_2(h)) if self._interp else (16, 256)
-        _combine_recv_fmt_kernel[(max(1, triton.cdiv(n, bt)), triton.cdiv(h, hc))](
-            acc, out.view(torch.int16), wout, handle.send_pos, self.symm.buffer_ptrs, self.symm.signal_ptrs,
-            self.symm.status, self.symm.rank, n, R, st.words, st.cap, self.symm.nbytes // 8, self.symm.timeout_ns,
+        _combine_recv_fmt_kernel[(max(1, triton.cdiv(nr, bt)), triton.cdiv(h, hc))](
+            st.acc[t0:t1], st.out.view(torch.int16)[t0:t1], st.wout[t0:t1], pos, self.symm.buffer_ptrs,
+            self.symm.signal_ptrs, self.symm.status, self.symm.rank, nr, R, st.words, st.cap, self.symm.nbytes // 8,
+            self.symm.timeout_ns,
             H=h, K=max(k, 1), KP=triton.next_power_of_2(max(k, 1)), HAS_W=st.has_w,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], RECV_CNT=L["COMB_RECV_CNT"], BLOCK_T=bt, HC=hc,
             FMT=st.fmt, OUT_F16=st.out_dtype == torch.float16, enable_fp_fusion=False,
             **(dict(DFULL=L["DISP_FULL"], DBUSY=L["DISP_BUSY"], DCNT=L["DISP_CNT"], DHELD=L["DISP_HELD"])
                if self._view_used else {}))
         self._check_status_naming_fields("combine (receive)", "COMB_SIG")
-        return out, (wout if st.has_w else None)
+
+    def combine_finish(self, st: _CombineState):
+        return st.out, (st.wout if st.has_w else None)
+
+    def combine_recv(self, st: _CombineState, bias: tuple):
+        """Every round of the combine receive (the sends of rounds >= 1 in between)."""
+        rounds = st.handle.rounds
+        if rounds > 1 and self.symm.provider == "virtual":
+            raise ValueError("virtual ranks: a combine of a dispatch that took several rounds must run round by round "
+                             "over every rank (moe_ep.backends.symm.virtual_combine_recv)")
+        self.combine_recv_round(st, 0, bias)
+        for r in range(1, rounds):
+            self.combine_send_round(st, r)
+            self.combine_recv_round(st, r)
+        return self.combine_finish(st)

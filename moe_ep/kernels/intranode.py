@@ -7,6 +7,8 @@ so one send kernel and one receive kernel serve dispatch, cached dispatch and co
   goes to slot ``pos[t, d]`` of this rank's block in destination ``d``'s area (``pos = -1``: not sent).
   Before writing, every program waits until ``d`` has drained the previous message block (busy word);
   the last program of ``d`` sets the busy word and publishes ``count + 1`` in ``d``'s full word.
+  A slot ``>= cap`` (past this rank's block) is not written: the status word reports
+  ``STATUS_WORST_EXCEEDED - d`` (a single-round dispatch with ``num_worst_tokens`` whose caller broke its word).
 - :func:`_recv_counts_kernel`: waits for every source and records its row count (the host reads them to
   size the outputs when ``num_worst_tokens`` is 0).
 - :func:`_gather_recv_kernel` (grid ``(R sources, row blocks)``): copies source ``s``'s rows after the
@@ -35,6 +37,14 @@ Signals (int32 words of each rank's signal region, see :func:`signal_layout`)::
     *_CNT       local arrive_last counters (nobody waits on them)
     DISP_CNT + s   on receiver: source s's dispatch row count + 1, written before its rows (view prefixes)
     DISP_HELD + s  on receiver: 1 while source s's rows are handed out as a receive view
+    DISP_META + s, DISP_META + R + s   on receiver: source s's rows for us over the whole call and its token
+                   count (written before FULL; they fix a chunked dispatch's offsets and number of rounds)
+
+Rounds (a batch larger than the buffer, :mod:`moe_ep.backends.symm_normal`): each round is one send and one
+receive launch of these kernels on a slice of the tokens; :func:`_gather_recv_kernel` with ``OFFS`` puts each
+source's rows at given output rows, :func:`_scatter_send_kernel` with ``SEG`` sends each destination a
+contiguous run of rows (a chunked combine), and :func:`_recv_counts_kernel` with ``META`` also returns the
+whole-call sizes.
 
 NOTES: a timed-out wait leaves ``status`` set; programs then mask their writes and the last program
 does not publish, so peers time out too (naming this rank) instead of reading half-written rows.
@@ -47,7 +57,9 @@ import triton.language as tl
 
 from .logfmt import e4m3_decode, fp16_bits
 from .low_latency_common import _bf16_bits, _signature_differs, _status_ok
-from .signals import report_error, arrive_last, signal_release, wait_ne
+from .signals import STATUS_WORST_EXCEEDED, report_error, arrive_last, signal_release, wait_ne
+
+assert STATUS_WORST_EXCEEDED == -16777216  # (written as a literal in the kernel)
 
 __all__ = ["signal_layout", "view_planes", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
            "_view_recv_kernel", "_release_held_kernel", "_combine_recv_kernel", "_combine_recv_fmt_kernel"]
@@ -61,7 +73,7 @@ def signal_layout(world_size: int) -> dict:
     return {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "DISP_SEND_CNT": 4 * R,
             "COMB_SEND_CNT": 5 * R, "DISP_RECV_CNT": 6 * R, "COMB_RECV_CNT": 6 * R + 1,
             "DISP_SIG": 6 * R + 2, "COMB_SIG": 10 * R + 2, "DISP_CNT": 14 * R + 2, "DISP_HELD": 15 * R + 2,
-            "WORDS": (16 * R + 2 + 7) // 8 * 8}
+            "DISP_META": 16 * R + 2, "WORDS": (18 * R + 2 + 7) // 8 * 8}
 
 
 def view_planes(rows: int, bounds: tuple, words: int) -> tuple:
@@ -153,13 +165,18 @@ def _copy_segment(src_ptr, dst_ptr, offs_t, rows, ok, W, c0, c1, BLOCK_W: tl.con
 def _scatter_send_kernel(
     src_ptr,  # [N, W] int32 message rows
     pos_ptr,  # [N, R] int32 slot of row t at destination d, -1 = not sent
-    counts_ptr,  # [R] int32 rows sent to each destination
+    counts_ptr,  # [R] int32 rows sent to each destination (this round)
+    tot_ptr,  # META: [R] int32 rows of the whole call for each destination (all rounds)
     buffer_ptrs, signal_ptrs, status_ptr,
-    rank, N, R, W, block_off, timeout_ns,  # block_off: words from the region start to our block at d
+    rank, N, R, W, block_off, cap, timeout_ns,  # block_off: words from the region start to our block at d;
+    # cap: rows of that block (a slot >= cap is never written: it is the next source's block)
+    ntok,  # META: this rank's token count of the whole call
     S1, S2, S3, O1, O2, O3,  # VIEW: first column of segments 1-3 and word offsets of their planes
     FULL: tl.constexpr, BUSY: tl.constexpr, SEND_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
     CNT: tl.constexpr = -1, VIEW: tl.constexpr = False,  # CNT: offset of d's count words (dispatch), -1 none
+    META: tl.constexpr = -1,  # offset of d's words [R totals][R token counts] (dispatch), -1 none
+    SEG: tl.constexpr = False,  # rows for d are src rows [pos_ptr[d], + counts[d]) (pos_ptr: [R] offsets)
 ):
     d = tl.program_id(0)
     c = tl.program_id(1)
@@ -169,9 +186,15 @@ def _scatter_send_kernel(
     wait_ne(my_sig + BUSY + d, 1, status_ptr, d, timeout_ns)
     tl.debug_barrier()
 
-    offs_t = c * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = offs_t < N
-    pos = tl.load(pos_ptr + offs_t.to(tl.int64) * R + d, mask=t_ok, other=-1)
+    if SEG:  # a round of a chunked combine: slot i of d's block <- source row pos_ptr[d] + i
+        slot = c * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = slot < tl.load(counts_ptr + d)
+        offs_t = tl.load(pos_ptr + d) + slot
+        pos = tl.where(t_ok, slot, -1)
+    else:
+        offs_t = c * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < N
+        pos = tl.load(pos_ptr + offs_t.to(tl.int64) * R + d, mask=t_ok, other=-1)
     if CNT >= 0:
         # Our row count for d, before any row (every program writes the same value: no program waits on
         # another of this launch). In VIEW mode our rows start after those of the lower ranks.
@@ -193,6 +216,12 @@ def _scatter_send_kernel(
     else:
         # Step 2: rows -> our block of d's area: [R sources][cap rows][W words].
         ok = (pos >= 0) & t_ok & _status_ok(status_ptr, offs_t)
+        # A slot past our block (a dispatch with num_worst_tokens <= cap sends every token in one round, on the
+        # caller's word that d receives at most num_worst_tokens rows) would overwrite the next source's rows:
+        # never written; the status word names d, and the last program does not publish.
+        if tl.sum((ok & (pos >= cap)).to(tl.int32), axis=0) > 0:
+            report_error(status_ptr, -16777216 - d)  # STATUS_WORST_EXCEEDED - d
+        ok = ok & (pos < cap)
         dst = _words(buffer_ptrs, d) + block_off
         for w0 in range(0, W, BLOCK_W):
             offs_w = w0 + tl.arange(0, BLOCK_W)
@@ -209,26 +238,38 @@ def _scatter_send_kernel(
             for w in tl.static_range(4):
                 tl.store(_words(signal_ptrs, d) + base + 4 * rank + w,
                          tl.load(my_sig + base + 4 * rank + w, volatile=True))
+            if META >= 0:  # the whole call's sizes (they fix the receiver's offsets and the number of rounds)
+                tl.store(_words(signal_ptrs, d) + META + rank, tl.load(tot_ptr + d))
+                tl.store(_words(signal_ptrs, d) + META + R + rank, ntok)
             signal_release(_words(signal_ptrs, d) + FULL + rank, tl.load(counts_ptr + d) + 1)
 
 
 @triton.jit
-def _recv_counts_kernel(counts_ptr, signal_ptrs, status_ptr, rank, timeout_ns, FULL: tl.constexpr):
-    """Program s: wait for source s and record its row count (the full word stays set)."""
+def _recv_counts_kernel(counts_ptr, signal_ptrs, status_ptr, rank, timeout_ns, FULL: tl.constexpr,
+                        META: tl.constexpr = -1):
+    """Program s: wait for source s and record its row count (the full word stays set). ``META >= 0``:
+    ``counts_ptr`` is `[3, R]`: this round's counts, then the whole call's rows and token count of s."""
     s = tl.program_id(0)
     v = wait_ne(_words(signal_ptrs, rank) + FULL + s, 0, status_ptr, s, timeout_ns)
     tl.store(counts_ptr + s, tl.maximum(v - 1, 0))
+    if META >= 0:
+        R = tl.num_programs(0)
+        ok = v != 0  # (a timed-out wait: the status word reports it, the words are not read)
+        my_sig = _words(signal_ptrs, rank)
+        tl.store(counts_ptr + R + s, tl.where(ok, tl.load(my_sig + META + s, volatile=True), 0))
+        tl.store(counts_ptr + 2 * R + s, tl.where(ok, tl.load(my_sig + META + R + s, volatile=True), 0))
 
 
 @triton.jit
 def _gather_recv_kernel(
     out_ptr,  # [M, W] int32
     counts_ptr,  # [R] int32 out: rows received from each source
+    dst_ptr,  # OFFS: [R] int32 first output row of each source's rows (a round of a chunked dispatch)
     buffer_ptrs, signal_ptrs, status_ptr,
     rank, R, W, cap, area_off, M, timeout_ns,
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-    CNT: tl.constexpr = -1,
+    CNT: tl.constexpr = -1, OFFS: tl.constexpr = False,
 ):
     s = tl.program_id(0)
     c = tl.program_id(1)
@@ -242,6 +283,8 @@ def _gather_recv_kernel(
         n_sp = tl.maximum(v - 1, 0)
         offset += tl.where(sp < s, n_sp, 0)
         n_s = tl.where(sp == s, n_sp, n_s)
+    if OFFS:
+        offset = tl.load(dst_ptr + s)
     tl.debug_barrier()
     # Rows laid out for another call (hidden, dtype, top-k, experts) are never read: report it instead.
     if tl.load(status_ptr, volatile=True) == 0:

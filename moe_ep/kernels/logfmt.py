@@ -133,9 +133,10 @@ def encode_rows(y: torch.Tensor, fmt: int) -> torch.Tensor:
         return y.to(torch.float16).contiguous().view(torch.uint8).reshape(M, 2 * H)
     if fmt == FMT_FP8:
         q, s = per_token_group_quant_fp8_ref(y.float(), FP8_GROUP)
-        return torch.cat([q.view(torch.uint8), s.contiguous().view(torch.uint8).reshape(M, -1)], dim=1)
+        return torch.cat([q.view(torch.uint8), s.contiguous().view(torch.uint8).reshape(M, 4 * s.shape[1])], dim=1)
     low, high, lo, step = logfmt_encode(y.float())
-    return torch.cat([low, high, lo.view(torch.uint8).reshape(M, -1), step.view(torch.uint8).reshape(M, -1)], dim=1)
+    return torch.cat([low, high, lo.contiguous().view(torch.uint8).reshape(M, lo.element_size() * lo.shape[1]),
+                      step.contiguous().view(torch.uint8).reshape(M, step.element_size() * step.shape[1])], dim=1)
 
 
 def decode_rows(b: torch.Tensor, fmt: int, hidden: int) -> torch.Tensor:

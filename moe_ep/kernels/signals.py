@@ -13,7 +13,8 @@ memory ordering are the same everywhere:
 
 Status word (``status_ptr``, int32, on the waiting rank): 0 = fine; ``peer + 1`` = the first peer
 a wait of this rank gave up on; negative = a device-side error flag (``STATUS_*`` below: more rows received
-than ``num_worst_tokens``, an expert id out of range when the host checks are off). The first report wins.
+than ``num_worst_tokens``, an expert id out of range when the host checks are off; ``STATUS_WORST_EXCEEDED - d``:
+more rows sent to destination ``d`` than a one-round ``num_worst_tokens`` dispatch allows). The first report wins.
 The host reads it (:meth:`moe_ep.symm.SymmBuffer.check_status`) and
 raises :class:`moe_ep.RankTimeoutError` naming the peer.
 
@@ -34,7 +35,7 @@ from .pdl import INTERPRET
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
            "STATUS_MASK", "STATUS_TRAP", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
            "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT", "STATUS_STALE_ROW", "STATUS_SEQ",
-           "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "STATUS_MESSAGES"]
+           "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "STATUS_MESSAGES", "STATUS_WORST_EXCEEDED", "status_message"]
 
 MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
 MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
@@ -53,6 +54,10 @@ STATUS_OVERFLOW = -1
 STATUS_BAD_EXPERT = -2
 STATUS_REPEATED_EXPERT = -3
 STATUS_STALE_ROW = -4
+#: ``STATUS_WORST_EXCEEDED - d``: this rank had more rows for destination ``d`` than a single-round dispatch with
+#: ``num_worst_tokens <= C`` may send (they would have landed in the next source's block: not written). Below
+#: every ``STATUS_SIG_MISMATCH - peer`` code (-16 - peer), so the two ranges never meet.
+STATUS_WORST_EXCEEDED = -(1 << 24)
 STATUS_MESSAGES = {
     STATUS_OVERFLOW: "a dispatch received more rows than num_worst_tokens (the extra rows were dropped)",
     STATUS_BAD_EXPERT: "topk_idx held an expert id >= num_experts (input checks were off)",
@@ -62,6 +67,18 @@ STATUS_MESSAGES = {
                       "a masked rank whose kernel was still running, overwrote it, or combine's topk_idx differs from "
                       "the dispatch's): those tokens are NaN",
 }
+
+
+def status_message(code: int):
+    """The message of a negative device-side status code other than a signature mismatch (None: not one)."""
+    if code <= STATUS_WORST_EXCEEDED:
+        d = STATUS_WORST_EXCEEDED - code
+        return (f"this rank sent more rows than num_worst_tokens for destination {d} (a dispatch with "
+                "num_worst_tokens <= the rows of a per-source block sends every token in one round: the rows past "
+                "the block were not written, and the destination times out on this rank)")
+    if -16 < code < 0:
+        return STATUS_MESSAGES.get(code, f"device error code {code}")
+    return None
 
 
 def _host_monotonic_ns():
