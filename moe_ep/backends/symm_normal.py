@@ -181,6 +181,7 @@ class _SendState:
     round_counts: list = None
     ntok_max: int = None
     worst_fit: bool = False  # 0 < num_worst_tokens <= cap (not a view): one round, every token, no host read
+    one_round: bool = False  # a cached dispatch of a one-round handle (a view's or a worst-fit one): likewise
 
 
 @dataclasses.dataclass
@@ -367,6 +368,11 @@ class SymmNormal:
         # rounds without one, so the ranks must agree on taking this path: a rank that would read and run rounds
         # while a peer sent everything at once gets the signature mismatch instead)
         worst_fit = not recv_view and 0 < num_worst_tokens <= cap
+        # a cached dispatch of a handle made in one round without learning the rounds (a receive view's, or a
+        # worst-fit one's: its ntok_max is unknown) repeats that one round: its rows per destination fitted then
+        # (the handle, hence this choice, is the same on every rank)
+        one_round = (handle is not None and not recv_view and not worst_fit
+                     and getattr(handle, "ntok_max", 0) is None)
         flags = 1 | int(x_scales is not None) << 1 | int(x_scales is not None and x_scales.dtype == torch.int32) << 2 \
             | int(handle is not None) << 3 | int(bool(recv_view)) << 4 | int(exchange) << 5 | int(worst_fit) << 6
         if release:  # before the signature: the release clears the held sources' entries, this rank's own too
@@ -379,7 +385,7 @@ class SymmNormal:
                         scale_dtype=x_scales.dtype if x_scales is not None else torch.float32,
                         scale_cols=scale_cols, view=bool(recv_view), bounds=bounds, planes=planes,
                         view_rows=view_rows, num_tokens_per_expert=num_tokens_per_expert if exchange else None,
-                        rows=rows, worst_fit=worst_fit)
+                        rows=rows, worst_fit=worst_fit, one_round=one_round)
         st.sig = (hidden, words, (num_experts or 0) * 256 + k, flags)  # later rounds rewrite it (receives clear it)
         self._dispatch_send_round(st, 0)
         return st
@@ -400,7 +406,7 @@ class SymmNormal:
         of a ``num_worst_tokens <= C`` dispatch (``st.worst_fit``), with every token whatever their number."""
         R, L, n, C = self.symm.world_size, self.sig, st.n, st.cap
         t0 = min(r * C, n)
-        t1 = n if st.worst_fit else min(t0 + C, n)
+        t1 = n if st.worst_fit or st.one_round else min(t0 + C, n)
         if r == 0 and t1 == n:
             rows, pos, counts = st.rows, st.pos, st.counts
         else:
@@ -450,6 +456,12 @@ class SymmNormal:
             st.ntok_max, st.host, st.rounds, st.m = None, None, 1, num_worst_tokens
             self._gather_single(st, num_worst_tokens)
             return
+        if st.one_round:  # cached, of a one-round handle: its sizes, no host read
+            st.ntok_max, st.rounds, st.host = None, 1, h.recv_counts_host
+            st.m = num_worst_tokens if num_worst_tokens > 0 else (
+                sum(st.host) if st.host is not None else h.num_recv_tokens)
+            self._gather_single(st, num_worst_tokens)
+            return
         if h is not None and h.ntok_max is not None:  # cached: the sizes of the dispatch that made the handle
             st.ntok_max = h.ntok_max
             st.host = h.recv_counts_host
@@ -487,7 +499,7 @@ class SymmNormal:
         R, dev, L, C = self.symm.world_size, self.symm.device, self.sig, st.cap
         st.out = torch.zeros(st.m, st.words, dtype=torch.int32, device=dev)
         counts = torch.zeros(R, dtype=torch.int32, device=dev)
-        max_rows = min(C, st.m) if num_worst_tokens > 0 else max(st.host)
+        max_rows = min(C, st.m) if num_worst_tokens > 0 or st.host is None else max(st.host)
         bt, bw = self._blocks(st.words)
         _gather_recv_kernel[(R, max(1, triton.cdiv(max_rows, bt)))](
             st.out, counts, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
