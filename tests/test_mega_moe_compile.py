@@ -10,6 +10,10 @@ import pytest
 
 from moe_ep.testing.sm90 import REPORT_PROLOGUE, compile_in_subprocess
 
+# sm90 ahead-of-time compiles of every configuration: minutes on 2 cores (`bash scripts/test.sh -m slow`; CI
+# runs them)
+pytestmark = pytest.mark.slow
+
 SCRIPT = REPORT_PROLOGUE + r'''
 from moe_ep.mega_moe import sm90_cases
 from triton.backends.compiler import GPUTarget

@@ -46,6 +46,7 @@ def test_bench_without_gpu_exits_nonzero(bench):
     assert len(p.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in p.stderr
 
 
+@pytest.mark.slow  # every bench's --cpu-smoke end to end: about 90 s in all (CI runs it)
 @pytest.mark.parametrize("bench", BENCHES)
 def test_bench_cpu_smoke_json(bench, tmp_path):
     out = tmp_path / "rows.jsonl"

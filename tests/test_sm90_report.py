@@ -16,6 +16,10 @@ import pytest
 
 from moe_ep.testing.sm90 import compile_in_subprocess
 
+# sm90 ahead-of-time compiles of every configuration: minutes on 2 cores (`bash scripts/test.sh -m slow`; CI
+# runs them)
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORT = os.path.join(ROOT, "perf", "sm90_report.py")
 
