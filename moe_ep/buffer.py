@@ -74,9 +74,9 @@ class Config:
         rank sends up to ``num_max_tokens_per_rank`` tokens per call, rows of ``hidden_bytes`` (BF16 payloads,
         ``hidden = ceil(hidden_bytes / 2)``; FP8 ones need less) with up to ``num_max_topk`` top-k entries.
 
-        Unlike DeepEP's chunked ring, the buffer holds a whole call: a call with more tokens raises ``ValueError``
-        naming the bytes it needs (pass ``Config(num_max_tokens_per_rank=...)`` to size for your largest batch).
-        The ``torch`` backend ignores the number (it allocates per call)."""
+        A call with more tokens than that moves through the buffer in rounds (``symm`` normal mode streams any
+        batch; :mod:`moe_ep.backends.symm_normal`), one round per ``num_max_tokens_per_rank`` tokens of the largest
+        rank. The ``torch`` backend ignores the number (it allocates per call)."""
         from .backends.symm_normal import SymmNormal
 
         self._check_hint_args(hidden_bytes, num_ranks)
