@@ -200,8 +200,8 @@ def low_latency(world, T, H, E, K, fmt, combine_fmt=None):
         inputs = make_all_inputs(world, n, H, E, K, 40 + step)
         xs, idxs, ws = [i.x for i in inputs], [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
         refs = [ref_low_latency_dispatch(r, xs, idxs, T, E, use_fp8, rs, ue) for r in range(world)]
-        ys = [(refs[r][0].float() if not use_fp8 else refs[r][0].float()).mul(r + 1).to(torch.bfloat16)
-              for r in range(world)]
+        # stand-in expert outputs: each rank's received rows (FP8 codes as values) times rank + 1
+        ys = [refs[r][0].float().mul(r + 1).to(torch.bfloat16) for r in range(world)]
         ys_dev = [y.to(DEV) for y in ys]
         results, outs = virtual_low_latency_step(
             paths, [x.to(DEV) for x in xs], [i.to(DEV) for i in idxs], [w.to(DEV) for w in ws], T, E,
@@ -219,8 +219,7 @@ def low_latency(world, T, H, E, K, fmt, combine_fmt=None):
                     return _fail(f"step {step} rank {r} expert {e}: recv_x")
                 if use_fp8 and not _bitwise(results[r].recv_x_scales[e, :c].contiguous(), ex_s[e, :c].contiguous()):
                     return _fail(f"step {step} rank {r} expert {e}: scales")
-            want = ref_low_latency_combine(r, ys, idxs, ws, T, E, fmt=combine_fmt) if combine_fmt is not None \
-                else ref_low_latency_combine(r, ys, idxs, ws, T, E)
+            want = ref_low_latency_combine(r, ys, idxs, ws, T, E, fmt=combine_fmt)
             got = outs[r].cpu()
             if not _bitwise(got.masked_fill(got.isnan(), 0), want.masked_fill(want.isnan(), 0)):
                 return _fail(f"step {step} rank {r}: combined_x")
