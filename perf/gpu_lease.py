@@ -44,7 +44,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PY = os.environ.get("PYTHON") or sys.executable
+PY = sys.executable  # the Python gpu_lease.sh picked (${PYTHON:-python3}) runs every stage
 RESERVE_S = 5.0  # kept back for the summary
 MIN_STAGE_S = 15.0  # a stage is not started with less than this left
 MIN_BUDGET_S = 30.0
