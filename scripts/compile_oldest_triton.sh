@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=3.6.0
-PY=${PYTHON:-$(bash scripts/setup.sh --print-python 2>/dev/null)}
+# the Python scripts/test.sh runs (setup.sh reads $PYTHON as the base Python it may build ./.venv from)
+PY=$(bash scripts/setup.sh --print-python 2>/dev/null)
 TAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 DIR=${MOE_EP_OLDEST_TRITON_DIR:-$PWD/.cache/triton-$VERSION-$TAG}
 have() { PYTHONPATH="$DIR" "$PY" -c "import triton, sys; sys.exit(triton.__version__ != '$VERSION' or not triton.__file__.startswith('$DIR'))" 2>/dev/null; }
