@@ -11,7 +11,7 @@ import torch
 from .fp8 import FP8_DTYPE
 
 __all__ = ["expert_counts", "expand_plan", "m_indices_from_psum", "combine_plan", "gather_rows", "expand_received",
-           "sum_expanded", "USE_KERNELS", "uses_kernels"]
+           "sum_expanded", "USE_KERNELS", "uses_kernels", "sm90_cases"]
 
 #: Run the expanded layout's row gathers and the expanded combine's sum as Triton kernels
 #: (:mod:`moe_ep.kernels.expand`, one launch each): ``None`` = on CUDA tensors only (on CPU these torch ops run);
@@ -154,3 +154,23 @@ def sum_expanded(x: torch.Tensor, h) -> torch.Tensor:  # h: an expanded EPHandle
         else:
             acc.add_(term.masked_fill_((col < 0).unsqueeze(1), 0.0))
     return acc.add_(0.0).to(torch.bfloat16)  # -0.0 -> +0.0, then one rounding to BF16
+
+
+def sm90_cases() -> list[dict]:
+    """Both kernels as ElasticBuffer launches them on a GPU for DeepSeek-V3 prefill (FP8 rows of 7168 bytes =
+    1792 words, 56 scale words, EP8: about 40K expanded rows; the sum over min(top-8, 32 local) = 8 columns)."""
+    from .kernels.expand import _expand_rows_kernel, _sum_expanded_kernel
+    from .testing.sm90 import launch_case
+
+    ptrs = {"src_ptr": "*i32", "exp_src_ptr": "*i64", "out_ptr": "*i32", "w_ptr": "*fp32", "exp_k_ptr": "*i64",
+            "out_w_ptr": "*fp32"}
+    cases = []
+    for what, width, zero, has_w in (("FP8 rows + weights", 1792, True, True), ("scales", 56, True, False),
+                                     ("FP8 rows, no zero padding", 1792, False, True)):
+        cases.append(launch_case("expand_rows", f"{what} W={width} N=40960", _expand_rows_kernel, ptrs,
+                                 {"N": 40960, "W": width, "K": 8},
+                                 {"ZERO": zero, "HAS_W": has_w, "BLOCK_R": 16, "BLOCK_W": 256}))
+    cases.append(launch_case("sum_expanded", "BF16 H=7168 M=21545 P=8", _sum_expanded_kernel,
+                             {"x_ptr": "*bf16", "src_ptr": "*i64", "out_ptr": "*i16"}, {"M": 21545, "H": 7168, "P": 8},
+                             {"BLOCK_R": 4, "BLOCK_H": 512}))
+    return cases

@@ -1,7 +1,7 @@
 """The shared case machinery of ``perf/sm90_report.py``: the sm90 target (:data:`H100`, :data:`TARGET_CC`), one
 shipped configuration (:class:`Case`), :func:`_case` (a case specialised like a launch would be), the constants the
-communication-kernel cases share, and the HOOK that collects ``sm90_cases()`` from the kernel modules
-(:func:`_hook_cases`).
+communication-kernel cases share, and :func:`_host_cases`, which collects ``sm90_cases()`` from the host modules that
+build their kernels' cases.
 
 Imported by the report (and :mod:`_sm90_families`) after its ``TRITON_INTERPRET`` check; not a script.
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import os
-import re
 from typing import Any, Optional
 
 # H100 SXM per-SM limits (CUDA C Programming Guide, "Compute capability 9.0" table; occupancy calculator).
@@ -60,38 +58,19 @@ _TIMEOUT_NS = 100 * 10**9  # int64 at launch, as the symm buffer's default timeo
 _RANK = 3  # a rank that is neither 0 nor 1: no accidental specialisation
 
 
-HOOK_PACKAGE = "moe_ep.kernels"
+#: host modules whose ``sm90_cases()`` build their kernels' cases (kernel modules stay leaves: they import no
+#: testing or host code), in report order
+HOST_CASE_MODULES = ("moe_ep.elastic_expand", "moe_ep.gemm", "moe_ep.mega_moe")
 
 
-def _hook_modules() -> list[str]:
-    """Modules of :data:`HOOK_PACKAGE` whose source defines ``sm90_cases()``, sorted by name (found by reading the
-    sources, so modules without cases, e.g. ones that need an optional package, are never imported here)."""
-    import pkgutil
-
-    spec = importlib.util.find_spec(HOOK_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    found = []
-    for info in pkgutil.iter_modules(spec.submodule_search_locations):
-        path = os.path.join(info.module_finder.path, info.name + ".py")
-        try:
-            with open(path, encoding="utf-8") as f:
-                if re.search(r"^def sm90_cases\(", f.read(), re.MULTILINE):
-                    found.append(f"{HOOK_PACKAGE}.{info.name}")
-        except OSError:
-            continue
-    return sorted(found)
-
-
-def _hook_cases() -> list[Case]:
-    """HOOK: cases from ``sm90_cases()`` of every module :func:`_hook_modules` finds (the expand kernels; the grouped
-    GEMM's and mega-MoE's are built by their host modules: ``_sm90_families._host_cases``).
+def _host_cases() -> list[Case]:
+    """Cases from ``sm90_cases()`` of every module in :data:`HOST_CASE_MODULES`.
 
     Each item is a dict with keys ``name, config, kernel, signature, constexprs, num_warps, num_stages`` and
     optional ``attrs`` / ``options``. A module that fails to import, or whose cases are malformed, gives one
     FAILED row (not a skip, and not a crash that would hide the other rows)."""
     cases: list[Case] = []
-    for name in _hook_modules():
+    for name in HOST_CASE_MODULES:
         try:
             mod = importlib.import_module(name)
             cases += [Case(**d) for d in mod.sm90_cases()]

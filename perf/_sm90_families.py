@@ -1,8 +1,8 @@
 """The per-kernel-family cases of ``perf/sm90_report.py``: the configurations each launcher picks for
 DeepSeek-V3 shapes (quant and SiLU-and-mul quant, the dispatch layout, the normal-mode intranode kernels, the
 low-latency kernels and their NVSHMEM-transport variants), built with :func:`_sm90_case._case`;
-:func:`_all_cases` adds the HOOK cases of the kernel modules (:func:`_sm90_case._hook_cases`) and then the grouped
-GEMM's and mega-MoE's, built by their host modules (:func:`_host_cases`).
+:func:`_all_cases` adds the cases the host modules build for their kernels (:func:`_sm90_case._host_cases`: the
+expand kernels, the grouped GEMM, mega-MoE).
 
 Imported by the report after its ``TRITON_INTERPRET`` check; not a script.
 """
@@ -13,7 +13,7 @@ import dataclasses
 import sys
 
 import triton
-from _sm90_case import _RANK, _SYMM_PTRS, _TIMEOUT_NS, H100, TARGET_CC, Case, _case, _hook_cases
+from _sm90_case import _RANK, _SYMM_PTRS, _TIMEOUT_NS, H100, TARGET_CC, Case, _case, _host_cases
 
 
 def _quant_cases() -> list[Case]:
@@ -273,22 +273,6 @@ def _nvshmem_cases() -> list[Case]:
     return cases
 
 
-def _host_cases() -> list[Case]:
-    """The grouped GEMM's and the mega-MoE kernel's cases, built by their host modules (``moe_ep.gemm.sm90_cases``,
-    ``moe_ep.mega_moe.sm90_cases``: the kernel modules stay leaves), in that order, after the HOOK's. A module that
-    fails gives one FAILED row, as in the HOOK."""
-    import importlib
-
-    cases: list[Case] = []
-    for name, short in (("moe_ep.gemm", "grouped_gemm"), ("moe_ep.mega_moe", "mega_moe")):
-        try:
-            cases += [Case(**d) for d in importlib.import_module(name).sm90_cases()]
-        except Exception as exc:  # noqa: BLE001 - reported as a row
-            cases.append(Case(short, "sm90_cases()", None, {}, {}, 0, error=f"{type(exc).__name__}: {exc}"))
-    return cases
-
-
 def _all_cases() -> list[Case]:
-    return [*_quant_cases(), *_layout_cases(), *_intranode_cases(), *_low_latency_cases(), *_hook_cases(),
-            *_host_cases()]
+    return [*_quant_cases(), *_layout_cases(), *_intranode_cases(), *_low_latency_cases(), *_host_cases()]
 

@@ -26,14 +26,13 @@ programs (what a persistent launch may put on every SM at once).
 Must run without ``TRITON_INTERPRET`` (the flag is read when ``@triton.jit`` functions are defined): run as a
 script it re-executes itself without the variable; imported with it set, it raises.
 
-HOOK: every module of ``moe_ep.kernels`` whose source defines ``sm90_cases()`` (a list of dicts with keys
-``name, config, kernel, signature, constexprs, num_warps, num_stages`` and optional ``attrs``, ``options``;
-today ``expand``) has its cases appended to :data:`CASES` (see :func:`_hook_cases`); the grouped GEMM's and the
-mega-MoE kernel's come after them from their host modules, ``moe_ep.gemm`` and ``moe_ep.mega_moe`` (the kernel
-modules stay leaves; ``_sm90_families._host_cases``).
+HOST CASES: the modules of ``_sm90_case.HOST_CASE_MODULES`` (``moe_ep.elastic_expand``, ``moe_ep.gemm``,
+``moe_ep.mega_moe``) build their kernels' cases in ``sm90_cases()`` (a list of dicts with keys ``name, config, kernel,
+signature, constexprs, num_warps, num_stages`` and optional ``attrs``, ``options``), appended to :data:`CASES` in that
+order (see :func:`_host_cases`); the kernel modules stay leaves.
 
 LAYOUT: this file is the driver (compile and PTX scan, CLI, table, JSON); the cases are built in
-``perf/_sm90_case.py`` (the target, :class:`Case`, :func:`_case`, the HOOK) and ``perf/_sm90_families.py``
+``perf/_sm90_case.py`` (the target, :class:`Case`, :func:`_case`, the host cases) and ``perf/_sm90_families.py``
 (one builder per kernel family), both re-exported here.
 """
 
@@ -71,10 +70,10 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, 
 
 import triton  # noqa: E402
 
-# The target, the case machinery and the HOOK (perf/_sm90_case.py), the per-kernel-family cases
+# The target, the case machinery and the host cases (perf/_sm90_case.py), the per-kernel-family cases
 # (perf/_sm90_families.py): re-exported, the tests and compile scripts reach them through this module.
 from _sm90_case import (  # noqa: E402,F401
-    _RANK, _SYMM_PTRS, _TIMEOUT_NS, H100, HOOK_PACKAGE, TARGET_CC, Case, _case, _hook_cases, _hook_modules)
+    _RANK, _SYMM_PTRS, _TIMEOUT_NS, H100, HOST_CASE_MODULES, TARGET_CC, Case, _case, _host_cases)
 from _sm90_families import (  # noqa: E402,F401
     _all_cases, _intranode_cases, _layout_cases, _low_latency_cases, _nvshmem_cases, _quant_cases)
 

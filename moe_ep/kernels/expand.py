@@ -25,7 +25,7 @@ import triton.language as tl
 from .low_latency_common import _bf16_bits
 from .pdl import INTERPRET
 
-__all__ = ["expand_rows", "sum_rows", "words_of", "sm90_cases", "_expand_rows_kernel", "_sum_expanded_kernel"]
+__all__ = ["expand_rows", "sum_rows", "words_of", "_expand_rows_kernel", "_sum_expanded_kernel"]
 
 
 @triton.jit
@@ -134,21 +134,3 @@ def sum_rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         x.contiguous(), src.contiguous(), out.view(torch.int16), M, H, src.shape[1], BLOCK_R=br, BLOCK_H=bh)
     return out
 
-
-def sm90_cases() -> list[dict]:
-    """Both kernels as ElasticBuffer launches them on a GPU for DeepSeek-V3 prefill (FP8 rows of 7168 bytes =
-    1792 words, 56 scale words, EP8: about 40K expanded rows; the sum over min(top-8, 32 local) = 8 columns)."""
-    from ..testing.sm90 import launch_case
-
-    ptrs = {"src_ptr": "*i32", "exp_src_ptr": "*i64", "out_ptr": "*i32", "w_ptr": "*fp32", "exp_k_ptr": "*i64",
-            "out_w_ptr": "*fp32"}
-    cases = []
-    for what, width, zero, has_w in (("FP8 rows + weights", 1792, True, True), ("scales", 56, True, False),
-                                     ("FP8 rows, no zero padding", 1792, False, True)):
-        cases.append(launch_case("expand_rows", f"{what} W={width} N=40960", _expand_rows_kernel, ptrs,
-                                 {"N": 40960, "W": width, "K": 8},
-                                 {"ZERO": zero, "HAS_W": has_w, "BLOCK_R": 16, "BLOCK_W": 256}))
-    cases.append(launch_case("sum_expanded", "BF16 H=7168 M=21545 P=8", _sum_expanded_kernel,
-                             {"x_ptr": "*bf16", "src_ptr": "*i64", "out_ptr": "*i16"}, {"M": 21545, "H": 7168, "P": 8},
-                             {"BLOCK_R": 4, "BLOCK_H": 512}))
-    return cases
