@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,7 +70,7 @@ def _lease_checks(what: str, out: str, *extra) -> list:
             *extra]
 
 
-def _pytest(out: str, *args) -> list:
+def _pytest(*args) -> list:
     return [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE", "--durations=5", *args]
 
 
@@ -121,7 +122,7 @@ def stages(out: str, dry: bool) -> list[Stage]:
                   parse=lambda rc, t: "written" if rc == 0 else f"exit {rc}"),
             Stage("kernels-tiny", 120, _lease_checks("checks", out, "--shapes", "tiny"), env=interp,
                   parse=_rows_result(out, "checks")),
-            Stage("graphs", 60, _pytest(out, "-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")),
+            Stage("graphs", 60, _pytest("-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")),
                   log="pytest.log", parse=_pytest_result),
             Stage("gemm-api", 10, [PY, "-c", "print('perf/_gpu_check_gemm.py needs CUDA')"],
                   parse=lambda rc, t: "skipped: CUDA only (dry run)"),
@@ -131,7 +132,7 @@ def stages(out: str, dry: bool) -> list[Stage]:
                   parse=_rows_result(out, "compile")),
             Stage("sanitizer", 30, [PY, "-c", "print('no GPU: compute-sanitizer needs one')"],
                   parse=lambda rc, t: "skipped: no GPU (dry run)"),
-            Stage("pytest-gpu", 60, _pytest(out, "-m", "gpu", "-k", "not graph", os.path.join(ROOT, "tests")),
+            Stage("pytest-gpu", 60, _pytest("-m", "gpu", "-k", "not graph", os.path.join(ROOT, "tests")),
                   log="pytest.log", parse=_pytest_result),
         ]
     san = []
@@ -142,7 +143,7 @@ def stages(out: str, dry: bool) -> list[Stage]:
         Stage("env", 60, _lease_checks("env", out, "--text", os.path.join(out, "env.txt")),
               parse=lambda rc, t: "written" if rc == 0 else f"exit {rc}"),
         Stage("kernels-small", 150, _lease_checks("checks", out, "--shapes", "small"), parse=_rows_result(out, "checks")),
-        Stage("graphs", 120, _pytest(out, "-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")), log="pytest.log",
+        Stage("graphs", 120, _pytest("-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")), log="pytest.log",
               parse=_pytest_result),
         Stage("gemm-api", 90, [PY, os.path.join(ROOT, "perf", "_gpu_check_gemm.py")],
               parse=_ok_lines),
@@ -151,7 +152,7 @@ def stages(out: str, dry: bool) -> list[Stage]:
               parse=_rows_result(out, "checks-dsv3")),
         Stage("sanitizer", 150, ["bash", "-c", " ".join(f"'{a}'" if a != ";" else ";" for a in san)],
               parse=_sanitizer_result),
-        Stage("pytest-gpu", 240, _pytest(out, "-m", "gpu", "-k", "not graph", os.path.join(ROOT, "tests")),
+        Stage("pytest-gpu", 240, _pytest("-m", "gpu", "-k", "not graph", os.path.join(ROOT, "tests")),
               log="pytest.log", parse=_pytest_result),
     ]
 
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
         if os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
     if not args.dry_run:
-        probe = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True) if _which("nvidia-smi") else None
+        probe = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True) if shutil.which("nvidia-smi") else None
         if probe is None or probe.returncode != 0:
             print("gpu_lease.sh: error: no GPU (nvidia-smi found none); --dry-run runs the same stages on CPU",
                   file=sys.stderr)
@@ -295,12 +296,6 @@ def main(argv=None) -> int:
     print(f"\n{len(files)} files in {out}: {', '.join(files)}\n")
     print(text, end="")
     return 0
-
-
-def _which(cmd: str) -> bool:
-    import shutil
-
-    return shutil.which(cmd) is not None
 
 
 if __name__ == "__main__":
