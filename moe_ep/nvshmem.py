@@ -48,7 +48,8 @@ import subprocess
 from typing import Callable, Iterable, Optional
 
 __all__ = ["WHEEL", "WHEEL_VERSION", "INSTALL_HINT", "MIN_DRIVER_BRANCH", "NvshmemUnavailableError",
-           "search_dirs", "find_device_bitcode", "extern_libs", "driver_cuda_version", "required_driver_cuda_version",
+           "search_dirs", "find_device_bitcode", "extern_libs", "launch_options", "MAXNREG", "driver_cuda_version",
+           "required_driver_cuda_version",
            "check_wheel", "check_cuda_device", "check_triton_link", "check_ibgda_bitcode",
            "bitcode_llvm_version", "triton_llvm_version", "bitcode_nvshmem_version", "bitcode_has_ibgda",
            "TRITON_LLVM", "NVSHMEM_BITCODE", "check_driver", "check_torch_nvshmem", "check_ibgda",
@@ -183,6 +184,24 @@ def extern_libs(arch=90, *, check: bool = True) -> dict:
         if msg is not None:
             raise NvshmemUnavailableError([("triton", msg)], what="linking NVSHMEM into Triton kernels")
     return {"libnvshmem_device": path}
+
+
+#: ptxas caps a kernel linked with NVSHMEM's bitcode at 128 registers unless told otherwise; 255 lifts it (the
+#: low-latency send kernels need ~130-200).
+MAXNREG = 255
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_options(arch: int) -> tuple:
+    return tuple(extern_libs(arch).items())
+
+
+def launch_options(arch=90) -> dict:
+    """Launch keywords of every Triton kernel that calls NVSHMEM (``kernel[grid](..., **launch_options(90))``):
+    ``extern_libs`` (the device bitcode, checked once per architecture as :func:`extern_libs` does) and
+    ``maxnreg`` (:data:`MAXNREG`). The backends launch with exactly these; ``perf/sm90_report.py`` compiles with
+    them."""
+    return {"extern_libs": dict(_launch_options(_arch_number(arch))), "maxnreg": MAXNREG}
 
 
 # ---------------------------------------------------------------------------------------------- Triton can link it

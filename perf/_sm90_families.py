@@ -239,7 +239,7 @@ def _nvshmem_cases() -> list[Case]:
     from moe_ep.kernels.transport import NVSHMEM
 
     try:
-        options = {"extern_libs": nvshmem.extern_libs(TARGET_CC)}
+        options = nvshmem.launch_options(TARGET_CC)  # what SymmLowLatency launches with
     except FileNotFoundError as exc:
         print(f"sm90_report: no NVSHMEM rows ({str(exc).split('. Searched')[0]})", file=sys.stderr)
         return []
@@ -250,8 +250,7 @@ def _nvshmem_cases() -> list[Case]:
 
     H, R = 7168, 8
     # The receives call no NVSHMEM function with this transport (the release is _ll_release_kernel): only the senders
-    # and the release link the bitcode, launched with maxnreg=255 as SymmLowLatency does (the bitcode caps at 128).
-    options = {**options, "maxnreg": 255}
+    # and the release link the bitcode.
     picked = {("ll_dispatch_send", "FP8 H="), ("ll_dispatch_send", "BF16 H="), ("ll_combine_send_fmt", "FP8 wire, BF16 x")}
     sig = k.signal_layout(R)
     cases = [_case("ll_release", f"EP{R} NVSHMEM", k._ll_release_kernel,

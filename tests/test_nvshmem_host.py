@@ -5,6 +5,7 @@ import os
 import types
 
 import pytest
+import torch
 
 from moe_ep import nvshmem
 from moe_ep.nvshmem import NvshmemUnavailableError
@@ -50,6 +51,30 @@ def test_finder_exact_arch_then_closest_lower_then_generic(tmp_path, no_dirs, mo
     (d / "libnvshmem_device.bc").write_bytes(b"BC")
     assert nvshmem.find_device_bitcode(60) == str(d / "libnvshmem_device.bc")
     assert nvshmem.extern_libs(89, check=False) == {"libnvshmem_device": str(d / "libnvshmem_device_sm_80.bc")}
+
+
+def test_backend_launches_nvshmem_kernels_with_the_bitcode(tmp_path, no_dirs, monkeypatch):
+    """Every NVSHMEM-calling launch of the low-latency path links the device bitcode (``extern_libs``), picked for
+    the device's architecture, and lifts the register cap; the peer-pointer transport and the interpreter need
+    neither."""
+    from moe_ep.backends import symm_ll
+
+    d = _lib(tmp_path, "lib", ["libnvshmem_device_sm_80.bc", "libnvshmem_device_sm_90.bc"])
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
+    monkeypatch.setattr(nvshmem, "check_triton_link", lambda arch=90, trial=None: None)
+    nvshmem._launch_options.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    ll = symm_ll.SymmLowLatency.__new__(symm_ll.SymmLowLatency)
+    monkeypatch.setattr(symm_ll.SymmLowLatency, "_interpreted", lambda self, device: False)
+    ll.transport = 1
+    opts = ll._nvshmem_launch(torch.device("cuda", 0))
+    assert opts == {"extern_libs": {"libnvshmem_device": str(d / "libnvshmem_device_sm_90.bc")},
+                    "maxnreg": nvshmem.MAXNREG} == nvshmem.launch_options(90)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert ll._nvshmem_launch(torch.device("cuda", 0))["extern_libs"]["libnvshmem_device"].endswith("sm_80.bc")
+    ll.transport = 0
+    assert ll._nvshmem_launch(torch.device("cuda", 0)) == {}
+    nvshmem._launch_options.cache_clear()
 
 
 def test_finder_generic_only_install(tmp_path, no_dirs, monkeypatch):

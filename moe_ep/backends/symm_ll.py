@@ -303,9 +303,13 @@ class SymmLowLatency:
                                      slot * self.sig["SLOT_WORDS"], WORD=self.sig[word], **self._nvshmem_launch(device))
 
     def _nvshmem_launch(self, device: torch.device) -> dict:
-        """Launch options of kernels that call NVSHMEM: ptxas caps a kernel linked with NVSHMEM's bitcode at 128
-        registers unless told otherwise (255 lifts it; the send kernels need ~130-200)."""
-        return {} if self._interpreted(device) or not self.transport else {"maxnreg": 255}
+        """Launch options of kernels that call NVSHMEM on a GPU (:func:`moe_ep.nvshmem.launch_options`: the device
+        bitcode to link, and the register cap lifted); none in the interpreter or with peer pointers."""
+        if self._interpreted(device) or not self.transport:
+            return {}
+        from .. import nvshmem
+
+        return nvshmem.launch_options(torch.cuda.get_device_capability(device))
 
     def _copy_chunk(self, device: torch.device) -> int:
         """int32 words per step of the nvshmem transport's block copies to mapped peers."""
