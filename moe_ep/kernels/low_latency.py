@@ -57,12 +57,25 @@ from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layou
     _scratch_word,
     _signature_differs,
     _clear_signature,
+    _decided,
+    _decision_base,
+    _decision_reset,
     _status_ok,
     _wait,
+    _wait_decided,
     signal_layout,
 )
 from .nvshmem_device import quiet
-from .signals import SEQ_BAD_EXPERT, SEQ_MASK, STATUS_SEQ, arrive_last, now_ns, report_error, signal_release
+from .signals import (
+    SEQ_BAD_EXPERT,
+    SEQ_MASK,
+    STATUS_SEQ,
+    arrive_last,
+    load_acquire,
+    now_ns,
+    report_error,
+    signal_release,
+)
 from .transport import NVSHMEM, PEER, publish, release_remote, xfer
 from .transport import peer_ptr as _peer
 
@@ -315,25 +328,27 @@ def _ll_dispatch_recv_kernel(
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
     buf32 = buf_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
 
-    # Step 1: sources 0..s have published (the offsets need the earlier sources' counts), so copying
-    # source s's tokens overlaps with waiting for later sources.
-    if HAS_WAIT_STATS:
-        t_start = now_ns()
-    v_s = tl.full([], 0, tl.int32)
-    for sp in range(s + 1):
-        v = _wait(my_sig + DISP_FULL + 2 * sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
-        v_s = tl.where(sp == s, v, v_s)
+    # Step 1: liveness is decided once for the whole launch (docs/protocols.md, "A late or dead peer"): program
+    # (0, 0) alone waits on every source in order (only it can mask one), checks its call signature, and publishes
+    # "sources 0..sp decided" after each; program (s, b) goes on once sources 0..s are decided (the offsets need
+    # the earlier sources' counts), so copying source s's tokens still overlaps with waiting for later sources.
+    base = _decision_base(tl.load(stamp_ptr + R), 0)  # stamp_ptr[R]: this call's stamp (this rank's send wrote it)
+    if (s == 0) & (b == 0):
+        if HAS_WAIT_STATS:
+            t_start = now_ns()
+        for sp in range(R):
+            _wait(my_sig + DISP_FULL + 2 * sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
+            if HAS_WAIT_STATS:  # how long this receive waited (from its start) until source sp had sent
+                tl.atomic_add(wait_stats_ptr + sp, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
+            # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
+            if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
+                if _signature_differs(my_sig, _disp_sig_word(R), rank, sp):
+                    report_error(status_ptr, -16 - sp)  # STATUS_SIG_MISMATCH - sp
+            _decided(status_ptr, R, base + sp + 1)
+    _wait_decided(status_ptr, rank, R, base + s + 1, base + R, timeout_ns)
+    v_s = load_acquire(my_sig + DISP_FULL + 2 * s)
     n_s = (v_s & 0xFFFF) - 1  # FULL = stamp << 16 | (N + 1)
-    if HAS_WAIT_STATS:
-        # program (s, 0) reports how long this receive waited (from its start) until source s had sent
-        if b == 0:
-            tl.atomic_add(wait_stats_ptr + s, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
     ok = (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s)
-    # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
-    if ok:
-        if _signature_differs(my_sig, _disp_sig_word(R), rank, s):
-            report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
-            ok = False
     n_s = tl.where(ok, tl.minimum(tl.maximum(n_s, 0), T), 0)
     tl.debug_barrier()
     RT = R * T
@@ -417,10 +432,11 @@ def _ll_dispatch_recv_kernel(
                      mask=d_ok[:, None] & w_ok[None, :])
 
     # Step 5: the last program resets the full words and frees every source's slot (busy = 0 there).
-    # NOTES: every program arrives after its own waits and the programs of source R-1 waited on every
-    # source, so when the last one arrives every full word has been observed and every read is done.
+    # NOTES: every program arrives after its _wait_decided and program (0, 0) waited on every source, so when
+    # the last one arrives every full word has been observed and every read is done.
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
+        _decision_reset(status_ptr, R)
         for sp in range(R):
             tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)

@@ -11,11 +11,15 @@ from .low_latency_common import (
     _bf16_bits,
     _clear_signature,
     _comb_sig_word,
+    _decided,
+    _decision_base,
+    _decision_reset,
     _live,
     _live_like,
     _signature_differs,
     _status_ok,
     _wait,
+    _wait_decided,
 )
 from .nvshmem_device import quiet
 from .signals import (
@@ -225,22 +229,26 @@ def _comb_recv_body_ll(
     num_progs = tl.num_programs(0) * tl.num_programs(1)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
-    # Step 1: every expert rank has published its outputs for us (program (0, 0) reports, per rank, how
-    # long it waited from its start until that rank had published).
-    if HAS_WAIT_STATS:
-        t_start = now_ns()
-    for d in range(R):
-        _wait(my_sig + COMB_FULL + 2 * d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
+    # Step 1: every expert rank has published its outputs for us, or is masked. Liveness is decided once for the
+    # whole launch (docs/protocols.md, "A late or dead peer"): program (0, 0) alone waits (only it can mask a rank
+    # during this launch), reports per rank how long it waited from its start until that rank had published,
+    # checks the call signatures (an expert rank that combined a different call sets the status word: the output
+    # below is then NaN and the host raises naming it), and publishes the decision; the other programs wait for it.
+    base = _decision_base(tl.load(stamp_ptr + R), 1)  # stamp_ptr[R]: this rank's stamp of this call
+    if (pid_t == 0) & (pid_h == 0):
         if HAS_WAIT_STATS:
-            if (pid_t == 0) & (pid_h == 0):
+            t_start = now_ns()
+        for d in range(R):
+            _wait(my_sig + COMB_FULL + 2 * d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
+            if HAS_WAIT_STATS:
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
+        for d in range(R):
+            if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
+                if _signature_differs(my_sig, _comb_sig_word(R), rank, d):
+                    report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
+        _decided(status_ptr, R, base + R)
+    _wait_decided(status_ptr, rank, R, base + R, base + R, timeout_ns)
     tl.debug_barrier()
-    # An expert rank that combined a different call (hidden, T, experts, top-k, format) sets the status word
-    # (the output below is then NaN, and the host raises naming it).
-    for d in range(R):
-        if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
-            if _signature_differs(my_sig, _comb_sig_word(R), rank, d):
-                report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
 
     # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
     # NOTES: launched with enable_fp_fusion=False: an FMA of w * y + acc would round differently.
@@ -256,9 +264,9 @@ def _comb_recv_body_ll(
     comb8 = buf_ptr + comb_off
     comb32 = comb8.to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros([BLOCK_T, HC], dtype=tl.float32)
-    # Which selections count, decided AFTER the waits (docs/protocols.md): expert id in [0, E), its rank live for
-    # this rank now (a rank masked during this launch's waits included), and slot (t, k)'s stamp is this call's
-    # (this rank's stamp, written by that rank). A live rank's slot with another stamp was overwritten by a late
+    # Which selections count, decided AFTER the waits (docs/protocols.md): expert id in [0, E), its rank live in
+    # this launch's decision (a rank masked during program (0, 0)'s waits included), and slot (t, k)'s stamp is
+    # this call's (this rank's stamp, written by that rank). A live rank's slot with another stamp was overwritten by a late
     # writer (or never written): the token is NaN and SEQ_STALE_ROW is reported; an id >= E makes the token NaN
     # and reports SEQ_BAD_EXPERT (both at the end, after the peers are released).
     L = E // R
@@ -321,6 +329,7 @@ def _comb_recv_body_ll(
     # Step 3: the last program resets the full words and frees our area on every expert rank.
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
+        _decision_reset(status_ptr, R)
         for d in range(R):
             tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:

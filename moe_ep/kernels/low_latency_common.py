@@ -8,9 +8,14 @@ import triton
 import triton.language as tl
 
 from .signals import (
+    HB_CAP,
     STATUS_MASK,
     STATUS_SHRINK,
+    load_acquire,
+    now_ns,
     peer_masked,
+    report_timeout,
+    signal_release,
     wait_ne,
     wait_ne_masked,
 )
@@ -140,6 +145,51 @@ def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_o
     else:
         v = wait_ne(sig_ptr, value, status_ptr, peer, timeout_ns)
     return v
+
+
+# Liveness decided once per launch (docs/protocols.md, "A late or dead peer"): in a low-latency RECEIVE only the
+# launch's first program waits on the peers' FULL words (so only it can mask a peer during the launch); after each
+# peer it publishes how far it has decided in the status word ``STATUS_MASK + R`` (local, 0 between launches:
+# the receive's last program resets it), as ``_decision_base(stamp, kind) + peers decided``. Every other program
+# spins (acquire) until the peers it needs are decided, then reads the mask and status words, which no program of
+# the launch changes after that: every program of the launch sees the same live set. Waiting on program (0, 0) of
+# the own launch is safe: it is the first program the interpreter runs, and the first block a GPU schedules.
+@triton.jit
+def _decision_base(stamp, KIND: tl.constexpr):
+    """Value of the decision word before any peer is decided: this call's stamp (15 bits), the receive kind
+    (0 dispatch, 1 combine) and a count of 0 (peer counts < 2**14)."""
+    return ((stamp & 0x7FFF) << 16) | (KIND << 15)
+
+
+@triton.jit
+def _decided(status_ptr, R, value):
+    """(The deciding program) publish ``value`` (= base + peers decided) with release semantics: the peers' FULL
+    acquires, the mask words and the status word it saw are visible to the programs that observe it."""
+    signal_release(status_ptr + STATUS_MASK + R, value)
+
+
+@triton.jit
+def _wait_decided(status_ptr, rank, R, lo, hi, timeout_ns):
+    """Spin (acquire) until the decision word is in ``[lo, hi]`` (the peers this program needs are decided).
+    Bounded: the deciding program waits at most ``HB_CAP`` timeouts per peer; past ``HB_CAP * R + 1`` timeouts
+    (it never ran: not possible when the first block is scheduled first) the rank's status names itself."""
+    w = load_acquire(status_ptr + STATUS_MASK + R)
+    if (w < lo) | (w > hi):
+        start = now_ns()
+        done = False
+        while not done:
+            w = load_acquire(status_ptr + STATUS_MASK + R)
+            if (w >= lo) & (w <= hi):
+                done = True
+            elif now_ns() - start > timeout_ns.to(tl.int64) * (HB_CAP * R + 1):
+                report_timeout(status_ptr, rank)
+                done = True
+
+
+@triton.jit
+def _decision_reset(status_ptr, R):
+    """(The receive's last program, every program has passed its ``_wait_decided``) back to 0 for the next launch."""
+    tl.atomic_xchg(status_ptr + STATUS_MASK + R, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
