@@ -47,14 +47,14 @@ def test_suite_low_latency(world, n, hidden, E, k, routing, extra, order, rpn):
     assert launch(_run, world, case, order, timeout_s=300, num_rdma_bytes=nbytes, ranks_per_node=rpn) == [True] * world
 
 
-# ---------------------------------------------------------------------- the emulation catches a missing quiet
+# ---------------------------------------------------------------------- the emulation holds non-blocking puts
 @triton.jit
 def _put_then_signal(buffer_ptrs, rank, peer, QUIET: tl.constexpr):
     own = tl.load(buffer_ptrs + rank)
     nv.putmem_nbi_block(own, own, 64, peer)  # bytes [0, 64) of this rank's region to the peer's
+    nv.putmem_signal_nbi_block(own + 64, own + 64, 8, own + 128, 1, peer)  # then its signal word (byte 128)
     if QUIET:
         nv.quiet()
-    nv.putmem_signal_nbi_block(own + 64, own + 64, 8, own + 128, 1, peer)  # then its signal word (byte 128)
 
 
 def _put_signal_rank(rank, world, order, with_quiet):
@@ -76,14 +76,13 @@ def _put_signal_rank(rank, world, order, with_quiet):
     return out
 
 
-@pytest.mark.parametrize("order,with_quiet,payload_seen", [("eager", False, True), ("deferred", False, False),
-                                                           ("deferred", True, True)])
-def test_emulation_delivers_nbi_puts_only_after_quiet(order, with_quiet, payload_seen):
-    """Deferred order: a signal that is not preceded by ``quiet`` arrives before the payload it announces (the
-    receiver sees the signal and stale bytes), which is exactly the bug the suite's deferred runs would expose."""
+@pytest.mark.parametrize("order,with_quiet,seen", [("eager", False, True), ("manual", False, False),
+                                                   ("manual", True, True)])
+def test_emulation_delivers_nbi_puts_only_after_quiet(order, with_quiet, seen):
+    """Non-eager orders hold every non-blocking put (put-with-signal included) until it is delivered: ``manual`` only
+    at ``quiet`` (or ``deliver()``), so a protocol that reads what it was not signalled for reads stale bytes."""
     sig, total = launch(_put_signal_rank, 2, order, with_quiet, timeout_s=120)[1]
-    assert sig == 1
-    assert (total == 7 * 64) == payload_seen, total
+    assert (sig == 1) == seen and (total == 7 * 64) == seen, (sig, total)
 
 
 def test_unmapped_peer_wait_is_a_plain_timeout():
