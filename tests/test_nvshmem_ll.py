@@ -33,7 +33,9 @@ CASES = [
 def _run(rank, world, case, order, **kwargs):
     from moe_ep.kernels import nvshmem_device
     nvshmem_device.set_emulation_order(order)
-    return check_buffer_case(rank, world, case, "nvshmem", modes=("low_latency",), **kwargs)
+    ok = check_buffer_case(rank, world, case, "nvshmem", modes=("low_latency",), **kwargs)
+    assert nvshmem_device.source_errors() == []  # (deferred: no put source changed before its delivery)
+    return ok
 
 
 @pytest.mark.parametrize("world,n,hidden,E,k,routing,extra,order,rpn", CASES,

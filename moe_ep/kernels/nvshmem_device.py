@@ -4,7 +4,7 @@ Compiled for a GPU, each name below is an extern call into NVSHMEM's device bitc
 linked through Triton's ``extern_libs``, :func:`moe_ep.nvshmem.extern_libs`):
 
     putmem_nbi_block(dest, source, nbytes, pe)                         nvshmemx_putmem_nbi_block
-    putmem_signal_nbi_block(dest, source, nbytes, sig, value, pe)      nvshmemx_putmem_signal_nbi_block (SIGNAL_SET)
+    putmem_signal_nbi_block(dest, source, nbytes, sig, value, pe)      nvshmemx_putmem_signal_nbi_block (SET / ADD)
     quiet()                                                            nvshmem_quiet
 
 ``dest``, ``source`` and ``sig`` are addresses (int64) in THIS rank's symmetric heap; NVSHMEM maps them to ``pe``'s
@@ -12,17 +12,23 @@ heap. Only block-scoped transfers are used: Triton issues a scalar extern call f
 has no single-thread guard), so a thread-scoped put or signal would run ``32 * num_warps`` times; a ``*_block``
 call is a collective of the block, which is what every thread calling it means. ``quiet`` is a PE-wide completion
 call (every outstanding put of this PE is delivered when it returns), idempotent when every thread calls it. The
-signal is NVSHMEM's 64-bit signal word, set (``NVSHMEM_SIGNAL_SET``) after the payload is delivered.
+signal is NVSHMEM's 64-bit signal word, set (``NVSHMEM_SIGNAL_SET`` = 9) or increased (``NVSHMEM_SIGNAL_ADD`` = 10)
+after the payload is delivered.
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) the same names are ``@triton.jit`` functions that emulate these calls over
 the shared-memory peer table of :mod:`moe_ep.symm`: the host registers, per rank, the mapping from its symmetric
-regions to every peer's (:func:`register_heap`), and a put copies bytes into the peer's mapping. Two orders:
+regions to every peer's (:func:`register_heap`), and a put copies bytes into the peer's mapping. Orders:
 
 - ``"eager"`` (default): a put is delivered at once.
-- ``"deferred"`` (:func:`set_emulation_order`): non-blocking puts are held until ``quiet`` and then delivered in
-  REVERSE order, and a put-with-signal delivers only its own payload before its signal. A protocol that reads a
-  row it was not signalled for, or signals before its earlier puts are complete, reads stale bytes under this
-  order: the tests run every low-latency case both ways.
+- ``"deferred"`` (:func:`set_emulation_order`): non-blocking puts (put-with-signal included) are held and delivered
+  later in REVERSE order (whenever a wait of this process spins, from a background "NIC" thread every few ms, and at
+  ``quiet``); a put-with-signal's signal lands after its own payload only. Sources are read at delivery, as a NIC
+  does, and a source that changed since the call is recorded (:func:`source_errors`).
+- ``"manual"``: as deferred, but delivered only by ``quiet`` and :func:`deliver` (tests order phases by hand).
+
+:func:`set_dead_pes` emulates dead processes: puts to them never complete, and ``quiet`` raises (a NIC would block
+until its retries run out). The kernels never call ``quiet`` on the hot path (docs/protocols.md, "NVSHMEM: no quiet
+on the hot path"); it stays declared for completeness.
 """
 
 from __future__ import annotations
