@@ -776,7 +776,8 @@ def test_sm90_report_nvshmem_rows():
         assert 0 < r["regs"] <= 255 and r["resident_warps"] >= r["num_warps"], r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (r["kernel"], r["config"], r["spill_stores"])
     senders = [r for r in rows if "send" in r["kernel"]]
-    assert all("nvshmem_quiet" in r["nvshmem"]["ordering"] for r in senders)   # puts complete before the signal
+    # no completion wait on the hot path (a put to a dead PE would block it): docs/protocols.md
+    assert senders and not any("nvshmem_quiet" in r["nvshmem"]["ordering"] for r in senders)
     assert "IBGDA doorbell" in out["table"] and "THREAD-SCOPED" not in out["table"]
 
 

@@ -33,7 +33,9 @@ CASES = [
 def _run(rank, world, case, order, **kwargs):
     from moe_ep.kernels import nvshmem_device
     nvshmem_device.set_emulation_order(order)
-    return check_buffer_case(rank, world, case, "nvshmem", modes=("low_latency",), **kwargs)
+    ok = check_buffer_case(rank, world, case, "nvshmem", modes=("low_latency",), **kwargs)
+    assert nvshmem_device.source_errors() == []  # (deferred: no put source changed before its delivery)
+    return ok
 
 
 @pytest.mark.parametrize("world,n,hidden,E,k,routing,extra,order,rpn", CASES,
@@ -47,14 +49,14 @@ def test_suite_low_latency(world, n, hidden, E, k, routing, extra, order, rpn):
     assert launch(_run, world, case, order, timeout_s=300, num_rdma_bytes=nbytes, ranks_per_node=rpn) == [True] * world
 
 
-# ---------------------------------------------------------------------- the emulation catches a missing quiet
+# ---------------------------------------------------------------------- the emulation holds non-blocking puts
 @triton.jit
 def _put_then_signal(buffer_ptrs, rank, peer, QUIET: tl.constexpr):
     own = tl.load(buffer_ptrs + rank)
     nv.putmem_nbi_block(own, own, 64, peer)  # bytes [0, 64) of this rank's region to the peer's
+    nv.putmem_signal_nbi_block(own + 64, own + 64, 8, own + 128, 1, peer)  # then its signal word (byte 128)
     if QUIET:
         nv.quiet()
-    nv.putmem_signal_nbi_block(own + 64, own + 64, 8, own + 128, 1, peer)  # then its signal word (byte 128)
 
 
 def _put_signal_rank(rank, world, order, with_quiet):
@@ -76,14 +78,13 @@ def _put_signal_rank(rank, world, order, with_quiet):
     return out
 
 
-@pytest.mark.parametrize("order,with_quiet,payload_seen", [("eager", False, True), ("deferred", False, False),
-                                                           ("deferred", True, True)])
-def test_emulation_delivers_nbi_puts_only_after_quiet(order, with_quiet, payload_seen):
-    """Deferred order: a signal that is not preceded by ``quiet`` arrives before the payload it announces (the
-    receiver sees the signal and stale bytes), which is exactly the bug the suite's deferred runs would expose."""
+@pytest.mark.parametrize("order,with_quiet,seen", [("eager", False, True), ("manual", False, False),
+                                                   ("manual", True, True)])
+def test_emulation_delivers_nbi_puts_only_after_quiet(order, with_quiet, seen):
+    """Non-eager orders hold every non-blocking put (put-with-signal included) until it is delivered: ``manual`` only
+    at ``quiet`` (or ``deliver()``), so a protocol that reads what it was not signalled for reads stale bytes."""
     sig, total = launch(_put_signal_rank, 2, order, with_quiet, timeout_s=120)[1]
-    assert sig == 1
-    assert (total == 7 * 64) == payload_seen, total
+    assert (sig == 1) == seen and (total == 7 * 64) == seen, (sig, total)
 
 
 def test_unmapped_peer_wait_is_a_plain_timeout():
@@ -107,3 +108,76 @@ def test_unmapped_peer_wait_is_a_plain_timeout():
     took = time.monotonic() - t0
     assert paths[0].mask.tolist() == [0, 2]
     assert took < 3 * timeout, took  # 4 x timeout_s (2.0 s) before the fix
+
+
+def _virtual_pair(timeout_s, shrink=False):
+    import warnings
+
+    from moe_ep.backends.nvshmem import NvshmemBackend, virtual_nvshmem_paths
+
+    warnings.simplefilter("ignore")
+    paths = virtual_nvshmem_paths(2, NvshmemBackend.get_low_latency_size_hint(1, 128, 2, 2, 1), ranks_per_node=1,
+                                  timeout_s=timeout_s)
+    for p in paths:
+        p.shrink = shrink
+    return paths
+
+
+def _send(path, rank):
+    x = torch.full((1, 128), float(rank + 1), dtype=torch.bfloat16)
+    return path.dispatch_send(x, torch.tensor([[1 - rank]]), 1, 2, use_fp8=False, round_scale=False, use_ue8m0=False)
+
+
+def test_put_sources_unchanged_until_complete():
+    """Issue 33 #11: a non-blocking put's source may be read by the NIC until the put is complete. Rank 0's receive
+    runs while its own puts to rank 1 are still undelivered (``manual`` order, delivered by hand afterwards); nothing
+    it does may change their sources (it used to zero its own signature entry, the publish payload, and the headers
+    of its own rows)."""
+    nv.set_emulation_order("manual")
+    try:
+        a, b = _virtual_pair(5.0)
+        st_b = _send(b, 1)
+        st_a = _send(a, 0)
+        nv.deliver(pe=0)  # rank 1's puts reach rank 0; rank 0's to rank 1 are still in flight
+        res_a = a.dispatch_recv(st_a)
+        nv.deliver()
+        res_b = b.dispatch_recv(st_b)
+        assert nv.source_errors() == []
+        # and the data is right: each rank's one token went to the other's expert
+        assert res_a.recv_count.tolist() == [1] and res_b.recv_count.tolist() == [1]
+        assert float(res_a.recv_x[0, 0, 0]) == 2.0 and float(res_b.recv_x[0, 0, 0]) == 1.0
+    finally:
+        nv.set_emulation_order("eager")
+
+
+def test_send_never_quiets_toward_a_dead_pe():
+    """Issue 33 #12: with enable_shrink, a rank on another node dies; the survivor's next send puts to it (it is not
+    masked yet). On a NIC ``nvshmem_quiet`` would then block until the retries run out (no timeout): the send must not
+    quiet, and the receive's bounded wait masks the dead rank within about timeout_s."""
+    import time
+
+    nv.set_emulation_order("eager")
+    nv.set_dead_pes([1])
+    try:
+        a, _ = _virtual_pair(0.5, shrink=True)
+        t0 = time.monotonic()
+        st = _send(a, 0)  # puts to rank 1 (the emulation raises if anything quiets them)
+        a.dispatch_recv(st)
+        assert a.mask.tolist() == [0, 2]
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        nv.set_dead_pes([])
+
+
+def test_emulated_quiet_reports_a_dead_pe():
+    """The emulation's dead-PE model itself: a quiet after a put to a dead PE raises (what the NIC would do: block)."""
+    nv.set_emulation_order("eager")
+    nv.set_dead_pes([1])
+    try:
+        a, _ = _virtual_pair(5.0)
+        table = a.symm.buffer_ptrs.clone()
+        table[0] = a.symm._nvshmem_heap_base
+        with pytest.raises(Exception, match="quiet would block on pe 1"):
+            _put_then_signal[(1,)](table, 0, 1, QUIET=True)
+    finally:
+        nv.set_dead_pes([])

@@ -2,11 +2,12 @@
 
 The kernels are the ``symm`` backend's (:mod:`moe_ep.kernels.low_latency`) with ``TRANSPORT = NVSHMEM``
 (:mod:`moe_ep.kernels.transport`): a sender writes into its own symmetric memory, then moves the bytes to each peer
-with a block-scoped NVSHMEM put (peers on other nodes) or a block copy through the mapped pointer (peers whose
-memory this GPU can address: the same node, and itself), and announces them with a put-with-signal after
-``nvshmem_quiet``. Everything else (API, semantics, hooks, FP8 options, combine formats, masks, status words,
-call signatures) is the ``symm`` backend's: :class:`NvshmemBackend` is a :class:`~moe_ep.backends.symm.SymmBackend`
-whose low-latency path runs that transport over an NVSHMEM heap.
+with a block-scoped NVSHMEM put-with-signal (peers on other nodes: each landed put is counted in the receiver's
+signal word) or a block copy through the mapped pointer (peers whose memory this GPU can address: the same node,
+and itself), and announces them with a put-with-signal carrying the count; no ``nvshmem_quiet`` on the hot path
+(docs/protocols.md, "NVSHMEM: no quiet on the hot path"). Everything else (API, semantics, hooks, FP8 options,
+combine formats, masks, status words, call signatures) is the ``symm`` backend's: :class:`NvshmemBackend` is a
+:class:`~moe_ep.backends.symm.SymmBackend` whose low-latency path runs that transport over an NVSHMEM heap.
 
 Heaps:
 

@@ -72,8 +72,9 @@ class _Layout:
     msg_off: int
     comb_off: int
     slot_bytes: int
-    stage_bytes: int = 0  # nvshmem transport: staging area at the END of the data region (count + combine staging)
-    comb_stage: int = 0  # offset of the combine staging inside the staging area (the count staging is at 0)
+    stage_bytes: int = 0  # nvshmem transport: staging area of ONE slot (NUM_SLOTS of them at the END of the region)
+    comb_stage: int = 0  # offset of the combine staging inside a slot's staging area
+    cnt_stage: int = 0  # offset of the count staging inside it (the signature copies are at 0)
 
 
 def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _Layout:
@@ -101,13 +102,17 @@ def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _
     slot_bytes = _align(comb_off + T * K * comb_row_bytes(hidden), _ALIGN)
     if not transport:
         return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes)
-    # nvshmem transport: a sender writes into its own symmetric memory before a put, so one staging area (shared by
-    # both slots: a kernel's puts are complete (quiet) before it ends) follows the slots:
-    #   [E] int32 count staging | [L * R*T, CS] combine staging (stamp header + the expert rows' wire bytes)
-    # DeepSeek-V3 decode (T=128, H=7168, E=256): 470 MB whatever the EP size (DeepEP's send buffer is as large).
-    comb_stage = _align(4 * E, _ALIGN)
+    # nvshmem transport: a sender writes into its own symmetric memory before a put. A put source may be rewritten
+    # only once the peer's BUSY release proved it read the put (no quiet on the hot path, docs/protocols.md), and
+    # only the release of the SAME slot is waited for, so each slot has its own staging area (as DeepEP's two
+    # buffers); NUM_SLOTS of them follow the slots:
+    #   [1 + R, 16 B] signature copies (dispatch; combine per source) | [E] int32 count staging
+    #   | [L * R*T, CS] combine staging (stamp header + the expert rows' wire bytes)
+    # DeepSeek-V3 decode (T=128, H=7168, E=256): 470 MB per slot whatever the EP size.
+    cnt_stage = _align(16 * (1 + R), _ALIGN)
+    comb_stage = _align(cnt_stage + 4 * E, _ALIGN)
     stage_bytes = _align(comb_stage + L * R * T * comb_row_bytes(hidden), _ALIGN)
-    return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes, stage_bytes, comb_stage)
+    return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes, stage_bytes, comb_stage, cnt_stage)
 
 
 def comb_row_bytes(hidden: int) -> int:
@@ -126,7 +131,7 @@ def ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_rank
     """Data bytes per rank of this path (both slots, plus the staging area of the nvshmem transport,
     ``transport=1``): what :meth:`SymmLowLatency.size_hint` returns."""
     lay = _carve(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk, transport)
-    return NUM_SLOTS * lay.slot_bytes + lay.stage_bytes
+    return NUM_SLOTS * (lay.slot_bytes + lay.stage_bytes)
 
 
 def deepep_ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -261,15 +266,16 @@ class SymmLowLatency:
                                                                            if a != b]) from None
 
     def _slot_span(self, lay: _Layout) -> int:
-        """Bytes of one slot: the data region less the staging area (nvshmem), halved."""
-        return (self.symm.nbytes - lay.stage_bytes) // NUM_SLOTS // _ALIGN * _ALIGN
+        """Bytes of one slot: the data region less the staging areas (nvshmem), halved."""
+        return (self.symm.nbytes - NUM_SLOTS * lay.stage_bytes) // NUM_SLOTS // _ALIGN * _ALIGN
 
     def _slot_base(self, slot: int, lay: _Layout) -> int:
         return slot * self._slot_span(lay)
 
-    def _stage_base(self, lay: _Layout) -> int:
-        """Offset of the staging area (nvshmem transport): the last ``stage_bytes`` of the data region."""
-        return (self.symm.nbytes - lay.stage_bytes) // _ALIGN * _ALIGN
+    def _stage_base(self, lay: _Layout, slot: int) -> int:
+        """Offset of slot ``slot``'s staging area (nvshmem transport): the last ``NUM_SLOTS * stage_bytes`` of the
+        data region hold one per slot."""
+        return (self.symm.nbytes - NUM_SLOTS * lay.stage_bytes) // _ALIGN * _ALIGN + slot * lay.stage_bytes
 
     def _check_capacity(self, T: int, hidden: int, E: int, K: int, what: str) -> _Layout:
         R = self.symm.world_size
@@ -278,12 +284,12 @@ class SymmLowLatency:
         if K > 32:  # the combine receive keeps one bit per selection in an int32
             raise ValueError(f"{what}: num_topk={K} exceeds 32")
         lay = _carve(T, hidden, R, E, K, self.transport)
-        have = self._slot_span(lay) if self.symm.nbytes >= lay.stage_bytes else 0
+        have = self._slot_span(lay) if self.symm.nbytes >= NUM_SLOTS * lay.stage_bytes else 0
         if lay.slot_bytes > have:
             need = self.size_hint(T, hidden, R, E, K, self.transport)
             raise ValueError(
                 f"{what}: T={T}, hidden={hidden}, num_topk={K}, num_experts={E} on {R} ranks need "
-                f"{lay.slot_bytes} bytes per buffer slot (plus {lay.stage_bytes} bytes of staging) but the "
+                f"{lay.slot_bytes} bytes per buffer slot (plus {lay.stage_bytes} bytes of staging per slot) but the "
                 f"low-latency buffer has {have} per slot "
                 f"(num_rdma_bytes={self.symm.nbytes}); use num_rdma_bytes >= {need} "
                 f"({'NvshmemBackend' if self.transport else 'SymmBackend'}.get_low_latency_size_hint)")
@@ -442,8 +448,8 @@ class SymmLowLatency:
             GC=gc, HC=hc, IS_FP8=use_fp8, ROUND_SCALE=round_scale, USE_UE8M0=use_ue8m0,
             NATIVE_FP8=use_fp8 and native_e4m3_supported(dev),
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"],
-            stage_off=self._stage_base(lay), TRANSPORT=self.transport, CH=self._copy_chunk(dev),
-            num_warps=warps, **self._nvshmem_launch(dev))
+            stage_off=self._stage_base(lay, slot) + lay.cnt_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
+            sig_copy_off=self._stage_base(lay, slot), num_warps=warps, **self._nvshmem_launch(dev))
         symm.check_status("low_latency_dispatch (send)")
         self._dispatch_slot ^= 1
         return _DispatchState(result, x_c, topk, slot, lay, use_fp8)
@@ -558,8 +564,9 @@ class SymmLowLatency:
             H=hidden, K=K, KP=_pow2(K), BLOCK_T=block_t, HC=hc,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_SEND_CNT=s["COMB_SEND_CNT"],
             FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev),
-            stage_off=self._stage_base(lay) + lay.comb_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
-            ROW_BYTES=row_bytes(fmt, hidden), num_warps=warps, **self._nvshmem_launch(dev))
+            stage_off=self._stage_base(lay, slot) + lay.comb_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
+            ROW_BYTES=row_bytes(fmt, hidden), sig_copy_off=self._stage_base(lay, slot) + 16,
+            num_warps=warps, **self._nvshmem_launch(dev))
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1
         return _CombineState(out, topk_idx.contiguous(), topk_weights.contiguous(), handle, slot, lay, fmt=fmt)

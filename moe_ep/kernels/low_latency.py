@@ -63,9 +63,9 @@ from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layou
     _status_ok,
     _wait,
     _wait_decided,
+    _wait_landed,
     signal_layout,
 )
-from .nvshmem_device import quiet
 from .signals import (
     SEQ_BAD_EXPERT,
     SEQ_MASK,
@@ -76,7 +76,7 @@ from .signals import (
     report_error,
     signal_release,
 )
-from .transport import NVSHMEM, PEER, publish, release_remote, xfer
+from .transport import NVSHMEM, PEER, copy_signature, publish, release_remote, xfer
 from .transport import peer_ptr as _peer
 
 __all__ = [
@@ -108,6 +108,20 @@ def _quant_groups(y, ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit
+def _dispatch_puts(topk_ptr, N, L, d, K: tl.constexpr, KP: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(``NVSHMEM``) how many data puts this launch sent to unmapped rank ``d``: one message per token with an expert
+    on ``d`` (step 5b) and one count put per count program whose expert block meets ``d``'s experts (step 2')."""
+    kk = tl.arange(0, KP)
+    n = tl.zeros([CHUNK_T], dtype=tl.int32)
+    for c0 in range(0, N, CHUNK_T):
+        offs_c = c0 + tl.arange(0, CHUNK_T)
+        ci = tl.load(topk_ptr + offs_c[:, None] * K + kk[None, :], mask=(offs_c < N)[:, None] & (kk < K)[None, :],
+                     other=-1).to(tl.int32)
+        n += (tl.max(((ci >= 0) & (ci // L == d)).to(tl.int32), axis=1) > 0).to(tl.int32)
+    return tl.sum(n, axis=0) + (d * L + L - 1) // BLOCK_E - (d * L) // BLOCK_E + 1
+
+
+@triton.jit
 def _ll_dispatch_send_kernel(
     x_ptr,  # [N, H] bf16 (int16 view when not IS_FP8)
     topk_ptr,  # [N, K] int64
@@ -119,8 +133,9 @@ def _ll_dispatch_send_kernel(
     BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_E: tl.constexpr, GC: tl.constexpr, HC: tl.constexpr,
     IS_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
     DISP_BUSY: tl.constexpr, DISP_FULL: tl.constexpr, DISP_SEND_CNT: tl.constexpr,
-    stage_off=0,  # bytes: [E] int32 count staging (TRANSPORT == NVSHMEM)
+    stage_off=0,  # bytes: [E] int32 count staging of this slot (TRANSPORT == NVSHMEM)
     TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024,  # PEER / NVSHMEM (moe_ep.kernels.transport); copy chunk
+    sig_copy_off=0,  # bytes: this slot's 16-byte copy of the signature, the publish put's source (NVSHMEM)
 ):
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -176,7 +191,9 @@ def _ll_dispatch_send_kernel(
                 if TRANSPORT == PEER:
                     to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
                 else:
-                    to_d = tl.max((dst >= 0).to(tl.int32), axis=1) > 0
+                    # every token's header (all-zero experts for one that goes nowhere): the own receive does not
+                    # clear these rows, they are the sources of this slot's puts (see the receive, step 3)
+                    to_d = offs_t >= 0
                 base = _peer(buffer_ptrs, d, 0, tl.int32)
                 p = base + hdr[:, None] + kk[None, :]
                 w_mask_d = w_mask & (to_d & _live_like(status_ptr, rank, d, offs_t))[:, None]
@@ -250,7 +267,8 @@ def _ll_dispatch_send_kernel(
                     for d in range(R):
                         if (d != rank) & _live(status_ptr, rank, d):
                             if tl.max(((idx_i >= 0) & (idx_i // L == d)).to(tl.int32), axis=0) > 0:
-                                xfer(buffer_ptrs, rank, d, row_i, row_i, HDR + 8 * K, CH)
+                                xfer(buffer_ptrs, signal_ptrs, rank, d, row_i, row_i, HDR + 8 * K,
+                                     sig_off + DISP_FULL + 2 * rank, CH)
     else:
         # Step 2': count programs: this rank's tokens per expert, into each owner's count table [R, L].
         offs_e = (pid - num_token_progs) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -279,13 +297,12 @@ def _ll_dispatch_send_kernel(
                     lo = tl.maximum(e0, d * L)
                     hi = tl.minimum(tl.minimum(e0 + BLOCK_E, d * L + L), E)
                     if (lo < hi) & _live(status_ptr, rank, d):
-                        xfer(buffer_ptrs, rank, d, cnt_off + (rank * L + lo - d * L).to(tl.int64) * 4,
-                             stage_off + lo.to(tl.int64) * 4, (hi - lo) * 4, CH)
+                        xfer(buffer_ptrs, signal_ptrs, rank, d, cnt_off + (rank * L + lo - d * L).to(tl.int64) * 4,
+                             stage_off + lo.to(tl.int64) * 4, (hi - lo) * 4, sig_off + DISP_FULL + 2 * rank, CH)
 
-    # Step 6: the last program publishes: busy[d] = 1 here, then full[rank] = N + 1 on every d (NVSHMEM: after
-    # every program's puts are complete).
-    if TRANSPORT == NVSHMEM:
-        quiet()
+    # Step 6: the last program publishes: busy[d] = 1 here, then full[rank] = N + 1 on every d. NVSHMEM: no quiet
+    # (a dead peer's puts never complete): the publish tells each unmapped d how many data puts to expect, and d
+    # waits until that many have landed (docs/protocols.md, "NVSHMEM: no quiet on the hot path").
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_SEND_CNT, num_progs):
         # This call's stamp: the rank's dispatch counter (status word STATUS_SEQ, 15 bits), read and advanced by the
@@ -296,11 +313,17 @@ def _ll_dispatch_send_kernel(
         tl.store(status_ptr + STATUS_SEQ, (w - seq) | ((seq + 1) & SEQ_MASK))
         tl.store(stamp_ptr + R, seq)
         if tl.load(status_ptr, volatile=True) == 0:
+            if TRANSPORT == NVSHMEM:
+                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, _disp_sig_word(R), sig_copy_off)
             for d in range(R):
                 if _live(status_ptr, rank, d):
+                    puts = 0
+                    if TRANSPORT == NVSHMEM:
+                        if (d != rank) & (tl.load(buffer_ptrs + d) == 0):
+                            puts = _dispatch_puts(topk_ptr, N, L, d, K, KP, CHUNK_T, BLOCK_E)
                     tl.atomic_xchg(my_sig + DISP_BUSY + 2 * d, 1, sem="relaxed", scope="sys")
                     publish(signal_ptrs, rank, d, sig_off, _disp_sig_word(R), DISP_FULL + 2 * rank,
-                            (seq << 16) | (N + 1), TRANSPORT)
+                            (seq << 16) | (N + 1), TRANSPORT, buffer_ptrs, sig_copy_off, puts)
 
 
 @triton.jit
@@ -338,6 +361,8 @@ def _ll_dispatch_recv_kernel(
             t_start = now_ns()
         for sp in range(R):
             _wait(my_sig + DISP_FULL + 2 * sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
+            # NVSHMEM: and every data put of sp has landed (the FULL word's high half is back to 0)
+            _wait_landed(my_sig, DISP_FULL + 2 * sp, status_ptr, rank, sp, timeout_ns, signal_ptrs, TRANSPORT)
             if HAS_WAIT_STATS:  # how long this receive waited (from its start) until source sp had sent
                 tl.atomic_add(wait_stats_ptr + sp, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
             # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
@@ -380,8 +405,12 @@ def _ll_dispatch_recv_kernel(
     tk_mask = t_ok[:, None] & k_ok[None, :]
     idx = tl.load(buf32 + hdr[:, None] + kk[None, :], mask=tk_mask, other=0) - 1  # (expert + 1, 0 = none)
     pos = tl.load(buf32 + hdr[:, None] + K + kk[None, :], mask=tk_mask, other=0)
-    # cleared once read: the next call's sender writes only the headers of tokens it sends here
-    tl.store(buf32 + hdr[:, None] + kk[None, :], tl.zeros([BLOCK_T, KP], dtype=tl.int32), mask=tk_mask)
+    # cleared once read: the next call's sender writes only the headers of tokens it sends here. NVSHMEM: not this
+    # rank's own rows, the sources of its puts of this call (a put's source is rewritten only after its peer released
+    # the slot, docs/protocols.md); the send rewrites every own header instead.
+    own_src = (TRANSPORT == NVSHMEM) & (s == rank)
+    tl.store(buf32 + hdr[:, None] + kk[None, :], tl.zeros([BLOCK_T, KP], dtype=tl.int32),
+             mask=tk_mask & (offs_t * 0 + own_src.to(tl.int32) == 0)[:, None])
     lo = rank * L
     is_local = (idx >= lo) & (idx < lo + L)
     le = tl.where(is_local, idx - lo, 0)

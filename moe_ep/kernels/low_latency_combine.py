@@ -20,8 +20,8 @@ from .low_latency_common import (
     _status_ok,
     _wait,
     _wait_decided,
+    _wait_landed,
 )
-from .nvshmem_device import quiet
 from .signals import (
     SEQ_BAD_EXPERT,
     SEQ_MASK,
@@ -35,7 +35,7 @@ from .signals import (
     report_error,
     signal_release,
 )
-from .transport import NVSHMEM, PEER, publish, xfer
+from .transport import NVSHMEM, PEER, copy_signature, publish, xfer
 from .transport import peer_ptr as _peer
 
 KBITS = tl.constexpr(32)  # top-k at most 32: one bit per selection in the combine receive
@@ -120,7 +120,7 @@ def _comb_send_body_ll(
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
     FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
-    stage_off, TRANSPORT: tl.constexpr, CH: tl.constexpr, ROW_BYTES: tl.constexpr,
+    stage_off, TRANSPORT: tl.constexpr, CH: tl.constexpr, ROW_BYTES: tl.constexpr, sig_copy_off=0,
 ):
     CS: tl.constexpr = (2 * H + 15) // 16 * 16 + 16
     s = tl.program_id(0)
@@ -195,18 +195,29 @@ def _comb_send_body_ll(
                 for k in tl.static_range(K):
                     src = tl.load(slot_row_ptr + (s * T + t) * K + k)
                     if src >= 0:
-                        xfer(buffer_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS,
-                             stage_off + src.to(tl.int64) * CS, 16 + ROW_BYTES, CH)
+                        xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS,
+                             stage_off + src.to(tl.int64) * CS, 16 + ROW_BYTES, sig_off + COMB_FULL + 2 * rank, CH)
 
-    # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s (NVSHMEM: after every
-    # program's puts are complete).
-    if TRANSPORT == NVSHMEM:
-        quiet()
+    # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s. NVSHMEM: no quiet (a
+    # dead peer's puts never complete): the publish tells an unmapped s how many row puts to expect, and s waits
+    # until that many have landed (docs/protocols.md, "NVSHMEM: no quiet on the hot path").
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
+            puts = 0
+            if TRANSPORT == NVSHMEM:
+                if tl.load(buffer_ptrs + s) == 0:
+                    # one put per (t, k) with t < n_s and a local row (step 2b), counted from the same table
+                    for t0 in range(0, n_s, BLOCK_T):
+                        tt = t0 + tl.arange(0, BLOCK_T)
+                        sr = tl.load(slot_row_ptr + (s * T + tt)[:, None] * K + kk[None, :],
+                                     mask=(tt < n_s)[:, None] & (kk < K)[None, :], other=-1)
+                        puts += tl.sum(tl.sum((sr >= 0).to(tl.int32), axis=1), axis=0)
+                # the signature's put source: a copy rewritten only after s released this slot (BUSY waits above)
+                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, _comb_sig_word(R), sig_copy_off + 16 * s)
             tl.atomic_xchg(my_sig + COMB_BUSY + 2 * s, 1, sem="relaxed", scope="sys")
-            publish(signal_ptrs, rank, s, sig_off, _comb_sig_word(R), COMB_FULL + 2 * rank, 1, TRANSPORT)
+            publish(signal_ptrs, rank, s, sig_off, _comb_sig_word(R), COMB_FULL + 2 * rank, 1, TRANSPORT, buffer_ptrs,
+                    sig_copy_off + 16 * s, puts)
 
 
 @triton.jit
@@ -240,6 +251,7 @@ def _comb_recv_body_ll(
             t_start = now_ns()
         for d in range(R):
             _wait(my_sig + COMB_FULL + 2 * d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
+            _wait_landed(my_sig, COMB_FULL + 2 * d, status_ptr, rank, d, timeout_ns, signal_ptrs, TRANSPORT)
             if HAS_WAIT_STATS:
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
         for d in range(R):
@@ -373,14 +385,16 @@ def _ll_combine_send_fmt_kernel(
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
     FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
-    stage_off=0,  # bytes: [L * R*T, 16 + 2H] combine staging (stamp header + row) (TRANSPORT == NVSHMEM)
+    stage_off=0,  # bytes: [L * R*T, 16 + 2H] combine staging of this slot (stamp header + row) (NVSHMEM)
     TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024, ROW_BYTES: tl.constexpr = 0,  # ROW_BYTES: wire bytes per row
+    sig_copy_off=0,  # bytes: this slot's [R, 16 bytes] signature copies, the publish puts' sources (NVSHMEM)
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, stamp_ptr, buffer_ptrs,
                        signal_ptrs,
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
-                       COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8, stage_off, TRANSPORT, CH, ROW_BYTES)
+                       COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8, stage_off, TRANSPORT, CH, ROW_BYTES,
+                       sig_copy_off)
 
 
 @triton.jit

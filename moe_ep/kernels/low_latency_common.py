@@ -193,6 +193,31 @@ def _decision_reset(status_ptr, R):
 
 
 @triton.jit
+def _wait_landed(my_sig, word, status_ptr, rank, peer, timeout_ns, signal_ptrs, TRANSPORT: tl.constexpr):
+    """(``NVSHMEM``, after the FULL wait on ``peer``) an unmapped peer's data puts have all landed: the high half of
+    its 64-bit FULL word (``word``), which each landed put raises by one and the publish lowers by the number sent,
+    is back to 0 (docs/protocols.md, "NVSHMEM: no quiet on the hot path"). Bounded like :func:`_wait`: on timeout
+    the peer is masked (enable_shrink) or named in the status word. No-op for mapped peers and other transports."""
+    if TRANSPORT == 1:
+        ok = (tl.load(signal_ptrs + peer) == 0) & (tl.load(status_ptr, volatile=True) == 0)
+        if ok & (peer_masked(status_ptr + STATUS_MASK, rank, peer) == 0):
+            v = load_acquire(my_sig + word + 1)
+            if v != 0:
+                start = now_ns()
+                while v != 0:
+                    v = load_acquire(my_sig + word + 1)
+                    gone = (tl.load(status_ptr, volatile=True) != 0) | peer_masked(status_ptr + STATUS_MASK, rank, peer)
+                    if gone:
+                        v = 0
+                    elif (v != 0) & (now_ns() - start > timeout_ns):
+                        if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+                            tl.atomic_cas(status_ptr + STATUS_MASK + peer, 0, 2, sem="relaxed", scope="sys")
+                        else:
+                            report_timeout(status_ptr, peer)
+                        v = 0
+
+
+@triton.jit
 def _bf16_bits(v):
     """float32 -> bfloat16 bit pattern (int16), round to nearest even; NaN -> 0x7FFF.
 

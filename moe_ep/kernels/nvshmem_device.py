@@ -4,7 +4,7 @@ Compiled for a GPU, each name below is an extern call into NVSHMEM's device bitc
 linked through Triton's ``extern_libs``, :func:`moe_ep.nvshmem.extern_libs`):
 
     putmem_nbi_block(dest, source, nbytes, pe)                         nvshmemx_putmem_nbi_block
-    putmem_signal_nbi_block(dest, source, nbytes, sig, value, pe)      nvshmemx_putmem_signal_nbi_block (SIGNAL_SET)
+    putmem_signal_nbi_block(dest, source, nbytes, sig, value, pe)      nvshmemx_putmem_signal_nbi_block (SET / ADD)
     quiet()                                                            nvshmem_quiet
 
 ``dest``, ``source`` and ``sig`` are addresses (int64) in THIS rank's symmetric heap; NVSHMEM maps them to ``pe``'s
@@ -12,43 +12,59 @@ heap. Only block-scoped transfers are used: Triton issues a scalar extern call f
 has no single-thread guard), so a thread-scoped put or signal would run ``32 * num_warps`` times; a ``*_block``
 call is a collective of the block, which is what every thread calling it means. ``quiet`` is a PE-wide completion
 call (every outstanding put of this PE is delivered when it returns), idempotent when every thread calls it. The
-signal is NVSHMEM's 64-bit signal word, set (``NVSHMEM_SIGNAL_SET``) after the payload is delivered.
+signal is NVSHMEM's 64-bit signal word, set (``NVSHMEM_SIGNAL_SET`` = 9) or increased (``NVSHMEM_SIGNAL_ADD`` = 10)
+after the payload is delivered.
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) the same names are ``@triton.jit`` functions that emulate these calls over
 the shared-memory peer table of :mod:`moe_ep.symm`: the host registers, per rank, the mapping from its symmetric
-regions to every peer's (:func:`register_heap`), and a put copies bytes into the peer's mapping. Two orders:
+regions to every peer's (:func:`register_heap`), and a put copies bytes into the peer's mapping. Orders:
 
 - ``"eager"`` (default): a put is delivered at once.
-- ``"deferred"`` (:func:`set_emulation_order`): non-blocking puts are held until ``quiet`` and then delivered in
-  REVERSE order, and a put-with-signal delivers only its own payload before its signal. A protocol that reads a
-  row it was not signalled for, or signals before its earlier puts are complete, reads stale bytes under this
-  order: the tests run every low-latency case both ways.
+- ``"deferred"`` (:func:`set_emulation_order`): non-blocking puts (put-with-signal included) are held and delivered
+  later in REVERSE order (whenever a wait of this process spins, from a background "NIC" thread every few ms, and at
+  ``quiet``); a put-with-signal's signal lands after its own payload only. Sources are read at delivery, as a NIC
+  does, and a source that changed since the call is recorded (:func:`source_errors`).
+- ``"manual"``: as deferred, but delivered only by ``quiet`` and :func:`deliver` (tests order phases by hand).
+
+:func:`set_dead_pes` emulates dead processes: puts to them never complete, and ``quiet`` raises (a NIC would block
+until its retries run out). The kernels never call ``quiet`` on the hot path (docs/protocols.md, "NVSHMEM: no quiet
+on the hot path"); it stays declared for completeness.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 
 import triton
 import triton.language as tl
 
 from .pdl import INTERPRET
+from .signals import _SPIN_HOOKS
 
 __all__ = ["putmem_nbi_block", "putmem_signal_nbi_block", "quiet", "register_heap", "unregister_heap",
-           "set_emulation_order", "emulation_order", "DEVICE_CALLS"]
+           "set_emulation_order", "emulation_order", "set_dead_pes", "source_errors", "deliver", "DEVICE_CALLS",
+           "SIGNAL_SET", "SIGNAL_ADD"]
 
 #: the NVSHMEM entry points the kernels call (all block-scoped, or PE-wide completion): perf/sm90_report.py checks that
 #: the compiled PTX calls these and no thread-scoped transfer.
 DEVICE_CALLS = ("nvshmemx_putmem_nbi_block", "nvshmemx_putmem_signal_nbi_block", "nvshmem_quiet")
-SIGNAL_SET = 0  # NVSHMEM_SIGNAL_SET
+SIGNAL_SET = 9  # NVSHMEM_SIGNAL_SET (nvshmem_common_transport.h)
+SIGNAL_ADD = 10  # NVSHMEM_SIGNAL_ADD
 
 
 # ---------------------------------------------------------------------------------------------- CPU emulation
 # Each registered heap: (local base address, size in bytes, [peer base address per rank]); a rank's data region and
 # its signal region are one mapping in moe_ep.symm, so one entry covers both.
 _HEAPS: list = []
-_PENDING: list = []  # deferred order: (dest address, bytes) held until quiet
+_PENDING: list = []  # non-eager orders: (pe, target, source, nbytes, snapshot, signal target, value, op) not delivered
 _ORDER = ["eager"]
+_DEAD: set = set()  # PEs whose NIC never acknowledges (set_dead_pes): puts to them never complete
+_UNACKED: set = set()  # PEs with puts issued since the last quiet
+_SOURCE_ERRORS: list = []  # nbi sources found changed at delivery (source_errors())
+_LOCK = threading.RLock()
+_NIC: list = []  # the deferred order's delivery thread, started on its first put
 
 
 def register_heap(local_base: int, nbytes: int, peer_bases: list) -> None:
@@ -65,18 +81,68 @@ def unregister_heap(local_base: int) -> None:
 
 
 def set_emulation_order(order: str) -> None:
-    """``"eager"`` or ``"deferred"`` (see the module docstring); pending puts are dropped."""
-    if order not in ("eager", "deferred"):
-        raise ValueError(f"emulation order must be 'eager' or 'deferred', not {order!r}")
+    """``"eager"``, ``"deferred"`` or ``"manual"`` (see the module docstring); pending puts, recorded source errors
+    and dead PEs are dropped."""
+    if order not in ("eager", "deferred", "manual"):
+        raise ValueError(f"emulation order must be 'eager', 'deferred' or 'manual', not {order!r}")
     _ORDER[0] = order
-    _PENDING.clear()
+    with _LOCK:
+        _PENDING.clear()
+    _SOURCE_ERRORS.clear()
+    _DEAD.clear()
+    _UNACKED.clear()
 
 
 def emulation_order() -> str:
     return _ORDER[0]
 
 
+def set_dead_pes(pes) -> None:
+    """Emulate PEs whose process died: their NIC never acknowledges a put (an RC QP retries, then errors), so a put to
+    one never completes: it is never delivered in the non-eager orders, and ``quiet`` raises instead of blocking."""
+    _DEAD.clear()
+    _DEAD.update(int(p) for p in pes)
+
+
+def source_errors() -> list:
+    """Messages of every non-blocking put whose source bytes changed between the call and the delivery (the NVSHMEM
+    rule: an ``*_nbi`` source may be read any time until the put is complete); cleared by ``set_emulation_order``."""
+    return list(_SOURCE_ERRORS)
+
+
+def deliver(pe=None) -> int:
+    """Deliver the pending puts (all, or those to ``pe``), in REVERSE order of issue; returns how many. Puts to a dead
+    PE stay pending. The ``manual`` order delivers only here and in ``quiet``; ``deferred`` also whenever a wait of
+    this process spins (the NIC progresses while the GPU waits)."""
+    with _LOCK:
+        keep, done = [], []
+        for op in _PENDING:
+            (done if (pe is None or op[0] == pe) and op[0] not in _DEAD else keep).append(op)
+        _PENDING[:] = keep
+        for op in reversed(done):
+            _deliver_op(*op)
+        return len(done)
+
+
+def _progress() -> None:
+    """(Called from the interpreter's clock, i.e. every spin of a wait.) The ``deferred`` order's NIC progress."""
+    if _PENDING and _ORDER[0] == "deferred":
+        deliver()
+
+
+def _nic_loop() -> None:
+    while True:  # a daemon: the NIC also progresses while this process is not waiting (e.g. done with its calls)
+        time.sleep(0.005)
+        if _PENDING and _ORDER[0] == "deferred":
+            deliver()
+
+
+_SPIN_HOOKS.append(_progress)
+
+
 def _scalar(v) -> int:
+    while hasattr(v, "value") and not hasattr(v, "handle"):  # a constexpr
+        v = v.value
     h = getattr(v, "handle", None)
     data = getattr(h, "data", v)
     try:
@@ -94,44 +160,58 @@ def _translate(addr: int, nbytes: int, pe: int) -> int:
     raise RuntimeError(f"emulated NVSHMEM: address {addr:#x} (+{nbytes} bytes) is not in a registered symmetric heap")
 
 
-def _deliver(dest: int, payload: bytes) -> None:
-    if payload:
-        ctypes.memmove(dest, payload, len(payload))
+def _deliver_op(pe, target, source, nbytes, snapshot, sig, value, op) -> None:
+    if nbytes > 0:
+        now = ctypes.string_at(source, nbytes)  # the NIC reads the source now, not at the call
+        if snapshot is not None and now != snapshot:
+            _SOURCE_ERRORS.append(f"the source of a non-blocking put to pe {pe} ({nbytes} bytes at {source:#x}) "
+                                  f"changed before the put was complete: {snapshot[:16].hex()} -> {now[:16].hex()}")
+        ctypes.memmove(target, now, nbytes)
+    if sig is not None:
+        word = ctypes.c_uint64.from_address(sig)
+        word.value = (value if op == SIGNAL_SET else word.value + value) & (2 ** 64 - 1)  # after its own payload
+
+
+def _issue(dest, source, nbytes, pe, sig=None, value=0, op=SIGNAL_SET):
+    dest, source, nbytes, pe = _scalar(dest), _scalar(source), _scalar(nbytes), _scalar(pe)
+    if op not in (SIGNAL_SET, SIGNAL_ADD):
+        raise RuntimeError(f"emulated NVSHMEM: unknown signal operation {op}")
+    nbytes = max(nbytes, 0)
+    target = _translate(dest, nbytes, pe) if nbytes else 0
+    if nbytes:
+        _translate(source, nbytes, 0)  # the source must be symmetric too (registered memory for the NIC)
+    sig_t = None if sig is None else _translate(_scalar(sig), 8, pe)
+    if nbytes == 0 and sig is None:
+        return 0
+    _UNACKED.add(pe)
+    if _ORDER[0] == "eager":
+        _deliver_op(pe, target, source, nbytes, None, sig_t, _scalar(value), op)
+    else:
+        snap = ctypes.string_at(source, nbytes) if nbytes else b""
+        with _LOCK:
+            _PENDING.append((pe, target, source, nbytes, snap, sig_t, _scalar(value), op))
+        if _ORDER[0] == "deferred" and not _NIC:
+            _NIC.append(threading.Thread(target=_nic_loop, name="emulated-nic", daemon=True))
+            _NIC[0].start()
+    return 0
 
 
 def _emu_put(dest, source, nbytes, pe):
-    dest, source, nbytes, pe = _scalar(dest), _scalar(source), _scalar(nbytes), _scalar(pe)
-    if nbytes <= 0:
-        return 0
-    target = _translate(dest, nbytes, pe)
-    _translate(source, nbytes, 0)  # the source must be symmetric too (registered memory for the NIC)
-    payload = ctypes.string_at(source, nbytes)  # copied out now: the source may be reused after the call
-    if _ORDER[0] == "deferred":
-        _PENDING.append((target, payload))
-    else:
-        _deliver(target, payload)
-    return 0
+    return _issue(dest, source, nbytes, pe)
 
 
-def _emu_put_signal(dest, source, nbytes, sig, value, pe):
-    _emu_put_now(dest, source, nbytes, pe)
-    target = _translate(_scalar(sig), 8, _scalar(pe))
-    ctypes.c_uint64.from_address(target).value = _scalar(value) & (2 ** 64 - 1)  # the signal after its payload
-    return 0
-
-
-def _emu_put_now(dest, source, nbytes, pe):
-    dest, source, nbytes, pe = _scalar(dest), _scalar(source), _scalar(nbytes), _scalar(pe)
-    if nbytes > 0:
-        _translate(source, nbytes, 0)
-        _deliver(_translate(dest, nbytes, pe), ctypes.string_at(source, nbytes))
+def _emu_put_signal(dest, source, nbytes, sig, value, pe, op=SIGNAL_SET):
+    return _issue(dest, source, nbytes, pe, sig, value, _scalar(op))
 
 
 def _emu_quiet():
-    pending = _PENDING[::-1]
-    _PENDING.clear()
-    for target, payload in pending:
-        _deliver(target, payload)
+    dead = sorted(_UNACKED & _DEAD)
+    if dead:
+        raise RuntimeError(f"emulated NVSHMEM: nvshmem_quiet would block on pe {dead[0]}: a put to it is never "
+                           "acknowledged (dead process: the NIC retries until its retry count is exhausted, then the "
+                           "QP goes to the error state); no timeout applies")
+    deliver()
+    _UNACKED.clear()
     return 0
 
 
@@ -143,9 +223,10 @@ if INTERPRET:
         return _emu_put(dest, source, nbytes, pe)
 
     @triton.jit
-    def putmem_signal_nbi_block(dest, source, nbytes, sig, value, pe):
-        """(Emulation) block put, then ``pe``'s 64-bit signal word ``sig`` = ``value`` once the payload is there."""
-        return _emu_put_signal(dest, source, nbytes, sig, value, pe)
+    def putmem_signal_nbi_block(dest, source, nbytes, sig, value, pe, SIG_OP: tl.constexpr = 9):
+        """(Emulation) block put, then ``pe``'s 64-bit signal word ``sig`` set to (``SIG_OP`` = 9) or increased by
+        (10) ``value`` once the payload is there."""
+        return _emu_put_signal(dest, source, nbytes, sig, value, pe, SIG_OP)
 
     @triton.jit
     def quiet():
@@ -183,12 +264,12 @@ else:
                                  (pe + tl.zeros([], tl.int32)).to(tl.int32))
 
     @triton.jit
-    def putmem_signal_nbi_block(dest, source, nbytes, sig, value, pe):
-        """``nvshmemx_putmem_signal_nbi_block`` with ``NVSHMEM_SIGNAL_SET``: the payload, then ``pe``'s 64-bit
-        signal word ``sig`` = ``value``."""
+    def putmem_signal_nbi_block(dest, source, nbytes, sig, value, pe, SIG_OP: tl.constexpr = 9):
+        """``nvshmemx_putmem_signal_nbi_block``: the payload, then ``pe``'s 64-bit signal word ``sig`` set to
+        (``SIG_OP`` = ``NVSHMEM_SIGNAL_SET`` = 9) or increased by (``NVSHMEM_SIGNAL_ADD`` = 10) ``value``."""
         return _putmem_signal_nbi_block(dest.to(tl.int64), source.to(tl.int64), nbytes + tl.zeros([], tl.int64),
                                         sig.to(tl.int64), (value + tl.zeros([], tl.int64)).to(tl.uint64),
-                                        tl.full([], 0, tl.int32), (pe + tl.zeros([], tl.int32)).to(tl.int32))
+                                        tl.full([], SIG_OP, tl.int32), (pe + tl.zeros([], tl.int32)).to(tl.int32))
 
     @triton.jit
     def quiet():

@@ -83,7 +83,12 @@ def status_message(code: int):
     return None
 
 
+_SPIN_HOOKS: list = []  # interpreter only: called on every clock read (every spin of a wait), e.g. the emulated NIC
+
+
 def _host_monotonic_ns():
+    for hook in _SPIN_HOOKS:
+        hook()
     return time.monotonic_ns()
 
 

@@ -9,10 +9,11 @@ the same on every rank, or a separate staging area), then :func:`xfer` moves the
 - to a peer whose region is mapped here (``buffer_ptrs[pe] != 0``: the same node, NVLink / P2P, as
   ``nvshmem_ptr`` reports it; and this rank itself) the block copies them with loads and stores: intranode bytes
   never take the NIC, and the signal is a release store like ``PEER``'s;
-- to any other peer with ``nvshmemx_putmem_nbi_block`` (IBGDA: the GPU rings the NIC's doorbell itself), made
-  complete by ``nvshmem_quiet`` (:func:`moe_ep.kernels.nvshmem_device.quiet`) before the signal that announces
-  them, which travels as ``nvshmemx_putmem_signal_nbi_block``: the call signature (16 bytes) or 8 dummy bytes as
-  the payload, then the peer's 64-bit signal word set.
+- to any other peer with ``nvshmemx_putmem_signal_nbi_block`` (IBGDA: the GPU rings the NIC's doorbell itself)
+  whose signal ADDS one landed put to the high half of this rank's FULL word there; the announcing signal (the call
+  signature, 16 bytes, or 8 dummy bytes as the payload) subtracts the number sent, so the receiver knows when every
+  put has landed. No kernel calls ``nvshmem_quiet``, and a put's source is rewritten only after the peer released
+  the slot: docs/protocols.md, "NVSHMEM: no quiet on the hot path".
 
 Peer tables: ``buffer_ptrs`` / ``signal_ptrs`` entry ``r`` is rank ``r``'s region mapped in this process, or 0 when
 it is not mapped; entry ``rank`` is this rank's own region, whose addresses NVSHMEM translates to ``pe``'s.
@@ -23,12 +24,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .nvshmem_device import putmem_nbi_block, putmem_signal_nbi_block
+from .nvshmem_device import SIGNAL_ADD as _ADD
+from .nvshmem_device import SIGNAL_SET as _SET
+from .nvshmem_device import putmem_signal_nbi_block
 from .signals import signal_release
 
-__all__ = ["PEER", "NVSHMEM", "peer_ptr", "mapped", "xfer", "publish", "release_remote", "publish_signature"]
+__all__ = ["PEER", "NVSHMEM", "LANDED", "peer_ptr", "mapped", "xfer", "publish", "release_remote", "publish_signature",
+           "copy_signature"]
 
 PEER = tl.constexpr(0)
+SIGNAL_ADD = tl.constexpr(_ADD)
+SIGNAL_SET = tl.constexpr(_SET)
+LANDED = tl.constexpr(1 << 32)  # what one landed data put adds to its FULL word (the high half counts)
 NVSHMEM = tl.constexpr(1)
 
 
@@ -54,10 +61,24 @@ def publish_signature(my_sig, peer_sig, base, rank):
 
 
 @triton.jit
-def xfer(buffer_ptrs, rank, pe, dst_off, src_off, nbytes, CH: tl.constexpr):
+def copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, sig_base, sig_copy_off):
+    """(``NVSHMEM``) this rank's own signature entry -> its put source copy at byte ``sig_copy_off`` of its data
+    region (the publishing program, after every program's BUSY waits: see :func:`publish`)."""
+    my_sig = peer_ptr(signal_ptrs, rank, 0, tl.int32) + sig_off
+    dst = peer_ptr(buffer_ptrs, rank, sig_copy_off, tl.int32)
+    for w in tl.static_range(4):
+        tl.store(dst + w, tl.load(my_sig + sig_base + 4 * rank + w, volatile=True))
+    tl.debug_barrier()
+
+
+@triton.jit
+def xfer(buffer_ptrs, signal_ptrs, rank, pe, dst_off, src_off, nbytes, full_word, CH: tl.constexpr):
     """(``NVSHMEM``) this rank's data bytes ``[src_off, src_off + nbytes)`` to ``[dst_off, ...)`` of ``pe``'s region:
     a block copy (int32 words: offsets and sizes are multiples of 4) when ``pe`` is mapped, else a non-blocking
-    NVSHMEM put (complete after ``quiet``). The caller has a ``tl.debug_barrier()`` after writing the source."""
+    put-with-signal that ADDS ``2**32`` to ``pe``'s 64-bit signal word ``full_word`` (this rank's FULL word there,
+    word offset from the signal region) once its bytes have landed: the receiver counts landed puts in the high half
+    (:func:`publish` subtracts the number sent), so no ``quiet`` is needed. The caller has a ``tl.debug_barrier()``
+    after writing the source, and rewrites the source only after ``pe`` released the slot (docs/protocols.md)."""
     own = tl.load(buffer_ptrs + rank)
     peer = tl.load(buffer_ptrs + pe)
     if peer != 0:
@@ -68,14 +89,21 @@ def xfer(buffer_ptrs, rank, pe, dst_off, src_off, nbytes, CH: tl.constexpr):
             m = offs < nbytes // 4
             tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
     else:
-        putmem_nbi_block(own + dst_off, own + src_off, nbytes, pe)
+        sig = tl.load(signal_ptrs + rank) + full_word.to(tl.int64) * 4
+        putmem_signal_nbi_block(own + dst_off, own + src_off, nbytes, sig, tl.zeros([], tl.int64) + LANDED, pe,
+                                SIG_OP=SIGNAL_ADD)
 
 
 @triton.jit
-def publish(signal_ptrs, rank, pe, sig_off, sig_base, word, value, TRANSPORT: tl.constexpr):
+def publish(signal_ptrs, rank, pe, sig_off, sig_base, word, value, TRANSPORT: tl.constexpr, buffer_ptrs=None,
+            sig_copy_off=0, puts=0):
     """Copy this rank's call signature (entry ``rank`` of the area at word ``sig_base``) to ``pe``, then set ``pe``'s
     signal word ``word`` (both inside the slot at word ``sig_off``) to ``value`` with release semantics: every write
-    (and, for ``NVSHMEM``, every put made complete by ``quiet``) before it is visible to ``pe`` first."""
+    before it is visible to ``pe`` first. ``NVSHMEM`` to an unmapped peer: one put-with-signal whose 16-byte payload
+    is this rank's copy of its signature at byte ``sig_copy_off`` of its data region (:func:`copy_signature`, after
+    the BUSY waits: rewritten only once every live peer released the previous call of this slot) and whose signal
+    ADDS ``value - puts * 2**32``: the low half reads ``value``, the high half is 0 again once the ``puts`` data puts
+    of :func:`xfer` have landed too (docs/protocols.md, "NVSHMEM: no quiet on the hot path")."""
     if TRANSPORT == 0:
         _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value)
     elif mapped(signal_ptrs, pe):
@@ -83,7 +111,9 @@ def publish(signal_ptrs, rank, pe, sig_off, sig_base, word, value, TRANSPORT: tl
     else:
         own = tl.load(signal_ptrs + rank)
         entry = own + (sig_off + sig_base + 4 * rank).to(tl.int64) * 4
-        putmem_signal_nbi_block(entry, entry, 16, own + (sig_off + word).to(tl.int64) * 4, value + tl.zeros([], tl.int64), pe)
+        src = tl.load(buffer_ptrs + rank) + sig_copy_off
+        add = (value + tl.zeros([], tl.int64)) - (puts + tl.zeros([], tl.int64)) * LANDED
+        putmem_signal_nbi_block(entry, src, 16, own + (sig_off + word).to(tl.int64) * 4, add, pe, SIG_OP=SIGNAL_ADD)
 
 
 @triton.jit
@@ -106,4 +136,5 @@ def release_remote(signal_ptrs, rank, pe, sig_off, word, value, scratch, TRANSPO
     else:
         own = tl.load(signal_ptrs + rank)
         pad = own + (sig_off + scratch + 2 * rank).to(tl.int64) * 4
-        putmem_signal_nbi_block(pad, pad, 8, own + (sig_off + word).to(tl.int64) * 4, value + tl.zeros([], tl.int64), pe)
+        putmem_signal_nbi_block(pad, pad, 8, own + (sig_off + word).to(tl.int64) * 4, value + tl.zeros([], tl.int64), pe,
+                                SIG_OP=SIGNAL_SET)
