@@ -193,20 +193,22 @@ def deepep_v1_buffer_size_hints(num_ranks: int, hidden: int, *, num_sms: int = 2
 
 def prefill_memory_rows(tokens=(4096, 8192, 32768), ranks=(8, 32), hidden: int = 7168, num_topk: int = 8) -> list:
     """The README's prefill memory-per-rank table (MiB per rank, DeepSeek-V3 shapes by default), one markdown row
-    per (tokens per rank, EP): our ElasticBuffer with the default fixed size (chunk, rounds) and with the
-    whole-batch size, DeepEP V1's NVL (+ RDMA) hints, DeepEP V2's hint (8 GPUs a node, and one NVLink domain),
-    and ours fixed / DeepEP V2 one domain."""
+    per (tokens per rank, EP): our ElasticBuffer with the default fixed size (chunk, rounds), with one round
+    of a copying receive (``chunk_tokens=T``, time-shared) and with the whole-batch size (halves, views),
+    DeepEP V1's NVL (+ RDMA) hints, DeepEP V2's hint (8 GPUs a node, and one NVLink domain), and ours fixed /
+    DeepEP V2 one domain."""
     MiB = 2 ** 20
     rows = []
     for t in tokens:
         for r in ranks:
             c = chunk_for(r, t)
             fixed = elastic_memory_per_rank(r, t, hidden, num_topk)
+            one = elastic_memory_per_rank(r, t, hidden, num_topk, chunk_tokens=t)
             whole = elastic_memory_per_rank(r, t, hidden, num_topk, whole_batch=True)
             nvl, rdma = deepep_v1_buffer_size_hints(r, hidden)
             v1 = f"{nvl / MiB:.0f}" + (f" + {rdma / MiB:.0f} RDMA" if rdma else "")
             v2_node = deepep_v2_buffer_size_hint(r, t, hidden, num_topk)
             v2_one = deepep_v2_buffer_size_hint(r, t, hidden, num_topk, nvlink_ranks=r)
-            rows.append(f"| {t} | {r} | {fixed / MiB:.0f} ({c}, {-(-t // c)}) | {whole / MiB:.0f} | {v1} | "
+            rows.append(f"| {t} | {r} | {fixed / MiB:.0f} ({c}, {-(-t // c)}) | {one / MiB:.0f} | {whole / MiB:.0f} | {v1} | "
                         f"{v2_node / MiB:.0f} | {v2_one / MiB:.0f} | {fixed / v2_one:.3f} |")
     return rows

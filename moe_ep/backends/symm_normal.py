@@ -55,10 +55,10 @@ receiver's gather drops rows past ``num_worst_tokens`` and flags them. The handl
 A buffer below one token per source per round is refused with the minimum (:meth:`SymmNormal.min_bytes`);
 a receive view must hold the whole receive (refused otherwise). :meth:`SymmNormal.size_hint` gives the
 whole-batch size for a token count, or a fixed size for a chunk (``num_max_tokens=None`` /
-``chunk_tokens=``). DeepSeek-V3 prefill (4096 tokens per rank, hidden 7168, top-8, EP8): whole batch
-2 * 8 * 4096 * 14464 = 948 MB per rank (rows of 2 * 7168 + 96 bytes padded to 64; sized for BF16 payloads;
-FP8 payloads use 491 MB of it); fixed (C = 512, 8 rounds) 118 MB; DeepEP's NVL hint with its default
-config is 336 MB.
+``chunk_tokens=``: time-shared, ``R * C`` rows). DeepSeek-V3 prefill (4096 tokens per rank, hidden 7168, top-8,
+EP8): whole batch 2 * 8 * 4096 * 14464 = 948 MB per rank (rows of 2 * 7168 + 96 bytes padded to 64; sized for
+BF16 payloads; FP8 payloads use 491 MB of it); fixed (C = 512, 8 rounds) 8 * 512 * 14464 = 59 MB; DeepEP's NVL
+hint with its default config is 336 MB, DeepEP V2's 474 MB.
 
 Limits of this release: hidden must be even (rows are int32 words); dispatch's packing and
 unpacking are extra passes over the data in torch (fusing them into the kernels is the next step); a
