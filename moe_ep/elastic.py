@@ -30,7 +30,11 @@ counterpart in these backends: their arguments are accepted and ignored.
 Receive as a view of the symmetric buffer (``dispatch(..., recv_as_view=True)``, a keyword extension): on the
 ``symm`` backend the senders place the rows where the views point (row prefixes from count words, planes for
 payload | scales | top-k | weights), so the receive copies nothing; the views stay valid until this rank's next
-dispatch or combine. ``perf/bench_elastic.py`` counts the bytes saved and times both receives.
+dispatch or combine. ``perf/bench_elastic.py`` counts the bytes saved and times both receives. A view needs the
+whole receive of ``num_max_tokens_per_rank`` tokens per rank in half the buffer (``get_buffer_size_hint(...,
+whole_batch=True)``); with a smaller (the default, fixed) buffer the dispatch falls back to the copying receive,
+which streams any batch through the buffer in rounds (:func:`recv_view_fits`: every rank decides the same, from
+``num_max_tokens_per_rank`` and the row shape, never from its own token count).
 
 Construction allocates the communication buffers and meets every peer on the host: it is refused with a
 ``RuntimeError`` naming the capture while a CUDA graph is being captured (checked first, before any
@@ -76,6 +80,21 @@ def _refuse_in_capture(what: str) -> None:
                            "allocates its communication buffers and rendezvouses with every peer rank on the host, "
                            "which cannot be captured. Construct it (or ElasticBuffer.from_buffer over a Buffer made "
                            "before the capture) before capturing, and capture only dispatch/combine.")
+
+
+def recv_view_fits(buf: Buffer, data: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int,
+                   num_max_tokens_per_rank: Optional[int], num_worst_tokens: int = 0, *, with_topk: bool = True) -> bool:
+    """Whether a dispatch of ``data`` rows (``scales``: FP8's) receives as a view of ``buf``'s buffer: on a backend
+    with receive views, when every rank's batch of up to ``num_max_tokens_per_rank`` tokens (the same on every
+    rank, so every rank decides the same) fits the buffer's view area; else the caller takes the copying receive
+    (rounds through a fixed buffer). ``None`` tokens: no bound known, no view."""
+    impl = buf._impl
+    normal = getattr(impl, "_normal", None)
+    if not getattr(impl, "supports_recv_view", False) or normal is None or not num_max_tokens_per_rank:
+        return False
+    scale_cols = 0 if scales is None else scales.shape[1]
+    return normal.recv_view_fits(data.shape[1], data.element_size(), scale_cols, num_topk, with_topk,
+                                 num_max_tokens_per_rank, num_worst_tokens)
 
 
 def _not_supported(name: str):
@@ -206,22 +225,32 @@ class ElasticBuffer:
     @staticmethod
     def get_buffer_size_hint(group: Optional[dist.ProcessGroup], num_max_tokens_per_rank: int, hidden: int,
                              num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                             allow_multiple_reduction: bool = True) -> int:
-        """Bytes for ``num_bytes`` (2 MB-aligned, as V2): the ``symm`` backend's normal-mode size for these
-        shapes (BF16 rows, enough for FP8 too; ``num_topk=0`` sizes for a top-k of 32); see
-        :func:`moe_ep.elastic_memory.elastic_num_bytes`."""
+                             allow_multiple_reduction: bool = True, *, chunk_tokens: Optional[int] = None,
+                             whole_batch: bool = False) -> int:
+        """Bytes for ``num_bytes`` (2 MB-aligned, as V2) of the ``symm`` backend (BF16 rows, enough for FP8 too;
+        ``num_topk=0`` sizes for a top-k of 32); see :func:`moe_ep.elastic_memory.elastic_num_bytes`.
+
+        Default: a fixed size that does not grow with ``num_max_tokens_per_rank``: ``chunk_tokens`` tokens per
+        source per round (default ``max(64, 4096 // num_ranks)``) in one area that dispatch and combine
+        time-share; a larger batch moves in rounds, with the same results. ``chunk_tokens=num_max_tokens_per_rank``:
+        one round for every batch, copying receive. ``whole_batch=True`` (keyword extensions): the previous
+        one-round size with separate dispatch and combine halves, which ``recv_as_view=True`` needs to stay a view
+        (otherwise the receive falls back to a copy)."""
         world = dist.get_world_size(group if group is not None else dist.group.WORLD)
-        return elastic_num_bytes(world, num_max_tokens_per_rank, hidden, num_topk)
+        return elastic_num_bytes(world, num_max_tokens_per_rank, hidden, num_topk, chunk_tokens=chunk_tokens,
+                                 whole_batch=whole_batch)
 
     @staticmethod
     def memory_per_rank(num_ranks: int, num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
-                        *, backend: str = "symm", num_bytes: Optional[int] = None) -> int:
+                        *, backend: str = "symm", num_bytes: Optional[int] = None, chunk_tokens: Optional[int] = None,
+                        whole_batch: bool = False) -> int:
         """Bytes one rank's ElasticBuffer allocates at construction for these shapes and backend (``torch``: 0;
-        ``symm``: the symmetric region, ``num_bytes`` defaulting to :meth:`get_buffer_size_hint`, plus its signal
-        words); no group needed. See :func:`moe_ep.elastic_memory.elastic_memory_per_rank`, and
+        ``symm``: the symmetric region, ``num_bytes`` defaulting to :meth:`get_buffer_size_hint` with
+        ``chunk_tokens`` / ``whole_batch``, plus its signal words); no group needed. See
+        :func:`moe_ep.elastic_memory.elastic_memory_per_rank`, and
         :func:`moe_ep.elastic_memory.deepep_v2_buffer_size_hint` for DeepEP V2's size of the same shapes."""
         return elastic_memory_per_rank(num_ranks, num_max_tokens_per_rank, hidden, num_topk, backend=backend,
-                                       num_bytes=num_bytes)
+                                       num_bytes=num_bytes, chunk_tokens=chunk_tokens, whole_batch=whole_batch)
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """A barrier over the group (a host-side ``torch.distributed.barrier``; the arguments are accepted)."""
@@ -457,6 +486,7 @@ class ElasticBuffer:
         weights = topk_weights if topk_weights is not None else torch.zeros(n, K, dtype=torch.float32,
                                                                             device=data.device)
         worst = 0 if do_cpu_sync else num_max * self.num_ranks
+        recv_as_view = recv_as_view and recv_view_fits(self._buf, data, scales, K, num_max, worst)
         recv_x, recv_idx, recv_w, _, bh, event = self._buf.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk_idx, topk_weights=weights, expert_alignment=1, num_worst_tokens=worst,
@@ -555,6 +585,9 @@ class ElasticBuffer:
         if topk_weights is not None:  # first: a dispatch after a receive view would free the view's rows
             recv_w = self._move_weights_cached(h._buffer_handle, topk_weights, data.shape[1])
             recv_w = torch.where(h.recv_topk_idx >= 0, recv_w, 0.0)
+        worst = 0 if h.num_recv_tokens_per_expert_list is not None else h.num_max_tokens_per_rank * self.num_ranks
+        recv_as_view = recv_as_view and recv_view_fits(self._buf, data, scales, h.topk_idx.shape[1],
+                                                       h.num_max_tokens_per_rank, worst, with_topk=False)
         recv_x, _, _, _, _, event = self._buf.dispatch(
             x, handle=h._buffer_handle, previous_event=previous_event, async_finish=async_with_compute_stream,
             allocate_on_comm_stream=allocate_on_comm_stream, recv_as_view=recv_as_view)

@@ -19,7 +19,12 @@ SiLU-and-mul-quant -> GEMM2 on those rows, each row weighted by its top-k weight
 table's prefill row. Output: the same sum, with one more BF16 rounding (each weighted row) than the permute
 path; both are within the same bound of the dense reference (``tests/test_moe_layer.py``). On the ``symm``
 backend both prefill dispatches receive as views of the buffer (``recv_as_view=True``: the expansion, or the
-permute, reads the rows straight from where the senders wrote them, before the layer's combine frees them).
+permute, reads the rows straight from where the senders wrote them, before the layer's combine frees them) when
+the whole receive of ``num_max_dispatch_tokens_per_rank`` tokens per rank (the ElasticBuffer's
+``num_max_tokens_per_rank`` on the expanded path) fits the buffer's view area; otherwise (a fixed, chunk-sized
+buffer, or no token bound given to the permute path) they take the copying receive, which streams any batch
+through the buffer in rounds: the same results (:func:`moe_ep.elastic.recv_view_fits`, the same decision on every
+rank).
 
 The same object plugs into the two-microbatch schedules: pass ``layer.experts`` as the ``experts=``
 callable of :func:`microbatch.moe_layer_schedule` (it reads the state keys the communicators write).
@@ -149,10 +154,14 @@ class MoELayer:
                                  use_psum_layout=True, use_pdl=self.use_pdl)
             out, _, _ = self.elastic.combine(y, handle)
         else:
+            from .elastic import recv_view_fits
+
             per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, self.num_experts)
+            q = per_token_group_quant_fp8(x)
+            view = recv_view_fits(self.buffer, q[0], q[1], topk_idx.shape[1], self.T)
             recv_x, recv_idx, recv_w, counts, handle, _ = self.buffer.dispatch(
-                per_token_group_quant_fp8(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, recv_as_view=True)
+                q, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, recv_as_view=view)
             y = contiguous_experts(recv_x, recv_idx, recv_w, self.weights, num_tokens_per_expert=counts or None,
                                    use_pdl=self.use_pdl)
             out, _, _ = self.buffer.combine(y, handle)

@@ -58,7 +58,7 @@ def _check_case(eb, rank, world, num_experts, case, seed, tokens):
     view = case.get("view", False)  # recv_as_view: the symm receive stays in the buffer
     num_topk = 3
     num_local = num_experts // world
-    ins = make_all_inputs(world, tokens, HIDDEN, num_experts, num_topk, seed=seed)
+    ins = make_all_inputs(world, tokens, HIDDEN, num_experts, num_topk, seed=seed, routing=case.get("routing", "random"))
     inp = ins[rank]
     x = (inp.x_fp8, inp.x_scales) if fp8 else inp.x
     rx, ridx, rw, h, _ = eb.dispatch(x, inp.topk_idx, inp.topk_weights, num_experts=num_experts,
@@ -74,8 +74,11 @@ def _check_case(eb, rank, world, num_experts, case, seed, tokens):
     if view and not expand and eb.buffer.backend_name == "symm" and M:
         region = eb.buffer._impl.normal.symm.buffer
         lo = region.data_ptr()
+        fits = case.get("view_fits", True)  # a view that does not fit the buffer falls back to a copy
         for t in (data,) if scales is None else (data, scales):
-            assert lo <= t.data_ptr() < lo + region.numel(), "recv_as_view returned a copy, not a view of the buffer"
+            assert (lo <= t.data_ptr() < lo + region.numel()) == fits, f"recv_as_view: a view expected: {fits}"
+    if case.get("min_rounds"):  # the batch did not fit: it moved in rounds
+        assert h._buffer_handle.rounds >= case["min_rounds"], h._buffer_handle.rounds
     # routing, order and metadata
     assert torch.equal(ridx[:M], ref_idx) and bool((ridx[M:] == -1).all())
     assert ridx.shape[0] == (M if sync else NUM_MAX * world) == h.num_recv_tokens
@@ -211,6 +214,37 @@ def test_4_ranks(backend):
              dict(fp8=True, expand=False, align=1, bias=1, sync=False),
              dict(fp8=True, expand=True, align=4, bias=0, sync=False)]
     launch(_run_cases, 4, backend, cases, 8, [5, 1, 7, 3], timeout_s=300)
+
+
+def _run_small_buffer(rank, world, cases, num_experts, tokens, chunk):
+    """The cases on a symm ElasticBuffer of ``chunk`` tokens per source per round (dispatch and combine time-share
+    it), less than a quarter of the one-round receive of NUM_MAX tokens per rank."""
+    import moe_ep
+    from moe_ep.backends.symm import SymmBackend
+
+    small = SymmBackend.get_normal_size_hint(None, HIDDEN, 3, world, chunk_tokens=chunk)
+    assert 4 * small < SymmBackend.get_normal_size_hint(NUM_MAX, HIDDEN, 3, world)
+    eb = moe_ep.ElasticBuffer(None, num_bytes=small, num_max_tokens_per_rank=NUM_MAX, hidden=HIDDEN, num_topk=3,
+                              backend="symm", provider="shm", timeout_s=30)
+    return [_check_case(eb, rank, world, num_experts, c, seed=31 + i, tokens=tokens) for i, c in enumerate(cases)]
+
+
+SMALL_CASES = [  # BF16 and FP8, expanded or not, CPU-synced or worst-case sizes, a view that does not fit
+    dict(fp8=False, expand=False, align=1, bias=2, sync=True, min_rounds=2),
+    dict(fp8=True, expand=True, align=128, bias=1, sync=False, min_rounds=2),
+    dict(fp8=True, expand=False, align=1, bias=0, sync=True, view=True, view_fits=False, min_rounds=2)]
+
+
+def test_mode_matrix_small_buffer_2_ranks():
+    """Mode-matrix cases through a buffer of 3 tokens per source per round (3 rounds for 7 tokens): the same
+    references bitwise; a receive view that does not fit falls back to a copy (same results)."""
+    launch(_run_small_buffer, 2, SMALL_CASES, 8, [5, 7], 3, timeout_s=300)
+
+
+def test_mode_matrix_small_buffer_4_ranks_empty_rank_and_hot_expert():
+    cases = [dict(fp8=False, expand=True, align=4, bias=2, sync=True, routing="one_expert", min_rounds=2),
+             dict(fp8=True, expand=False, align=1, bias=1, sync=False, view=True, view_fits=False, min_rounds=2)]
+    launch(_run_small_buffer, 4, cases, 8, [5, 0, 7, 3], 3, timeout_s=300)
 
 
 # ---------------------------------------------------------------------------------------------- expanded = GEMM's a

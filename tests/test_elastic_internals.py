@@ -65,6 +65,28 @@ def test_memory_helpers_refuse_bad_input_and_match_deepep_hand_counts():
                                           14400 * (8 * 2 * T + 2 * T + 2 * (T + 1280))) // MB2) * MB2
 
 
+def test_readme_prefill_memory_table_is_the_computed_one():
+    """Every row of the README's prefill memory table is what moe_ep.elastic_memory computes (ours fixed, one round,
+    whole batch; DeepEP V1 and V2 hints), and the fixed size stays within DeepEP V2's hint at the README's shapes."""
+    import pathlib
+
+    from moe_ep.elastic_memory import (deepep_v1_buffer_size_hints, deepep_v2_buffer_size_hint,
+                                       elastic_memory_per_rank, elastic_num_bytes, prefill_memory_rows)
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = prefill_memory_rows()
+    assert len(rows) == 6 and [r for r in rows if r not in readme] == []
+    # DeepEP V1's hints with its default configs (hand counts: 10 channels, 8 NVLink peers, 16392 bytes a token)
+    assert deepep_v1_buffer_size_hints(8, 7168) == (-(-(10 * 8 * 5 * 4 + 10 * 8 * 256 * 16392) // 128) * 128, 0)
+    for T in (4096, 8192, 32768):
+        for R in (8, 32):
+            v2 = deepep_v2_buffer_size_hint(R, T, 7168, 8, nvlink_ranks=R)
+            assert elastic_memory_per_rank(R, T, 7168, 8) < v2
+            # one round through the time-shared area: DeepEP V2's bytes (the same 14464-byte rows)
+            assert elastic_num_bytes(R, T, 7168, 8, chunk_tokens=T) == v2
+    assert elastic_num_bytes(8, 4096, 7168, 8) == elastic_num_bytes(8, 32768, 7168, 8)  # fixed: not the batch
+
+
 # ---------------------------------------------------------------------------------------------- symm source index
 def _symm_source_exchange(rank, world, num_max):
     """The symm handle has no ``recv_src_idx``: the source global index comes from one all_to_all of bit-packed mask

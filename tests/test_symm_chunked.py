@@ -181,9 +181,12 @@ def test_size_hints():
     fixed = SymmBackend.get_normal_size_hint(None, h, k, 8)
     assert fixed == SymmBackend.get_normal_size_hint(None, h, k, 8, chunk_tokens=512)
     assert fixed == SymmBackend.get_normal_size_hint(32768, h, k, 8, chunk_tokens=512)
-    # 512 of 4096 tokens per source: an eighth, up to the view padding and the 256-byte rounding
-    assert fixed == SymmNormal.size_hint(512, h, k, 8) and 7.9 < SymmBackend.get_normal_size_hint(4096, h, k, 8) / fixed < 8
-    assert SymmNormal.min_bytes(h, k, 8) <= SymmBackend.get_normal_size_hint(None, h, k, 8, chunk_tokens=1)
+    # the fixed size is one time-shared [R][C] block area (rows of 2 * 7168 + 96 bytes padded to 14464):
+    # 512 of 4096 tokens per source in half the bytes (no separate combine half): a sixteenth, up to the view padding
+    assert fixed == 8 * 512 * 14464 and 15.9 < SymmBackend.get_normal_size_hint(4096, h, k, 8) / fixed < 16.001
+    # the one-round size keeps the view's halves (and plane padding), rounded up to 256 bytes
+    assert SymmNormal.size_hint(512, h, k, 8) == (2 * (fixed + 3 * 64) + 255) // 256 * 256
+    assert SymmNormal.min_bytes(h, k, 8) == SymmBackend.get_normal_size_hint(None, h, k, 8, chunk_tokens=1) == 8 * 14464
 
 
 def test_buffer_suite_in_rounds_forked():

@@ -9,13 +9,17 @@ call reads device data on the host; with ``num_worst_tokens > C`` dispatch reads
 (Rounds, below). The layout
 (``get_dispatch_layout``) is one Triton kernel (:mod:`moe_ep.kernels.layout`), no host synchronisation.
 
-Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message width ``W``)::
+Buffer carving (``num_nvl_bytes`` per rank, recomputed per call from the message width ``W``). A copying
+dispatch and the combine after it time-share the whole buffer (docs/protocols.md "Time-shared area")::
 
-    [0, nbytes / 2)          dispatch area: [R sources][cap_d rows][W_d words]   cap_d = nbytes / 2 / (R * 4 * W_d)
-    [nbytes / 2, nbytes)     combine area:  [R ranks][cap_c rows][W_c words]     W_c = H / 2 + K (bf16/fp16 row, weights;
+    [0, nbytes)              dispatch area: [R sources][cap_d rows][W_d words]   cap_d = nbytes / (R * 4 * W_d)
+    [0, nbytes)              combine area:  [R ranks][cap_c rows][W_c words]     W_c = H / 2 + K (bf16/fp16 row, weights;
                                                                                 FP8 combine: H / 4 + H / 128 + K)
 
     (W_d, W_c rounded up to 16 words = 64 bytes so the kernels move rows in 16-byte vectors)
+
+    while a receive view is held (a view dispatch, until the next combine receive or dispatch): halves,
+    dispatch planes in [0, nbytes / 2), the combine area in [nbytes / 2, nbytes) with cap_c = nbytes / 2 / (R * 4 * W_c)
 
     receive as a view (``recv_view=True``): the dispatch area holds planes instead, P = as many rows as fit,
     [P][payload words] | [P][scale words] | [P][2K id words] | [P][K + padding words] (each plane 64-byte
@@ -51,10 +55,10 @@ receiver's gather drops rows past ``num_worst_tokens`` and flags them. The handl
 A buffer below one token per source per round is refused with the minimum (:meth:`SymmNormal.min_bytes`);
 a receive view must hold the whole receive (refused otherwise). :meth:`SymmNormal.size_hint` gives the
 whole-batch size for a token count, or a fixed size for a chunk (``num_max_tokens=None`` /
-``chunk_tokens=``). DeepSeek-V3 prefill (4096 tokens per rank, hidden 7168, top-8, EP8): whole batch
-2 * 8 * 4096 * 14464 = 948 MB per rank (rows of 2 * 7168 + 96 bytes padded to 64; sized for BF16 payloads;
-FP8 payloads use 491 MB of it); fixed (C = 512, 8 rounds) 118 MB; DeepEP's NVL hint with its default
-config is 336 MB.
+``chunk_tokens=``: time-shared, ``R * C`` rows). DeepSeek-V3 prefill (4096 tokens per rank, hidden 7168, top-8,
+EP8): whole batch 2 * 8 * 4096 * 14464 = 948 MB per rank (rows of 2 * 7168 + 96 bytes padded to 64; sized for
+BF16 payloads; FP8 payloads use 491 MB of it); fixed (C = 512, 8 rounds) 8 * 512 * 14464 = 59 MB; DeepEP's NVL
+hint with its default config is 336 MB, DeepEP V2's 474 MB.
 
 Limits of this release: hidden must be even (rows are int32 words); dispatch's packing and
 unpacking are extra passes over the data in torch (fusing them into the kernels is the next step); a
@@ -199,6 +203,7 @@ class _CombineState:
     out: torch.Tensor = None
     wout: torch.Tensor = None
     cum0: torch.Tensor = None
+    shared: bool = True  # the time-shared area (whole buffer, also waits for the dispatch's busy words); else halves
 
 
 class SymmNormal:
@@ -211,6 +216,7 @@ class SymmNormal:
         self.sig = signal_layout(symm.world_size)
         self._interp = INTERPRET or symm.device.type != "cuda"
         self._view_used = False  # a receive view was handed out once: releases may be due (device-checked)
+        self._held = False  # the last dispatch was a view, not yet released by a combine: the combine uses halves
 
     @staticmethod
     def num_signals(world_size: int) -> int:
@@ -242,20 +248,22 @@ class SymmNormal:
         :meth:`default_chunk`). Either way the size covers a receive view's plane padding (its four planes start
         64-byte aligned: up to 3 x 64 bytes in the dispatch half), so a view holds the ``R * num_max_tokens``
         worst-case rows."""
+        w = max(SymmNormal._dispatch_words(hidden, num_topk, False), _pad16(hidden // 2 + num_topk))
         if num_max_tokens is None or chunk_tokens is not None:
             c = SymmNormal.default_chunk(world_size) if chunk_tokens is None else int(chunk_tokens)
             if c < 1:
                 raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-            num_max_tokens = c if num_max_tokens is None else min(num_max_tokens, c)
-        w = max(SymmNormal._dispatch_words(hidden, num_topk, False), _pad16(hidden // 2 + num_topk))
+            c = c if num_max_tokens is None else min(num_max_tokens, c)
+            # copying calls time-share the whole buffer: one [R][C] block area serves dispatch, then combine
+            return (world_size * max(c, 1) * 4 * w + 255) // 256 * 256
         return (2 * (world_size * max(num_max_tokens, 1) * 4 * w + 3 * 64) + 255) // 256 * 256
 
     @staticmethod
     def min_bytes(hidden: int, num_topk: int, world_size: int, words: int = 0) -> int:
-        """The smallest ``num_nvl_bytes`` that moves one token per source per round (rows of ``words`` int32
-        words: the dispatch's message width; 0: BF16 with top-k)."""
+        """The smallest ``num_nvl_bytes`` that moves one token per source per round of a copying receive (rows of
+        ``words`` int32 words: the dispatch's message width; 0: BF16 with top-k; the area is time-shared)."""
         w = max(words or SymmNormal._dispatch_words(hidden, num_topk, False), _pad16(hidden // 2 + num_topk))
-        return 2 * world_size * 4 * w
+        return world_size * 4 * w
 
     _SIG_FIELDS = ("hidden", "row words (hidden, dtype, scales, top-k)", "num_experts * 256 + top-k", "flags")
 
@@ -278,8 +286,22 @@ class SymmNormal:
             raise CallMismatchError(f"moe_ep {what}: ranks disagree on {detail} (nothing was read from rank {peer}; "
                                     "the Buffer is unusable: destroy it)", [n for n, _, _ in bad]) from None
 
-    def _cap(self, words: int) -> int:
-        return (self.symm.nbytes // 2) // (self.symm.world_size * 4 * max(words, 1))
+    def _cap(self, words: int, shared: bool = False) -> int:
+        """Rows of a per-source block: of the whole buffer (``shared``: time-shared, copying calls) or of a half."""
+        area = self.symm.nbytes if shared else self.symm.nbytes // 2
+        return area // (self.symm.world_size * 4 * max(words, 1))
+
+    def recv_view_fits(self, hidden: int, elem_size: int, scale_cols: int, num_topk: int, with_topk: bool,
+                       num_tokens: int, num_worst_tokens: int = 0) -> bool:
+        """Whether a receive view of a dispatch of up to ``num_tokens`` tokens per rank fits this buffer (rows of
+        ``hidden`` elements of ``elem_size`` bytes, ``scale_cols`` 4-byte scales, ``num_topk`` ids and weights when
+        ``with_topk``): the refusal rule of :meth:`dispatch_send`, for callers that fall back to a copying receive."""
+        s1 = hidden * elem_size // 4
+        bounds = (s1, s1 + scale_cols, s1 + scale_cols + (2 * num_topk if with_topk and num_topk > 0 else 0))
+        words = _pad16(bounds[2] + (num_topk if with_topk and num_topk > 0 else 0))
+        cap = min(self._cap(words), self._cap(_pad16(hidden // 2 + num_topk)))
+        cap, rows, _ = self._view_layout(cap, bounds, words)
+        return 1 <= cap and num_tokens <= cap and num_worst_tokens <= rows
 
     def _blocks(self, words: int) -> tuple[int, int]:
         if self._interp:
@@ -337,7 +359,7 @@ class SymmNormal:
             parts += [_words(topk_idx), _words(topk_weights)]
         rows = _rows(parts)
         words = rows.shape[1]
-        cap = min(self._cap(words), self._cap(_pad16(hidden // 2 + k)))
+        cap = min(self._cap(words, not recv_view), self._cap(_pad16(hidden // 2 + k), not recv_view))
         scale_cols = x_scales.shape[1] if x_scales is not None else 0
         s1 = parts[0].shape[1]
         bounds = (s1, s1 + scale_cols, s1 + scale_cols + (2 * k if handle is None and k > 0 else 0))
@@ -380,6 +402,7 @@ class SymmNormal:
         self._write_signature("DISP_SIG", (hidden, words, (num_experts or 0) * 256 + k, flags))
         if recv_view:
             self._view_used = True
+        self._held = bool(recv_view)  # (ranks agree: recv_view is signature flag bit 4)
         st = _SendState(handle, n, hidden, x.dtype, x_scales is not None, k, num_experts, words, cap, pos, counts,
                         is_token_in_rank, num_tokens_per_rank,
                         scale_dtype=x_scales.dtype if x_scales is not None else torch.float32,
@@ -426,7 +449,7 @@ class SymmNormal:
             0 if st.view else self.symm.rank * st.cap * st.words, st.cap, self.symm.timeout_ns, n,
             *st.bounds, *st.planes,
             FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw,
-            CNT=L["DISP_CNT"], VIEW=st.view, META=-1 if st.view else L["DISP_META"])
+            CNT=L["DISP_CNT"], VIEW=st.view, META=-1 if st.view else L["DISP_META"], BUSY2=L["COMB_BUSY"])
         self.symm.check_status("dispatch (send)")
 
     def dispatch_recv_round(self, st: _SendState, r: int, *, num_worst_tokens: int) -> None:
@@ -613,10 +636,18 @@ class SymmNormal:
             parts.append(_words(topk_weights))
         rows = _rows(parts)
         words = rows.shape[1]
-        cap = self._cap(_pad16(h // 2 + handle.num_topk))  # the 16-bit row width: FP8 rows are narrower
-        sig = (h, words, handle.num_topk, 2 | int(fmt) << 2 | int(topk_weights is not None) << 6)
+        # time-shared unless a receive view still holds the first half (then halves: waiting for the view's
+        # dispatch busy words would wait for this very combine's receive, which releases them)
+        shared = not self._held
+        cap = self._cap(_pad16(h // 2 + handle.num_topk), shared)  # the 16-bit row width: FP8 rows are narrower
+        if handle.chunk > cap:
+            raise ValueError(f"backend 'symm': this combine's handle comes from a dispatch of up to {handle.chunk} rows "
+                             f"per source, but a receive view is held, so the combine has half the buffer ({cap} rows "
+                             "per source): combine the view's handle first, or dispatch again without recv_as_view")
+        sig = (h, words, handle.num_topk, 2 | int(fmt) << 2 | int(topk_weights is not None) << 6 | int(shared) << 7)
+        self._held = False  # this combine's receive releases the view
         self._write_signature("COMB_SIG", sig)
-        st = _CombineState(handle, words, cap, topk_weights is not None, fmt, x.dtype, sig=sig)
+        st = _CombineState(handle, words, cap, topk_weights is not None, fmt, x.dtype, sig=sig, shared=shared)
         if handle.rounds > 1:  # chunked: round r carries back the rows of the sources' round-r tokens
             rc = handle.round_counts
             prefix = counts.to(torch.int32).cumsum(0, dtype=torch.int32) - counts.to(torch.int32)
@@ -635,12 +666,17 @@ class SymmNormal:
         bt, bw = self._blocks(words)
         _scatter_send_kernel[(R, max(1, triton.cdiv(m, bt)))](
             rows, pos, counts, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-            self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, cap, self.symm.timeout_ns,
+            self.symm.rank, m, R, words, self._comb_off(st) + self.symm.rank * cap * words, cap, self.symm.timeout_ns,
             0,
             words, words, words, words, words, words,
-            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
+            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw,
+            BUSY2=L["DISP_BUSY"] if shared else -1)
         self.symm.check_status("combine (send)")
         return st
+
+    def _comb_off(self, st: _CombineState) -> int:
+        """Word offset of the combine area: 0 when time-shared, the second half otherwise."""
+        return 0 if st.shared else self.symm.nbytes // 8
 
     def combine_send_round(self, st: _CombineState, r: int) -> None:
         """Send round ``r >= 1`` of a chunked combine (after this rank's combine receive of round ``r - 1``)."""
@@ -654,9 +690,10 @@ class SymmNormal:
         bt, bw = self._blocks(w)
         _scatter_send_kernel[(R, max(1, triton.cdiv(st.handle.chunk, bt)))](
             st.rows, st.offs[r], rc, rc, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
-            self.symm.rank, st.rows.shape[0], R, w, self.symm.nbytes // 8 + self.symm.rank * st.cap * w, st.cap,
+            self.symm.rank, st.rows.shape[0], R, w, self._comb_off(st) + self.symm.rank * st.cap * w, st.cap,
             self.symm.timeout_ns, 0, w, w, w, w, w, w,
-            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw, SEG=True)
+            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw, SEG=True,
+            BUSY2=L["DISP_BUSY"] if st.shared else -1)
         self.symm.check_status("combine (send)")
 
     def combine_recv_round(self, st: _CombineState, r: int, bias: tuple = ()) -> None:
@@ -685,7 +722,7 @@ class SymmNormal:
         bt, hc = (64, triton.next_power_of_2(h)) if self._interp else (16, 256)
         _combine_recv_fmt_kernel[(max(1, triton.cdiv(nr, bt)), triton.cdiv(h, hc))](
             st.acc[t0:t1], st.out.view(torch.int16)[t0:t1], st.wout[t0:t1], pos, self.symm.buffer_ptrs,
-            self.symm.signal_ptrs, self.symm.status, self.symm.rank, nr, R, st.words, st.cap, self.symm.nbytes // 8,
+            self.symm.signal_ptrs, self.symm.status, self.symm.rank, nr, R, st.words, st.cap, self._comb_off(st),
             self.symm.timeout_ns,
             H=h, K=max(k, 1), KP=triton.next_power_of_2(max(k, 1)), HAS_W=st.has_w,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], RECV_CNT=L["COMB_RECV_CNT"], BLOCK_T=bt, HC=hc,

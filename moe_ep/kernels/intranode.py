@@ -40,6 +40,11 @@ Signals (int32 words of each rank's signal region, see :func:`signal_layout`)::
     DISP_META + s, DISP_META + R + s   on receiver: source s's rows for us over the whole call and its token
                    count (written before FULL; they fix a chunked dispatch's offsets and number of rounds)
 
+Time-shared area (``BUSY2``): a copying dispatch and the combine that follows it may use the same bytes of the
+receiver's buffer (source ``s``'s block of either operation is written only by ``s``). A send then waits on both of
+its busy words for ``d``: each is reset by ``d``'s receive of that operation only after every source's rows were
+read (the last program), so ``d``'s whole area is drained of the other operation before ``s`` writes it.
+
 Rounds (a batch larger than the buffer, :mod:`moe_ep.backends.symm_normal`): each round is one send and one
 receive launch of these kernels on a slice of the tokens; :func:`_gather_recv_kernel` with ``OFFS`` puts each
 source's rows at given output rows, :func:`_scatter_send_kernel` with ``SEG`` sends each destination a
@@ -177,13 +182,16 @@ def _scatter_send_kernel(
     CNT: tl.constexpr = -1, VIEW: tl.constexpr = False,  # CNT: offset of d's count words (dispatch), -1 none
     META: tl.constexpr = -1,  # offset of d's words [R totals][R token counts] (dispatch), -1 none
     SEG: tl.constexpr = False,  # rows for d are src rows [pos_ptr[d], + counts[d]) (pos_ptr: [R] offsets)
+    BUSY2: tl.constexpr = -1,  # the other operation's busy words (time-shared area): also wait for them, -1 none
 ):
     d = tl.program_id(0)
     c = tl.program_id(1)
     my_sig = _words(signal_ptrs, rank)
 
-    # Step 1: d has drained our previous block.
+    # Step 1: d has drained our previous block (and, time-shared, its receive of the other operation is done).
     wait_ne(my_sig + BUSY + d, 1, status_ptr, d, timeout_ns)
+    if BUSY2 >= 0:
+        wait_ne(my_sig + BUSY2 + d, 1, status_ptr, d, timeout_ns)
     tl.debug_barrier()
 
     if SEG:  # a round of a chunked combine: slot i of d's block <- source row pos_ptr[d] + i
