@@ -86,7 +86,7 @@ def _intranode_cases() -> list[Case]:
     w_disp = pad16((H + 4 * (H // 128)) // 4 + 3 * KT)  # FP8 payload | scales | top-k (int64) | weights
     w_comb = pad16(2 * H // 4 + KT)  # BF16 payload | weights
     nbytes = 2 << 30
-    cap = (nbytes // 2) // (R * 4 * w_disp)
+    cap = nbytes // (R * 4 * w_disp)  # a copying dispatch and its combine time-share the whole buffer
     cases = []
     for what, words, full, busy, cnt in (("dispatch FP8", w_disp, "DISP_FULL", "DISP_BUSY", "DISP_SEND_CNT"),
                                          ("combine BF16", w_comb, "COMB_FULL", "COMB_BUSY", "COMB_SEND_CNT")):
@@ -95,7 +95,11 @@ def _intranode_cases() -> list[Case]:
                            {"rank": _RANK, "N": N, "R": R, "W": words, "block_off": _RANK * cap * words, "cap": cap,
                             "timeout_ns": _TIMEOUT_NS, "ntok": N, **dict.fromkeys(("S1", "S2", "S3", "O1", "O2", "O3"), words)},
                            {"FULL": sig[full], "BUSY": sig[busy], "SEND_CNT": sig[cnt], "BLOCK_T": 16, "BLOCK_W": 256,
-                            "CNT": sig["DISP_CNT"] if full == "DISP_FULL" else -1}))
+                            "CNT": sig["DISP_CNT"] if full == "DISP_FULL" else -1,
+                            # as SymmNormal launches them: a copying dispatch's meta words, and both operations wait
+                            # on the other's busy words too (the time-shared area)
+                            "META": sig["DISP_META"] if full == "DISP_FULL" else -1,
+                            "BUSY2": sig["COMB_BUSY" if full == "DISP_FULL" else "DISP_BUSY"]}))
     # receive as a view: the same rows written as planes (payload | scales | top-k ids | weights + padding)
     bounds = (H // 4, H // 4 + H // 128, H // 4 + H // 128 + 2 * KT)
     rows = (nbytes // 2 // 4) // w_disp
@@ -106,7 +110,7 @@ def _intranode_cases() -> list[Case]:
                         "timeout_ns": _TIMEOUT_NS, "ntok": N,
                         **dict(zip(("S1", "S2", "S3"), bounds)), **dict(zip(("O1", "O2", "O3"), planes))},
                        {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "SEND_CNT": sig["DISP_SEND_CNT"],
-                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "VIEW": True}))
+                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "VIEW": True, "BUSY2": sig["COMB_BUSY"]}))
     cases.append(_case("normal_view_recv", f"EP{R}", k._view_recv_kernel,
                        {"counts_ptr": "*i32", "signal_ptrs": "*i64", "status_ptr": "*i32"},
                        {"rank": _RANK, "R": R, "M": R * N, "timeout_ns": _TIMEOUT_NS},
