@@ -336,22 +336,26 @@ def memory_rows(rec, prefill_tokens, decode_tokens, ranks_list, hidden=HIDDEN, t
     from moe_ep.elastic_memory import deepep_v2_buffer_size_hint as deepep
 
     MB = 2 ** 20
-    print(C.table_header(["phase", "tokens/rank", "EP", "ours symm MiB", "ours torch MiB", "DeepEP V2 BF16 MiB, 8/node",
+    print(C.table_header(["phase", "tokens/rank", "EP", "ours symm MiB (fixed, rounds)", "ours symm MiB (whole batch)",
+                          "ours torch MiB", "DeepEP V2 BF16 MiB, 8/node",
                           "DeepEP V2 BF16 MiB, one domain", "DeepEP V2 FP8 MiB, 8/node", "DeepEP V2 FP8 MiB, one domain",
                           "ours / DeepEP BF16 one domain"]))
     for phase, tokens in [("prefill", t) for t in prefill_tokens] + [("decode", t) for t in decode_tokens]:
         for R in ranks_list:
             ours = ElasticBuffer.memory_per_rank(R, tokens, hidden, topk, backend="symm")
+            whole = ElasticBuffer.memory_per_rank(R, tokens, hidden, topk, backend="symm", whole_batch=True)
             d = {(fp8, nvl): deepep(R, tokens, hidden, topk, fp8, nvlink_ranks=nvl)
                  for fp8 in (False, True) for nvl in (8, R)}
             ratio = ours / d[(False, R)]
             rec.add(f"dsv3 {phase} memory T={tokens} EP{R}", "ElasticBuffer bytes per rank (symm)", ours, "B",
-                    baseline=d[(False, R)], ratio=ratio, ours_torch=0, deepep_bf16_8_per_node=d[(False, 8)],
+                    baseline=d[(False, R)], ratio=ratio, ours_whole_batch=whole, ours_torch=0,
+                    deepep_bf16_8_per_node=d[(False, 8)],
                     deepep_bf16_one_domain=d[(False, R)], deepep_fp8_8_per_node=d[(True, 8)],
                     deepep_fp8_one_domain=d[(True, R)],
-                    note="computed: ElasticBuffer.memory_per_rank vs DeepEP V2 get_buffer_size_hint (restated in "
+                    note="computed: ElasticBuffer.memory_per_rank (the default fixed size; whole_batch=True: one round, "
+                         "views) vs DeepEP V2 get_buffer_size_hint (restated in "
                          "moe_ep.elastic_memory; its ~16 MB workspace not included); symm is intranode only")
-            print(f"| {phase} | {tokens} | {R} | {ours / MB:.0f} | 0 | {d[(False, 8)] / MB:.0f} | "
+            print(f"| {phase} | {tokens} | {R} | {ours / MB:.0f} | {whole / MB:.0f} | 0 | {d[(False, 8)] / MB:.0f} | "
                   f"{d[(False, R)] / MB:.0f} | {d[(True, 8)] / MB:.0f} | {d[(True, R)] / MB:.0f} | {ratio:.2f} |")
 
 
