@@ -14,7 +14,8 @@ still leaves every earlier answer. Stages (GPU):
 3. ``graphs``: the CUDA-graph tests (``pytest -m gpu -k graph``: decode MoELayer, two-microbatch decode,
    symm low-latency virtual ranks, ``map_topk``), every replay equal to eager;
 4. ``gemm-api``: DeepGEMM's dense / grouped / BF16 / psum surface (``perf/_gpu_check_gemm.py``);
-5. ``time``: the headline numbers at short iteration counts, each with its limit measured in the same run;
+5. ``time`` (``perf/lease_timings.py``): the headline numbers at short iteration counts, each with its limit measured
+   in the same run;
 6. ``kernels-dsv3``: stage 2's cases at DeepSeek-V3 shapes (host references: the slowest stage);
 7. ``sanitizer``: compute-sanitizer memcheck then racecheck on one low-latency case;
 8. ``pytest-gpu``: the rest of ``pytest -m gpu`` (DeepSeek-V3 shapes, NaN/Inf, PDL, NCCL ranks), with what is left.

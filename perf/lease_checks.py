@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common  # noqa: E402
 import lease_cases as cases  # noqa: E402
+import lease_timings  # noqa: E402
 
 
 class Sink:
@@ -142,7 +143,7 @@ def checks(args) -> int:
 
 def timings(args) -> int:
     sink = Sink(args.json, args.stage or "time")
-    for name, fn, kw in cases.time_cases(args.shapes, args.iters):
+    for name, fn, kw in lease_timings.time_cases(args.shapes, args.iters):
         if args.only and not any(o in name for o in args.only):
             continue
         sink.run(name, fn, **kw)

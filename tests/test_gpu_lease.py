@@ -36,7 +36,7 @@ def test_dry_run_files_and_summary(tmp_path):
     tail = p.stdout.strip().splitlines()
     assert tail[-4:-3] == ["| --- | --- | --- |"] and tail[-3].startswith("| env | written |"), tail[-6:]
     assert tail[-2].startswith("| kernels-tiny | ") and " ok" in tail[-2] and "FAILED" not in tail[-2], tail[-2]
-    assert tail[-1].startswith("| time | 5/5 ok"), tail[-1]
+    assert tail[-1].startswith("| time | 6/6 ok"), tail[-1]
     rows = [json.loads(ln) for ln in (out / "records.jsonl").read_text().splitlines()]
     checks = [r for r in rows if r["stage"] == "checks"]
     assert len(checks) >= 14 and all(r["ok"] for r in checks), [r for r in checks if not r["ok"]]
