@@ -19,9 +19,10 @@ so a rank that arrives later raises at once instead of entering a collective nob
 
 :meth:`ArrivalCheck.exchange` does the same checks without a store round trip: the signature (or a
 refusal), the call number, the arrival time and ``timeout_s`` travel in a fixed-size header that every
-rank all-gathers (with up to ``world_size`` counts a dispatch needs anyway), bounded by ``timeout_s``. The
-only store use per call is a one-way ``set`` of this rank's arrival (no reply is awaited), read only when
-the exchange times out, to name the ranks that did not arrive (docs/protocols.md, "Host arrival checks").
+rank sends to every rank (one small all-to-all, with up to ``world_size`` counts a dispatch needs anyway),
+bounded by ``timeout_s``. The only store use per call is a one-way ``set`` of this rank's arrival (no
+reply is awaited), read only when the exchange times out, to name the ranks that did not arrive
+(docs/protocols.md, "Host arrival checks").
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ _instances: dict[tuple, int] = {}
 # (ms; 0 for a refusal, which waits for nobody), signature length in bytes, then the signature text.
 _SIG_BYTES = 480
 HEADER_WORDS = 4 + _SIG_BYTES // 8
-# torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def late_margin_ns(timeout_ms: int) -> int:
@@ -173,7 +172,7 @@ class ArrivalCheck:
 
     # ------------------------------------------------------------------ collective path
     def _post(self, text: str, counts, deadline: bool = True):
-        """Take the next call number, mark the arrival in the store (one-way ``set``) and start the all-gather of
+        """Take the next call number, mark the arrival in the store (one-way ``set``) and start the all-to-all of
         this rank's header (host memory, over the CPU group ``exchange_group``). Returns ``(seq, arrival ns,
         (gathered [R * (HEADER_WORDS + R)] int64, header), work)``."""
         self._inflight = [(w, t) for w, t in self._inflight if not w.is_completed()]
@@ -186,13 +185,13 @@ class ArrivalCheck:
         words = [0] * R if counts is None else [int(c) for c in counts.reshape(-1).tolist()]
         head = bytearray(struct.pack("<4q", seq, now, max(1, int(self.timeout_s * 1000)) if deadline else 0,
                                      len(raw)) + raw.ljust(_SIG_BYTES, b"\0") + struct.pack(f"<{R}q", *words))
-        head = torch.frombuffer(head, dtype=torch.int64)
-        out = torch.empty(R * (HEADER_WORDS + R), dtype=torch.int64)
-        work = _all_gather(out, head, group=self.exchange_group, async_op=True)
+        head = torch.frombuffer(head * R, dtype=torch.int64)  # one copy per rank: an all-to-all (on gloo a
+        out = torch.empty(R * (HEADER_WORDS + R), dtype=torch.int64)  # small one is cheaper than an all-gather)
+        work = dist.all_to_all_single(out, head, group=self.exchange_group, async_op=True)
         return seq, now, (out, head), work
 
     def exchange(self, what: str, fields: Optional[dict], counts=None, wait_ns: Optional[list] = None) -> list:
-        """The arrival check folded into one all-gather: this rank's signature ``fields`` for call ``what`` and
+        """The arrival check folded into one small all-to-all: this rank's signature ``fields`` for call ``what`` and
         its ``counts`` (``world_size`` ints, e.g. tokens per destination rank; zeros if ``None``) go to every
         rank, bounded by ``timeout_s``. Raises as :meth:`arrive` does (every rank decides from the same gathered
         headers, so all raise the same error). Returns every rank's counts: ``R`` lists of ``R`` ints (row s:

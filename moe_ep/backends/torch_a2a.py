@@ -4,9 +4,9 @@ Runs wherever torch.distributed runs (gloo on CPU, NCCL on GPUs, any number of n
 vanilla baseline the device-initiated backends are measured against and the reference their tests
 compare with.
 
-Normal mode needs the receive counts on the host (one small all-gather of counts, then the payload):
+Normal mode needs the receive counts on the host (one small all-to-all of counts, then the payload):
 a host synchronisation per call. The cross-rank checks of every call (signature, refusal, arrival within
-``timeout_s``) travel in that all-gather's header (:meth:`moe_ep.sync.ArrivalCheck.exchange`); a cached
+``timeout_s``) travel in that all-to-all's header (:meth:`moe_ep.sync.ArrivalCheck.exchange`); a cached
 dispatch, a combine and a low-latency call exchange the header alone before their payload.
 
 Low-latency mode moves fixed-size slabs (``T`` tokens per rank), so
@@ -60,7 +60,8 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     return b.view(dtype).reshape(-1, cols)
 
 
-from ..sync import _all_gather  # noqa: E402  (all_gather_single, or all_gather_into_tensor before torch 2.13)
+# torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def unpack_rows(recv: torch.Tensor, x_dtype: torch.dtype, hidden: int, x_scales) -> tuple:
