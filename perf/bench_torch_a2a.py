@@ -321,10 +321,9 @@ def main(argv=None):
         import platform
         dev_name = f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo"
     rec = _common.Records("bench_torch_a2a", args.json, args.cpu_smoke, device=dev_name, argv=argv)
-    print(f"torch backend ({backend}, {args.device}), hidden {args.hidden}, {args.experts} experts, top-{args.topk}; "
-          f"per-rank bytes: normal per received token-rank row, LL per selection; slowest rank per iteration, median "
-          f"of {args.iters} (barrier before each, L2 flushed on GPUs); TCPStore rendezvous", flush=True)
     if args.vs_raw:
+        print(f"torch backend ({backend}, {args.device}) vs the raw exchange, hidden {args.hidden}, {args.experts} "
+              f"experts, top-{args.topk}; interleaved per iteration, slowest rank, median of {args.iters}", flush=True)
         print(f"{'ranks':>5} {'tokens':>6} | {'case (interleaved, slowest rank per iteration)':<40} | "
               f"{'median us':>9} {'p10':>9} {'p90':>9} | ratio | check", flush=True)
         for world in args.ranks:
@@ -334,6 +333,9 @@ def main(argv=None):
                 return _common.error(PROG, f"{world} ranks: {exc}")
             _vs_raw_report(rec, world, res[0][0], args)
         return rec.finish(PROG)
+    print(f"torch backend ({backend}, {args.device}), hidden {args.hidden}, {args.experts} experts, top-{args.topk}; "
+          f"per-rank bytes: normal per received token-rank row, LL per selection; slowest rank per iteration, median "
+          f"of {args.iters} (barrier before each, L2 flushed on GPUs); TCPStore rendezvous", flush=True)
     print(f"{'ranks':>5} {'tokens':>6} | {'dispatch us':>11} {'GB/s':>7} | {'combine us':>10} {'GB/s':>7} | "
           f"{'LL disp us':>10} {'GB/s':>7} | {'LL comb us':>10} {'GB/s':>7} | {'limit GB/s':>10} | check", flush=True)
     all_limits = {}
