@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["ArrivalCheck", "CallMismatchError", "RankMaskedWarning", "RankTimeoutError", "RemoteRankError"]
+__all__ = ["ArrivalCheck", "CallMismatchError", "RankMaskedWarning", "RankTimeoutError", "RemoteRankError", "host_group"]
 
 _ABANDONED = "!abandoned"  # value a waiting rank puts in a late rank's slot when it gives up
 _REFUSED = "!refused"  # prefix of the value a rank writes when its own checks refused the call
@@ -53,6 +53,16 @@ def late_margin_ns(timeout_ms: int) -> int:
     """How close to a peer's deadline an arrival counts as too late (transfer time and clock skew): a quarter
     of the timeout, at most 0.5 s. Every rank computes it from the same gathered value (the smallest timeout)."""
     return int(min(0.25 * timeout_ms * 1e6, 0.5e9))
+
+
+def host_group(group):
+    """The group the arrival headers travel in: host memory, so a CPU (gloo) group. ``group`` itself when it
+    has gloo (CPU runs, ``cpu:gloo,cuda:nccl``), else a gloo group of the same ranks, made here (every
+    member constructs the Buffer, so every member calls this)."""
+    if not dist.is_initialized() or "gloo" in str(dist.get_backend(group)):
+        return group
+    granks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(granks, backend="gloo", use_local_synchronization=True)
 
 
 class RankTimeoutError(TimeoutError):

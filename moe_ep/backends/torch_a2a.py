@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_group_quant_fp8_ref, tma_aligned_size
 from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, decode_rows, encode_rows
 from ..kernels.logfmt import row_bytes as wire_row_bytes
-from ..sync import ArrivalCheck, RankTimeoutError
+from ..sync import ArrivalCheck, RankTimeoutError, host_group
 from .base import Backend, DispatchHandle, DispatchResult, LowLatencyDispatchResult, LowLatencyHandle
 
 __all__ = ["TorchBackend", "layout_from_topk", "localize_topk", "pad_to_worst", "unpack_rows"]
@@ -149,23 +149,13 @@ class TorchLowLatencyHandle(LowLatencyHandle):
         return slots.to(torch.int32).view(-1, self.num_max_dispatch_tokens_per_rank, self.num_topk)
 
 
-def _host_group(group):
-    """The group the arrival headers travel in: host memory, so a CPU (gloo) group. ``group`` itself when it
-    has gloo (CPU runs, ``cpu:gloo,cuda:nccl``), else a gloo group of the same ranks, made here (every
-    member constructs the Buffer, so every member calls this)."""
-    if not dist.is_initialized() or "gloo" in str(dist.get_backend(group)):
-        return group
-    granks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(granks, backend="gloo", use_local_synchronization=True)
-
-
 class TorchBackend(Backend):
     name = "torch"
     graph_safe_low_latency = False  # the arrival check talks to the store on the host
 
     def __init__(self, group, rank: int, world_size: int, **kwargs):
         super().__init__(group, rank, world_size, **kwargs)
-        self.arrival = ArrivalCheck(group, rank, world_size, self.timeout_s, exchange_group=_host_group(group))
+        self.arrival = ArrivalCheck(group, rank, world_size, self.timeout_s, exchange_group=host_group(group))
         self._combine_buffers: dict = {}
         # rank mask (enable_shrink, low-latency mode): host list, 0 live / 1 API / 2 timed out
         self.shrink = False
