@@ -16,22 +16,53 @@ all signatures, so all of them raise the same error before any payload moves:
 
 A rank that gives up waiting marks the missing ranks' slots as abandoned (an atomic compare-and-set),
 so a rank that arrives later raises at once instead of entering a collective nobody else will join.
+
+:meth:`ArrivalCheck.exchange` does the same checks without a store round trip: the signature (or a
+refusal), the call number, the arrival time and ``timeout_s`` travel in a fixed-size header that every
+rank sends to every rank (one small all-to-all, with up to ``world_size`` counts a dispatch needs anyway),
+bounded by ``timeout_s``. The only store use per call is a one-way ``set`` of this rank's arrival (no
+reply is awaited), read only when the exchange times out, to name the ranks that did not arrive
+(docs/protocols.md, "Host arrival checks").
 """
 
 from __future__ import annotations
 
+import ctypes
+import struct
 import time
 from datetime import timedelta
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["ArrivalCheck", "CallMismatchError", "RankMaskedWarning", "RankTimeoutError", "RemoteRankError"]
+__all__ = ["ArrivalCheck", "CallMismatchError", "RankMaskedWarning", "RankTimeoutError", "RemoteRankError", "host_group"]
 
 _ABANDONED = "!abandoned"  # value a waiting rank puts in a late rank's slot when it gives up
 _REFUSED = "!refused"  # prefix of the value a rank writes when its own checks refused the call
 
 _instances: dict[tuple, int] = {}
+
+# Header of the collective arrival check (int64 words): call number, arrival time (wall clock, ns), timeout
+# (ms; 0 for a refusal, which waits for nobody), signature length in bytes, then the signature text.
+_SIG_BYTES = 480
+HEADER_WORDS = 4 + _SIG_BYTES // 8
+
+
+def late_margin_ns(timeout_ms: int) -> int:
+    """How close to a peer's deadline an arrival counts as too late (transfer time and clock skew): a quarter
+    of the timeout, at most 0.5 s. Every rank computes it from the same gathered value (the smallest timeout)."""
+    return int(min(0.25 * timeout_ms * 1e6, 0.5e9))
+
+
+def host_group(group):
+    """The group the arrival headers travel in: host memory, so a CPU (gloo) group. ``group`` itself when it
+    has gloo (CPU runs, ``cpu:gloo,cuda:nccl``), else a gloo group of the same ranks, made here (every
+    member constructs the Buffer, so every member calls this)."""
+    if not dist.is_initialized() or "gloo" in str(dist.get_backend(group)):
+        return group
+    granks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(granks, backend="gloo", use_local_synchronization=True)
 
 
 class RankTimeoutError(TimeoutError):
@@ -85,7 +116,8 @@ class ArrivalCheck:
     across ranks without communication.
     """
 
-    def __init__(self, group, rank: int, world_size: int, timeout_s: float, store: Optional[dist.Store] = None):
+    def __init__(self, group, rank: int, world_size: int, timeout_s: float, store: Optional[dist.Store] = None,
+                 exchange_group=None):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -95,6 +127,8 @@ class ArrivalCheck:
         _instances[granks] = ident + 1
         self.prefix = f"moe_ep/{'-'.join(map(str, granks)) if len(granks) <= 16 else hash(granks)}/{ident}"
         self.seq = 0
+        self.exchange_group = exchange_group if exchange_group is not None else group  # a CPU (gloo) group
+        self._inflight: list = []  # (work, tensor) of refusals posted without waiting, kept alive until done
 
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.prefix}/{seq}/{rank}"
@@ -145,6 +179,107 @@ class ArrivalCheck:
         if seq >= 2:
             self.store.delete_key(self._key(seq - 2, self.rank))
         return gone
+
+    # ------------------------------------------------------------------ collective path
+    def _post(self, text: str, counts, deadline: bool = True):
+        """Take the next call number, mark the arrival in the store (one-way ``set``) and start the all-to-all of
+        this rank's header (host memory, over the CPU group ``exchange_group``). Returns ``(seq, arrival ns,
+        (gathered [R * (HEADER_WORDS + R)] int64, header), work)``."""
+        self._inflight = [(w, t) for w, t in self._inflight if not w.is_completed()]
+        seq = self.seq
+        self.seq += 1
+        now = time.time_ns()
+        self.store.set(f"{self.prefix}/at/{self.rank}", f"{seq}:{now}")
+        raw = text.encode()[:_SIG_BYTES]
+        R = self.world_size
+        words = [0] * R if counts is None else [int(c) for c in counts.reshape(-1).tolist()]
+        head = bytearray(struct.pack("<4q", seq, now, max(1, int(self.timeout_s * 1000)) if deadline else 0,
+                                     len(raw)) + raw.ljust(_SIG_BYTES, b"\0") + struct.pack(f"<{R}q", *words))
+        head = torch.frombuffer(head * R, dtype=torch.int64)  # one copy per rank: an all-to-all (on gloo a
+        out = torch.empty(R * (HEADER_WORDS + R), dtype=torch.int64)  # small one is cheaper than an all-gather)
+        work = dist.all_to_all_single(out, head, group=self.exchange_group, async_op=True)
+        return seq, now, (out, head), work
+
+    def exchange(self, what: str, fields: Optional[dict], counts=None, wait_ns: Optional[list] = None) -> list:
+        """The arrival check folded into one small all-to-all: this rank's signature ``fields`` for call ``what`` and
+        its ``counts`` (``world_size`` ints, e.g. tokens per destination rank; zeros if ``None``) go to every
+        rank, bounded by ``timeout_s``. Raises as :meth:`arrive` does (every rank decides from the same gathered
+        headers, so all raise the same error). Returns every rank's counts: ``R`` lists of ``R`` ints (row s:
+        rank s's). ``wait_ns``: adds for each rank how much later than this rank it arrived (0 if earlier)."""
+        R = self.world_size
+        if R == 1:
+            return [[0] if counts is None else [int(c) for c in counts.reshape(-1).tolist()]]
+        seq, now, bufs, work = self._post(_encode(what, fields), counts)
+        out = bufs[0]
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # "Operation timed out!" (the collective itself stays posted)
+            self._inflight.append((work, bufs))
+            missing = self._missing(seq, now)
+            raise RankTimeoutError(
+                f"moe_ep {what}: rank(s) {missing} of the group did not arrive within {self.timeout_s:.1f} s "
+                f"(this is rank {self.rank}; a peer died, hangs, or skipped this call)", missing) from exc
+        # a host buffer (never device memory): read it as bytes
+        raw = ctypes.string_at(out.data_ptr(), out.numel() * 8)
+        return self._check_table(what, raw, now, wait_ns)
+
+    def refuse_exchange(self, what: str, message: str) -> None:
+        """:meth:`refuse` for the collective path: post a refusal header (no deadline) and return without
+        waiting; the peers' exchange of this call completes with it and raises :class:`RemoteRankError`."""
+        if self.world_size == 1:
+            return
+        _, _, bufs, work = self._post(f"{_REFUSED}|{what}|{message[:400]}", None, deadline=False)
+        self._inflight.append((work, bufs))  # the tensors stay alive until the peers have read them
+
+    def _missing(self, seq: int, now: int) -> list:
+        """After a timed-out exchange of call ``seq``: the ranks whose last arrival mark is older, absent, or
+        came after this rank's deadline (less the margin)."""
+        late = now + int(self.timeout_s * 1e9) - late_margin_ns(int(self.timeout_s * 1000))
+        missing = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            key = f"{self.prefix}/at/{r}"
+            try:
+                got_seq, got_at = map(int, self.store.get(key).decode().split(":")) if self.store.check([key]) \
+                    else (-1, 0)
+            except Exception:  # noqa: BLE001 - an unreadable mark counts as absent
+                got_seq, got_at = -1, 0
+            if got_seq < seq or (got_seq == seq and got_at >= late):
+                missing.append(r)
+        return missing or [r for r in range(self.world_size) if r != self.rank]
+
+    def _check_table(self, what: str, raw: bytes, now: int, wait_ns: Optional[list]) -> list:
+        R = self.world_size
+        width = 8 * (HEADER_WORDS + R)
+        rows = [raw[r * width:(r + 1) * width] for r in range(R)]
+        seqs, arrived, tmo, lens = zip(*(struct.unpack_from("<4q", row) for row in rows))
+        values = [row[32:32 + lens[r]].decode(errors="replace") for r, row in enumerate(rows)]
+        if wait_ns is not None:
+            for r, at in enumerate(arrived):
+                wait_ns[r] += max(0, at - now)
+        # Deadlines: a rank arriving (within the margin) after a waiting peer's deadline found, or will
+        # find, that peer gone; every rank sees the same table, so every rank raises.
+        waiting = [r for r in range(len(seqs)) if tmo[r] > 0]
+        if waiting:
+            first = min(arrived[r] + tmo[r] * 10**6 for r in waiting)
+            cut = first - late_margin_ns(min(tmo[r] for r in waiting))
+            late = [r for r, at in enumerate(arrived) if at >= cut]
+            if late:
+                if self.rank in late:
+                    msg = (f"moe_ep {what}: this rank ({self.rank}) arrived after its peers had given up waiting for "
+                           f"it (timeout_s={self.timeout_s:.1f}); the Buffer's call sequence is broken: destroy it")
+                else:
+                    msg = (f"moe_ep {what}: rank(s) {late} of the group did not arrive within the timeout of the "
+                           f"first rank (this is rank {self.rank}); the Buffer's call sequence is broken: destroy it")
+                raise RankTimeoutError(msg, late)
+        if len(set(seqs)) > 1:
+            listing = ", ".join(f"rank {r}={s}" for r, s in enumerate(seqs))
+            raise CallMismatchError(f"moe_ep {what}: ranks are at different calls of this Buffer (call number: "
+                                    f"{listing}); a rank skipped or repeated a call (this is rank {self.rank}, "
+                                    "nothing was sent)", ["call number"])
+        self._compare(what, values)
+        return [list(struct.unpack_from(f"<{R}q", row, 8 * HEADER_WORDS)) for row in rows]
 
     def _timed_wait(self, keys: list, wait_ns: list, ranks: Optional[list] = None) -> None:
         """Poll the keys until all are present (or the timeout passes), adding to ``wait_ns[r]`` the time

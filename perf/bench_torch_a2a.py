@@ -16,6 +16,14 @@ every ``bandwidth`` row's ratio is per-rank GB/s (bytes of one rank over the slo
 
     python perf/bench_torch_a2a.py                       # CPU defaults (small)
     python perf/bench_torch_a2a.py --device cuda --ranks 8 --tokens 128 512 4096
+
+``--vs-raw``: side by side with the exchange a user would write instead, interleaved in one run (per iteration:
+barrier, baseline; barrier, ours; ... so machine load hits every row alike): the baseline row is two
+``all_to_all_single`` calls (the per-rank token counts, then the rows, of the same widths as the BF16
+dispatch's: ``x`` | source index | top-k ids | weights); then ``get_dispatch_layout`` + ``dispatch`` (BF16, with
+top-k), and ``combine``, each with its median time over the baseline's (``ratio``).
+
+    python perf/bench_torch_a2a.py --vs-raw --ranks 2 --tokens 16 --hidden 256 --iters 200
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ def _parse(argv=None):
     p.add_argument("--topk", type=int, default=8, help="experts per token")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (median reported; CPU 5, GPU 20)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck run is stopped")
+    p.add_argument("--vs-raw", action="store_true", help="side-by-side: two all_to_all_single (counts, rows) as the "
+                   "baseline row, then layout+dispatch and combine with their ratio to it (interleaved, medians)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         _common.smoke_defaults(args, p, argv, **SMOKE)
@@ -149,6 +159,92 @@ def _rank(rank, world, args):
     return rows, limits
 
 
+def _vs_raw_rank(rank, world, args):
+    """Interleaved timing of the raw exchange, layout+dispatch and combine; per iteration the slowest rank."""
+    import torch.distributed as dist
+
+    import moe_ep
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
+    buf = moe_ep.Buffer(None, explicitly_destroy=True, backend="torch", timeout_s=args.timeout)
+    h, e, k = args.hidden, args.experts, args.topk
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = []
+    for n in args.tokens:
+        g = torch.Generator().manual_seed(rank * 7919 + n)
+        x = torch.randn(n, h, generator=g).to(torch.bfloat16).to(dev)
+        idx = torch.rand(n, e, generator=g).argsort(1)[:, :k].to(dev)
+        w = torch.rand(n, k, generator=g).to(dev)
+        box = {}
+
+        def raw():  # what a user writes: counts all_to_all, then the rows (same row bytes as our dispatch)
+            in_rank = torch.zeros(n, world, dtype=torch.bool, device=dev)
+            in_rank.scatter_(1, idx // (e // world), True)
+            counts = in_rank.sum(0).to(torch.int64)
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts)
+            send_idx = in_rank.t().nonzero()[:, 1]
+            send = torch.cat([x.index_select(0, send_idx).view(torch.uint8).reshape(-1, 2 * h),
+                              send_idx.to(torch.int32).view(-1, 1).view(torch.uint8),
+                              idx.index_select(0, send_idx).view(torch.uint8).reshape(-1, 8 * k),
+                              w.index_select(0, send_idx).view(torch.uint8).reshape(-1, 4 * k)], dim=1)
+            rc, sc = recv_counts.tolist(), counts.tolist()
+            recv = torch.empty(sum(rc), send.shape[1], dtype=torch.uint8, device=dev)
+            dist.all_to_all_single(recv, send, output_split_sizes=rc, input_split_sizes=sc)
+            box["raw_rows"] = recv.shape[0]
+
+        def ours():
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+            out = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            box["recv"], box["handle"], box["in_rank"] = out[0], out[4], in_rank
+
+        def comb():
+            box["out"] = buf.combine(box["recv"], box["handle"])[0]
+
+        cases = (("raw", raw), ("dispatch", ours), ("combine", comb))
+        for _, fn in cases:  # warm-up (and the handle for combine)
+            fn()
+        times = {name: [] for name, _ in cases}
+        for _ in range(args.iters):
+            for name, fn in cases:
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times[name].append((time.perf_counter() - t0) * 1e6)
+        err = _common.rel_err(box["out"], box["in_rank"].sum(1, keepdim=True).float() * x.float())
+        ok = torch.tensor([float(box["raw_rows"] == box["recv"].shape[0]), err], dtype=torch.float64)
+        allt = torch.tensor([times[name] for name, _ in cases], dtype=torch.float64)
+        if dev.type == "cuda":
+            ok, allt = ok.to(dev), allt.to(dev)
+        dist.all_reduce(allt, op=dist.ReduceOp.MAX)  # per iteration, the slowest rank
+        ok[0] = 1.0 - ok[0]
+        dist.all_reduce(ok, op=dist.ReduceOp.MAX)
+        slow = allt.cpu().tolist()
+        rows.append(dict(n=n, err=float(ok[1]), rows_match=float(ok[0]) == 0.0,
+                         t={name: _common.quantiles(slow[i]) for i, (name, _) in enumerate(cases)}))
+    buf.destroy()
+    return rows, None
+
+
+def _vs_raw_report(rec, world, rows0, args):
+    note = None if args.device == "cuda" else "CPU ranks (gloo): numbers meaningless for GPUs"
+    for r0 in rows0:
+        base = r0["t"]["raw"]
+        valid = r0["rows_match"] and r0["err"] <= TOL
+        for name, label in (("raw", "raw all_to_all_single x2 (counts, rows)"), ("dispatch", "get_dispatch_layout + "
+                            "dispatch BF16"), ("combine", "combine BF16")):
+            t = r0["t"][name]
+            ratio = t.median / base.median
+            print(f"{world:>5} {r0['n']:>6} | {label:<40} | {t.median:>9.0f} {t.p10:>9.0f} {t.p90:>9.0f} | "
+                  f"{ratio:>5.2f} | {'ok' if valid else 'INVALID'} ({r0['err']:.1e})", flush=True)
+            rec.add(f"vs raw: {label} {world} ranks {r0['n']} tokens/rank", "time", t.median, "us", p10=t.p10,
+                    p90=t.p90, iterations=t.n, baseline=None if name == "raw" else base.median, ratio=ratio,
+                    valid=valid, note=note, interleaved=True)
+
+
 def _child(conn, port, rank, world, backend, args):
     import torch.distributed as dist
 
@@ -159,7 +255,7 @@ def _child(conn, port, rank, world, backend, args):
         import datetime
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=args.timeout))
-        out = _rank(rank, world, args)
+        out = (_vs_raw_rank if args.vs_raw else _rank)(rank, world, args)
         dist.barrier()
         dist.destroy_process_group()
         conn.send(("ok", out))
@@ -225,6 +321,18 @@ def main(argv=None):
         import platform
         dev_name = f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo"
     rec = _common.Records("bench_torch_a2a", args.json, args.cpu_smoke, device=dev_name, argv=argv)
+    if args.vs_raw:
+        print(f"torch backend ({backend}, {args.device}) vs the raw exchange, hidden {args.hidden}, {args.experts} "
+              f"experts, top-{args.topk}; interleaved per iteration, slowest rank, median of {args.iters}", flush=True)
+        print(f"{'ranks':>5} {'tokens':>6} | {'case (interleaved, slowest rank per iteration)':<40} | "
+              f"{'median us':>9} {'p10':>9} {'p90':>9} | ratio | check", flush=True)
+        for world in args.ranks:
+            try:
+                res = _launch(world, args, backend)
+            except RuntimeError as exc:
+                return _common.error(PROG, f"{world} ranks: {exc}")
+            _vs_raw_report(rec, world, res[0][0], args)
+        return rec.finish(PROG)
     print(f"torch backend ({backend}, {args.device}), hidden {args.hidden}, {args.experts} experts, top-{args.topk}; "
           f"per-rank bytes: normal per received token-rank row, LL per selection; slowest rank per iteration, median "
           f"of {args.iters} (barrier before each, L2 flushed on GPUs); TCPStore rendezvous", flush=True)

@@ -420,3 +420,20 @@ def test_mega_moe_checks_catch_errors():
     for res in launch(_mega_checks_on_ranks, 2, timeout_s=120):
         assert res["good"][0] is True and res["good"][1] < 1e-2
         assert res["bad_row"][0] is False and res["nan"][0] is False
+
+
+def test_torch_a2a_vs_raw_side_by_side(tmp_path):
+    """--vs-raw: the raw exchange is the baseline row; layout+dispatch and combine carry their ratio to it."""
+    out = tmp_path / "rows.jsonl"
+    p = _run([sys.executable, os.path.join(PERF, "bench_torch_a2a.py"), "--cpu-smoke", "--vs-raw", "--iters", "3",
+              "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "INVALID" not in p.stdout and "ratio" in p.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert [r["case"].split(":")[1].split(" 2 ranks")[0].strip() for r in rows] == [
+        "raw all_to_all_single x2 (counts, rows)", "get_dispatch_layout + dispatch BF16", "combine BF16"]
+    base = rows[0]["value"]
+    assert rows[0]["ratio"] == 1.0 and rows[0]["baseline"] is None
+    for r in rows[1:]:
+        assert r["baseline"] == base and abs(r["ratio"] - r["value"] / base) < 1e-9
+        assert r["valid"] and r["iterations"] == 3 and r["interleaved"] is True

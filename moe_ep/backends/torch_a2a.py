@@ -5,7 +5,11 @@ vanilla baseline the device-initiated backends are measured against and the refe
 compare with.
 
 Normal mode needs the receive counts on the host (one small all-to-all of counts, then the payload):
-a host synchronisation per call. Low-latency mode moves fixed-size slabs (``T`` tokens per rank), so
+a host synchronisation per call. The cross-rank checks of every call (signature, refusal, arrival within
+``timeout_s``) travel in that all-to-all's header (:meth:`moe_ep.sync.ArrivalCheck.exchange`); a cached
+dispatch, a combine and a low-latency call exchange the header alone before their payload.
+
+Low-latency mode moves fixed-size slabs (``T`` tokens per rank), so
 its collectives have static shapes and it never reads device values on the host.
 
 Wire formats (everything travels as ``uint8`` rows, so FP8 crosses gloo unharmed):
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,7 +37,7 @@ import torch.distributed as dist
 from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_group_quant_fp8_ref, tma_aligned_size
 from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, decode_rows, encode_rows
 from ..kernels.logfmt import row_bytes as wire_row_bytes
-from ..sync import ArrivalCheck
+from ..sync import ArrivalCheck, RankTimeoutError, host_group
 from .base import Backend, DispatchHandle, DispatchResult, LowLatencyDispatchResult, LowLatencyHandle
 
 __all__ = ["TorchBackend", "layout_from_topk", "localize_topk", "pad_to_worst", "unpack_rows"]
@@ -150,7 +155,7 @@ class TorchBackend(Backend):
 
     def __init__(self, group, rank: int, world_size: int, **kwargs):
         super().__init__(group, rank, world_size, **kwargs)
-        self.arrival = ArrivalCheck(group, rank, world_size, self.timeout_s)
+        self.arrival = ArrivalCheck(group, rank, world_size, self.timeout_s, exchange_group=host_group(group))
         self._combine_buffers: dict = {}
         # rank mask (enable_shrink, low-latency mode): host list, 0 live / 1 API / 2 timed out
         self.shrink = False
@@ -179,9 +184,12 @@ class TorchBackend(Backend):
         return [r for r in range(self.world_size) if not self._mask[r]]
 
     def _ll_arrive(self, what: str, fields: dict, wait_ns) -> list:
-        """The arrival check over the live ranks; with ``enable_shrink`` ranks that time out are masked (2).
-        Returns the live ranks the call runs over."""
-        live = self._live() if self.shrink else None
+        """The arrival check over the live ranks; with ``enable_shrink`` ranks that time out are masked (2)
+        (the store path: it can wait for a subset). Returns the live ranks the call runs over."""
+        if not self.shrink:
+            self.arrival.exchange(what, fields, wait_ns=wait_ns)
+            return list(range(self.world_size))
+        live = self._live()
         gone = self.arrival.arrive(what, fields, wait_ns, live=live, shrink=self.shrink)
         for r in gone:
             self._mask[r] = 2
@@ -196,7 +204,6 @@ class TorchBackend(Backend):
         if key not in self._subgroups:
             granks = dist.get_process_group_ranks(self.group) if self.group is not None else list(
                 range(dist.get_world_size()))
-            from datetime import timedelta
             self._subgroups[key] = dist.new_group([granks[r] for r in live], use_local_synchronization=True,
                                                   timeout=timedelta(seconds=max(self.timeout_s, 30.0)))
         return self._subgroups[key]
@@ -205,16 +212,35 @@ class TorchBackend(Backend):
         return self.arrival.seq
 
     def refuse(self, what: str, mark, message: str) -> None:
-        if mark is not None and self.arrival.seq == mark:  # the call never reached its arrival
-            self.arrival.refuse(what, message)
+        if mark is None or self.arrival.seq != mark:  # the call reached its arrival: the peers know
+            return
+        if self.shrink and what.startswith("low_latency"):
+            self.arrival.refuse(what, message)  # the store path of enable_shrink's low-latency calls
+        else:
+            self.arrival.refuse_exchange(what, message)
 
     # ------------------------------------------------------------------ collectives
     def _a2a(self, send: torch.Tensor, recv_counts: list, send_counts: list, row_bytes: int,
              async_op: bool = False):
         recv = torch.empty(sum(recv_counts), row_bytes, dtype=torch.uint8, device=send.device)
         work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                                      group=self.group, async_op=async_op)
+                                      group=self.group, async_op=True)
+        if not async_op:
+            self._wait(work, "rows")
+            work = None
         return recv, work
+
+    def _wait(self, work, what: str) -> None:
+        """Bound a payload collective by ``timeout_s`` too: every rank passed the call's arrival check, so only a
+        peer that died (or gave up) since then makes it time out."""
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - "Operation timed out!" or a peer's closed connection
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            raise RankTimeoutError(
+                f"moe_ep {what}: the exchange with rank(s) {peers} did not complete within {self.timeout_s:.1f} s "
+                f"after every rank had arrived (this is rank {self.rank}; a peer died or gave up): destroy the "
+                f"Buffer ({exc})", peers) from exc
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         per_rank, per_expert, in_rank = layout_from_topk(topk_idx, num_experts, self.world_size)
@@ -226,31 +252,30 @@ class TorchBackend(Backend):
         R = self.world_size
         n, hidden = x.shape
         is_fp8 = x_scales is not None
-        self.arrival.arrive("dispatch", {
-            "hidden": hidden, "x": "fp8" if is_fp8 else str(x.dtype).replace("torch.", ""),
-            "scales": "-" if x_scales is None else str(x_scales.dtype).replace("torch.", ""),
-            "cached": handle is not None, "topk": "-" if topk_idx is None else topk_idx.shape[1],
-            "num_experts": num_experts or "-"})
+        fields = {"hidden": hidden, "x": "fp8" if is_fp8 else str(x.dtype).replace("torch.", ""),
+                  "scales": "-" if x_scales is None else str(x_scales.dtype).replace("torch.", ""),
+                  "cached": handle is not None, "topk": "-" if topk_idx is None else topk_idx.shape[1],
+                  "num_experts": num_experts or "-"}
+        per_expert = None
         if handle is not None:
+            self.arrival.exchange("dispatch", fields)
             send_idx, send_counts, recv_counts = handle.send_token_idx, handle.send_counts, handle.recv_counts
             num_local = 0
         else:
             num_local = num_experts // R
-            # Step 1: counts. Row r of `meta` = [tokens for rank r, selections per local expert of rank r].
-            local_counts = num_tokens_per_expert.reshape(R, num_local).to(torch.int64)
-            meta = torch.cat([num_tokens_per_rank.to(torch.int64).reshape(R, 1), local_counts], dim=1)
-            # Every rank's meta (all of it, not just the column for this rank): DeepEP's rank_prefix_matrix
-            # needs the full [R, R] token counts, and it is small (R * R * (1 + L) int64).
-            all_meta = torch.empty(R * R, 1 + num_local, dtype=torch.int64, device=meta.device)
-            _all_gather(all_meta, meta.contiguous(), group=self.group)
-            all_meta = all_meta.view(R, R, 1 + num_local)  # [source, destination, field]
-            recv_meta = all_meta[:, self.rank]
-            meta_cpu = meta[:, 0].cpu()
-            recv_meta_cpu = recv_meta.cpu()  # NOTES: the host synchronisation of this backend
-            rank_prefix = all_meta[:, :, 0].cumsum(0).to(torch.int32)
-            send_counts = meta_cpu.tolist()
-            recv_counts = recv_meta_cpu[:, 0].tolist()
-            per_expert = recv_meta_cpu[:, 1:].sum(0).tolist()
+            # Step 1: counts, in the arrival check's header: row s = tokens rank s sends to each rank (all of
+            # them: DeepEP's rank_prefix_matrix needs the full [R, R]). NOTES: the host synchronisation.
+            counts = self.arrival.exchange("dispatch", fields, counts=num_tokens_per_rank)  # [source][destination]
+            rank_prefix = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x.device)
+            send_counts = counts[self.rank]
+            recv_counts = [row[self.rank] for row in counts]
+            if topk_idx is None and num_worst_tokens <= 0:
+                # layout only: no top-k travels to count from, so the per-expert counts do (the header
+                # has checked that every rank has the same number of experts)
+                local_counts = num_tokens_per_expert.reshape(R, num_local).to(torch.int64).contiguous()
+                all_local = torch.empty(R * R, num_local, dtype=torch.int64, device=x.device)
+                _all_gather(all_local, local_counts, group=self.group)
+                per_expert = all_local.view(R, R, num_local)[:, self.rank].sum(0).tolist()
             # Rows ordered by destination rank, then token index.
             send_idx = is_token_in_rank.t().nonzero()[:, 1]
         # Step 2: pack the payload rows.
@@ -278,6 +303,8 @@ class TorchBackend(Backend):
             off += 4
         if with_topk:
             recv_topk_idx, recv_topk_weights = localize_topk(recv, off, k, self.rank, num_local)
+            if num_worst_tokens <= 0:  # selections of each local expert among the received rows
+                per_expert = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=num_local).tolist()
         if handle is None:
             if num_worst_tokens > 0:
                 per_expert_list = []  # as DeepEP and the symm backend: outputs sized without the counts
@@ -311,8 +338,8 @@ class TorchBackend(Backend):
         if fmt != FMT_FP8:
             fmt = FMT_FP16 if x.dtype == torch.float16 else FMT_BF16
         check_hidden(fmt, hidden)
-        self.arrival.arrive("combine", {"hidden": hidden, "x": str(x.dtype).replace("torch.", ""), "fmt": fmt,
-                                        "topk_weights": "-" if topk_weights is None else topk_weights.shape[1]})
+        self.arrival.exchange("combine", {"hidden": hidden, "x": str(x.dtype).replace("torch.", ""), "fmt": fmt,
+                                          "topk_weights": "-" if topk_weights is None else topk_weights.shape[1]})
         return fmt
 
     def combine(self, x, handle, topk_weights, bias, fmt=None):

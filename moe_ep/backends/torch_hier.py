@@ -116,7 +116,7 @@ class TorchHierBackend(TorchBackend):
         n, hidden = x.shape
         is_fp8 = x_scales is not None
         dev = x.device
-        self.arrival.arrive("dispatch", {
+        self.arrival.exchange("dispatch", {
             "hidden": hidden, "x": "fp8" if is_fp8 else str(x.dtype).replace("torch.", ""),
             "cached": handle is not None, "topk": "-" if topk_idx is None else topk_idx.shape[1],
             "num_experts": num_experts or "-", "ranks_per_node": G})
