@@ -108,6 +108,19 @@ def test_virtual_chunked_dispatch_stops_after_round_zero_on_every_rank():
     _exact_step(bs, ins)  # 5 rounds, exact
 
 
+def test_virtual_refusal_with_a_dead_peer_is_bounded_and_named_at_the_next_call():
+    """The refusing rank's own send and drain wait like any call: a dead peer costs one timeout there, the refusal
+    itself returns (the caller raises its own error), and the next call names the dead peer."""
+    from moe_ep import RankTimeoutError
+
+    bs = virtual_backends(2, num_nvl_bytes=SymmBackend.get_normal_size_hint(N_MAX, H, K, 2), timeout_s=0.5)
+    t0 = time.monotonic()
+    bs[1].normal.refuse("dispatch")  # rank 0 never calls
+    assert time.monotonic() - t0 < 5 and int(bs[1].normal.symm.status[0]) == 1  # (peer 0 + 1)
+    with pytest.raises(RankTimeoutError, match=r"rank\(s\) \[0\]"):
+        _send(bs[1], make_all_inputs(2, 3, H, E, K, seed=1)[1])
+
+
 def _view_refusal(rank, world):
     import moe_ep
 
