@@ -108,6 +108,21 @@ def test_virtual_chunked_dispatch_stops_after_round_zero_on_every_rank():
     _exact_step(bs, ins)  # 5 rounds, exact
 
 
+def test_virtual_chunked_combine_stops_after_round_zero_on_every_rank():
+    from moe_ep.backends.symm_normal import SymmNormal
+
+    bs = virtual_backends(2, num_nvl_bytes=SymmNormal.size_hint(None, H, K, 2, chunk_tokens=2), timeout_s=20)
+    ins = make_all_inputs(2, [9, 7], H, E, K, seed=7)
+    res = _exact_step(bs, ins)
+    assert res[1].handle.rounds > 1
+    bs[0].normal.refuse_send("combine")
+    st = bs[1].combine_send(res[1].recv_x, res[1].handle, None)
+    bs[0].normal.refuse_recv("combine")
+    with pytest.raises(RemoteRankError, match=r"rank\(s\) \[0\] refused"):
+        bs[1].normal.combine_recv_round(st, 0)
+    _exact_step(bs, ins)
+
+
 def test_virtual_refusal_with_a_dead_peer_is_bounded_and_named_at_the_next_call():
     """The refusing rank's own send and drain wait like any call: a dead peer costs one timeout there, the refusal
     itself returns (the caller raises its own error), and the next call names the dead peer."""

@@ -48,6 +48,8 @@ land in the next source's block); the sender's status word then names the destin
 receiver's gather drops rows past ``num_worst_tokens`` and flags them. The handle is a one-round handle
 (its combine is one round too); a cached dispatch with ``num_worst_tokens <= C`` takes the same path.
 
+A call refused by one rank's own checks is published to the peers as an empty "refused" block
+(:mod:`moe_ep.backends.symm_refusal`): they raise ``RemoteRankError`` naming it and the Buffer stays in step.
 A buffer below one token per source per round is refused with the minimum (:meth:`SymmNormal.min_bytes`);
 a receive view must hold the whole receive (refused otherwise). :meth:`SymmNormal.size_hint` gives the
 whole-batch size for a token count, or a fixed size for a chunk (``num_max_tokens=None`` /

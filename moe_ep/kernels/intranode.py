@@ -323,7 +323,7 @@ def _gather_recv_kernel(
     tl.debug_barrier()
     # Rows laid out for another call (hidden, dtype, top-k, experts) are never read: report it instead
     # (a refusal of s is noted, its block is empty).
-    if not DRAIN:
+    if DRAIN == 0:  # (== 0, not `not`: the sm90 checks also compile it as a runtime int)
         _check_source(my_sig, status_ptr, rank, R, s, FULL, REF)
         if c == 0:
             tl.store(counts_ptr + s, n_s)
