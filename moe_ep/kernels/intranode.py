@@ -412,12 +412,9 @@ def _combine_recv_impl(
     kk = tl.arange(0, KP)
     wacc = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
     base = _words(buffer_ptrs, rank) + area_off
-    miss = offs_t < 0  # tokens with a selection on a rank that refused this call (its block is empty)
     for d in range(R):
         p = tl.load(pos_ptr + t64 * R + d, mask=t_ok, other=-1)
-        gone = p * 0 + _refused(my_sig, _sig_base(R, FULL), d).to(tl.int32)  # (a block: see _status_ok)
-        miss = miss | ((p >= 0) & t_ok & (gone != 0))
-        v = (p >= 0) & ok & (gone == 0)
+        v = (p >= 0) & ok
         row = base + (tl.where(v, p, 0).to(tl.int64) + d * cap) * W  # int32 pointer per token
         m = v[:, None] & h_ok[None, :]
         if FMT == 2:
@@ -442,8 +439,18 @@ def _combine_recv_impl(
             wacc += tl.where(v[:, None], wv, 0.0)
     # A wait of this rank timed out (now or at an earlier call: the status word stays set): the rows of the
     # silent rank are missing, so the output is poisoned with NaN rather than left as plausible partial sums.
-    # Likewise the tokens that miss the rows of a rank that refused the call (the host raises RemoteRankError).
-    acc = tl.where((_status_ok(status_ptr, offs_t) & (miss == 0))[:, None], acc, float("nan"))
+    acc = tl.where(_status_ok(status_ptr, offs_t)[:, None], acc, float("nan"))
+    # A rank that refused this call sent an empty block (the host raises RemoteRankError): the tokens that need
+    # its rows (read above from its stale slots) are NaN, never a plausible partial sum. (Outside the hot loop: 64
+    # registers as before; the reduced top-k weights of those tokens are not poisoned, that would cost 4 more.)
+    refs = 0
+    for d in range(R):
+        refs += _refused(my_sig, _sig_base(R, FULL), d).to(tl.int32)
+    if refs != 0:
+        for d in range(R):
+            if _refused(my_sig, _sig_base(R, FULL), d):
+                p = tl.load(pos_ptr + t64 * R + d, mask=t_ok, other=-1)
+                acc = tl.where((p >= 0)[:, None], float("nan"), acc)
     if OUT_F16:
         bits = fp16_bits(acc)
     else:
