@@ -213,7 +213,7 @@ class SymmLowLatency:
         self._combine_buffers: dict = {}
         self._msg_areas: dict = {}  # message areas dispatched into so far: (byte offset, T, msg bytes) per slot
         self._open = {"DISP": 0, "COMB": 0}  # sends of each kind whose receive has not run yet (hooks)
-        self._kind_named: set = set()  # peers already reported as in the other operation (enable_shrink)
+        self._timed_seen: set = set()  # peers masked by a timed-out wait, as of the last receive (enable_shrink)
 
     @property
     def shrink(self) -> bool:
@@ -266,8 +266,10 @@ class SymmLowLatency:
                                                                            zip(self._SIG_FIELDS, theirs, mine)
                                                                            if a != b]) from None
         if self._shrink and not events.uses_streams(self.symm.device):  # CPU: a host read of the mask is free
-            timed = [p for p, v in enumerate(self.mask.tolist()) if v == MASK_TIMEOUT and p not in self._kind_named]
-            self._other_operation(timed, which, what)
+            # only peers this very receive masked: a masked rank still running may publish any word later
+            timed = {p for p, v in enumerate(self.mask.tolist()) if v == MASK_TIMEOUT}
+            new, self._timed_seen = sorted(timed - self._timed_seen), timed
+            self._other_operation(new, which, what)
 
     def _other_operation(self, peers: list, which: str, what: str, exc: Optional[Exception] = None) -> None:
         """Error path: a peer whose wait timed out (or that a wait masked) published the *other* operation's FULL
@@ -280,7 +282,6 @@ class SymmLowLatency:
         sw, at = self.sig["SLOT_WORDS"], self.sig[f"{other}_FULL"]
         for p in peers:
             if any(int(self.symm.signals[slot * sw + at + 2 * p]) for slot in range(NUM_SLOTS)):
-                self._kind_named.add(p)
                 err = CallMismatchError(
                     f"moe_ep {what}: ranks called different operations (rank {p}: {names[other]}, rank "
                     f"{self.symm.rank}: {names[mine]}); this rank found rank {p}'s {names[other]} where it waited for "
@@ -386,7 +387,7 @@ class SymmLowLatency:
             self.symm.buffer[off:off + R * T * msg].view(R, T * msg).mul_(keep.to(torch.uint8)[:, None])
         self.mask.zero_()
         self._api = [0] * R
-        self._kind_named = set()
+        self._timed_seen = set()
 
     # ------------------------------------------------------------------ dispatch
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
