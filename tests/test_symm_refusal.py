@@ -243,3 +243,40 @@ def test_view_dispatches_replayed_as_first_captured_release_their_hold():
         for r in range(2):
             want = ref_dispatch(r, [i.x for i in ins], [i.topk_idx for i in ins], [i.topk_weights for i in ins], E)[0]
             assert_bitwise_equal(got[r][step], want, f"recv_x of rank {r}, step {step}")
+
+
+def test_a_dispatch_and_a_combine_captured_before_the_first_view_release_a_later_hold():
+    """A CUDA graph captured before any view has a release launch in its dispatch and its combine receive (simulated
+    capture: moe_ep.testing.streams), so replaying it after an eager view dispatch does not wait on the hold."""
+    from moe_ep.testing.streams import checked_streams
+
+    bs = virtual_backends(2, num_nvl_bytes=SymmBackend.get_normal_size_hint(N_MAX, H, K, 2), timeout_s=3)
+    ins = make_all_inputs(2, [4, 3], H, E, K, seed=8)
+    # an eager view dispatch (nothing is held before it: no release needed): its rows stay held
+    lays = [b.get_dispatch_layout(i.topk_idx, E) for b, i in zip(bs, ins)]
+    sts = [b.dispatch_send(i.x, None, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                           num_tokens_per_expert=lay[2], topk_idx=i.topk_idx, topk_weights=i.topk_weights,
+                           num_experts=E, recv_view=True, release=False) for b, i, lay in zip(bs, ins, lays)]
+    virtual_dispatch_recv(bs, sts)
+    for b in bs:  # what a graph captured before that view recorded: the host flag was False
+        b.normal._view_used = False
+    with checked_streams(strict=False) as checker, checker.capture():
+        for b in bs:
+            b.normal.dispatch_release()  # a capture launches it (a device-side no-op when nothing is held)
+        res = virtual_dispatch_recv(bs, [_send(b, i) for b, i in zip(bs, ins)])
+    xs, idxs, ws = [i.x for i in ins], [i.topk_idx for i in ins], [i.topk_weights for i in ins]
+    for r in range(2):
+        assert_bitwise_equal(res[r].recv_x, ref_dispatch(r, xs, idxs, ws, E)[0], f"recv_x of rank {r}")
+    # a combine receive captured the same way frees a view taken before it (nothing held before that view)
+    sts = [b.dispatch_send(i.x, None, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                           num_tokens_per_expert=lay[2], topk_idx=i.topk_idx, topk_weights=i.topk_weights,
+                           num_experts=E, recv_view=True, release=False) for b, i, lay in zip(bs, ins, lays)]
+    views = virtual_dispatch_recv(bs, sts)
+    for b in bs:
+        b.normal._view_used = False
+    with checked_streams(strict=False) as checker, checker.capture():
+        csts = [b.combine_send(v.recv_x.clone(), v.handle, None) for b, v in zip(bs, views)]
+        virtual_combine_recv(bs, csts)
+    for b in bs:
+        held = b.normal.symm.signals[b.normal.sig["DISP_HELD"]:b.normal.sig["DISP_HELD"] + 2]
+        assert held.tolist() == [0, 0], "the captured combine receive did not free the view"
