@@ -280,3 +280,23 @@ def test_a_dispatch_and_a_combine_captured_before_the_first_view_release_a_later
     for b in bs:
         held = b.normal.symm.signals[b.normal.sig["DISP_HELD"]:b.normal.sig["DISP_HELD"] + 2]
         assert held.tolist() == [0, 0], "the captured combine receive did not free the view"
+
+
+def _elastic_bad_expert(rank, world):
+    from moe_ep.testing.inputs import make_elastic_buffer
+
+    eb = make_elastic_buffer("symm", world, N_MAX, H, 3, timeout_s=30)
+    inp = make_all_inputs(world, 5, H, E, 3, seed=2)[rank]
+    idx = inp.topk_idx.clone()
+    if rank == 0:
+        idx[0, 0] = E  # == num_experts: refused by the layout checks
+    first = outcome(lambda: eb.dispatch(inp.x, idx, inp.topk_weights, num_experts=E))
+    again = outcome(lambda: eb.dispatch(inp.x, inp.topk_idx, inp.topk_weights, num_experts=E))  # still usable
+    return first, again
+
+
+def test_an_elastic_expert_id_refusal_on_symm_reaches_the_others_at_once():
+    (f0, a0), (f1, a1) = launch(_elastic_bad_expert, 2, timeout_s=200)
+    assert f0[0] == "ValueError" and "outside" in f0[1], f0
+    assert f1[0] == "RemoteRankError" and "[0] refused" in f1[1] and f1[2] < 10, f1
+    assert a0[0] == a1[0] == "ok", (a0, a1)
