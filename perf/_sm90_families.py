@@ -95,7 +95,7 @@ def _intranode_cases() -> list[Case]:
                            {"rank": _RANK, "N": N, "R": R, "W": words, "block_off": _RANK * cap * words, "cap": cap,
                             "timeout_ns": _TIMEOUT_NS, "ntok": N, **dict.fromkeys(("S1", "S2", "S3", "O1", "O2", "O3"), words)},
                            {"FULL": sig[full], "BUSY": sig[busy], "SEND_CNT": sig[cnt], "BLOCK_T": 16, "BLOCK_W": 256,
-                            "CNT": sig["DISP_CNT"] if full == "DISP_FULL" else -1}))
+                            "CNT": sig["DISP_CNT"] if full == "DISP_FULL" else -1, "REF": sig["REFUSED"]}))
     # receive as a view: the same rows written as planes (payload | scales | top-k ids | weights + padding)
     bounds = (H // 4, H // 4 + H // 128, H // 4 + H // 128 + 2 * KT)
     rows = (nbytes // 2 // 4) // w_disp
@@ -106,7 +106,7 @@ def _intranode_cases() -> list[Case]:
                         "timeout_ns": _TIMEOUT_NS, "ntok": N,
                         **dict(zip(("S1", "S2", "S3"), bounds)), **dict(zip(("O1", "O2", "O3"), planes))},
                        {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "SEND_CNT": sig["DISP_SEND_CNT"],
-                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "VIEW": True}))
+                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "VIEW": True, "REF": sig["REFUSED"]}))
     cases.append(_case("normal_view_recv", f"EP{R}", k._view_recv_kernel,
                        {"counts_ptr": "*i32", "signal_ptrs": "*i64", "status_ptr": "*i32"},
                        {"rank": _RANK, "R": R, "M": R * N, "timeout_ns": _TIMEOUT_NS},

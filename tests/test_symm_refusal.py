@@ -300,3 +300,25 @@ def test_an_elastic_expert_id_refusal_on_symm_reaches_the_others_at_once():
     assert f0[0] == "ValueError" and "outside" in f0[1], f0
     assert f1[0] == "RemoteRankError" and "[0] refused" in f1[1] and f1[2] < 10, f1
     assert a0[0] == a1[0] == "ok", (a0, a1)
+
+
+def test_gpu_path_reports_a_single_round_refusal_at_check_status_not_at_a_later_call():
+    """Under the stream checker (the CUDA code path on a CPU) a one-round receive queues a copy of the refusal words
+    instead of synchronising: the call completes, a later call works, and check_status() raises naming the rank."""
+    from moe_ep.testing.streams import checked_streams
+
+    bs = virtual_backends(2, num_nvl_bytes=SymmBackend.get_normal_size_hint(N_MAX, H, K, 2), timeout_s=20)
+    ins = make_all_inputs(2, [4, 3], H, E, K, seed=9)
+    res = _exact_step(bs, ins)
+    with checked_streams(strict=False):
+        bs[1].normal.refuse_send("combine")
+        st = bs[0].combine_send(res[0].recv_x, res[0].handle, None)
+        bs[1].normal.refuse_recv("combine")
+        out, _ = bs[0].combine_recv(st, ())  # no raise here (no synchronisation on this path)
+        needs = (ins[0].topk_idx // (E // 2) == 1).any(1)
+        assert bool(torch.isnan(out.float()[needs]).all()) and not bool(torch.isnan(out.float()[~needs]).any())
+        _exact_step(bs, ins)  # the next call on every rank works (and does not raise for the earlier refusal)
+        bs[0].normal._check_refused("a later chunked call", blocking=True)  # its words are this call's: none
+        with pytest.raises(RemoteRankError, match=r"rank\(s\) \[1\] refused"):
+            bs[0].check_status(blocking=False)
+        bs[0].check_status(blocking=True)  # reported once

@@ -72,6 +72,7 @@ import dataclasses
 import torch
 import triton
 
+from .. import events
 from ..kernels.intranode import (
     _combine_recv_fmt_kernel,
     _gather_recv_kernel,
@@ -84,7 +85,6 @@ from ..kernels.intranode import (
 )
 from ..kernels.layout import dispatch_layout
 from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, encode_rows
-from .. import events
 from ..kernels.pdl import INTERPRET
 from ..symm import SymmBuffer
 from ..sync import CallMismatchError, RankTimeoutError
@@ -341,7 +341,6 @@ class SymmNormal(RefusalMixin):
         ranks' phases one after another in one process call it for every rank first and pass False, then send
         in ascending rank order: a view's sender waits for the lower ranks' count words)."""
         self.symm.check_usable()
-        self.poll_refused()
         R, (n, hidden) = self.symm.world_size, x.shape
         if (hidden * x.element_size()) % 4:
             raise ValueError(f"backend 'symm' normal mode needs hidden * element size to be a multiple of 4 bytes, "
@@ -450,7 +449,7 @@ class SymmNormal(RefusalMixin):
             0 if st.view else self.symm.rank * st.cap * st.words, st.cap, self.symm.timeout_ns, n,
             *st.bounds, *st.planes,
             FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw,
-            CNT=L["DISP_CNT"], VIEW=st.view, META=-1 if st.view else L["DISP_META"])
+            CNT=L["DISP_CNT"], VIEW=st.view, META=-1 if st.view else L["DISP_META"], REF=L["REFUSED"])
         self._check("dispatch (send)")
 
     def dispatch_recv_round(self, st: _SendState, r: int, *, num_worst_tokens: int) -> None:
@@ -638,7 +637,6 @@ class SymmNormal(RefusalMixin):
             fmt = FMT_FP16 if x.dtype == torch.float16 else FMT_BF16
         check_hidden(fmt, handle.hidden)
         self.symm.check_usable()
-        self.poll_refused()
         R, dev, L = self.symm.world_size, self.symm.device, self.sig
         m, h = handle.num_recv_tokens, handle.hidden
         counts = handle.recv_counts
@@ -673,7 +671,7 @@ class SymmNormal(RefusalMixin):
             self.symm.rank, m, R, words, self.symm.nbytes // 8 + self.symm.rank * cap * words, cap, self.symm.timeout_ns,
             0,
             words, words, words, words, words, words,
-            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw)
+            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw, REF=L["REFUSED"])
         self._check("combine (send)")
         return st
 
@@ -692,7 +690,8 @@ class SymmNormal(RefusalMixin):
             st.rows, st.offs[r], rc, rc, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, st.rows.shape[0], R, w, self.symm.nbytes // 8 + self.symm.rank * st.cap * w, st.cap,
             self.symm.timeout_ns, 0, w, w, w, w, w, w,
-            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw, SEG=True)
+            FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw, SEG=True,
+            REF=L["REFUSED"])
         self._check("combine (send)")
 
     def combine_recv_round(self, st: _CombineState, r: int, bias: tuple = ()) -> None:

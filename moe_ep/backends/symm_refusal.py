@@ -48,7 +48,7 @@ class RefusalMixin:
             zeros, zeros, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status, self.symm.rank, 0, R, 16,
             0, 1, self.symm.timeout_ns, 0, 16, 16, 16, 16, 16, 16,
             FULL=L[f"{pre}_FULL"], BUSY=L[f"{pre}_BUSY"], SEND_CNT=L[f"{pre}_SEND_CNT"], BLOCK_T=16, BLOCK_W=16,
-            CNT=L["DISP_CNT"] if kind == "dispatch" else -1, META=L["DISP_META"] if kind == "dispatch" else -1)
+            CNT=L["DISP_CNT"] if kind == "dispatch" else -1, META=L["DISP_META"] if kind == "dispatch" else -1, REF=L["REFUSED"])
 
     def refuse_recv(self, kind: str) -> None:
         """Drain the blocks the peers sent for call ``kind`` (read nothing, free them all)."""
@@ -85,8 +85,9 @@ class RefusalMixin:
 
     def _check_refused(self, what: str, blocking: bool = False) -> None:
         """Raise :class:`RemoteRankError` if a receive of this call saw a refusal. CPU: a direct read. GPU:
-        ``blocking`` synchronises (a call with later rounds, which must not start); otherwise a copy is queued
-        and a later call (:meth:`poll_refused`) raises once it has landed."""
+        ``blocking`` synchronises (a call with later rounds, which must not start, or one whose host read already
+        saw the refusal); otherwise a copy is queued and :meth:`poll_refused` (``Buffer.check_status()``) raises
+        once it has landed. A later call never raises for it: that would take the ranks out of step."""
         words = self._refused_words()
         if not events.uses_streams(self.symm.device):
             self._raise_refused(what, words.tolist())
@@ -97,24 +98,31 @@ class RefusalMixin:
             events.synchronize(self.symm.device)
             self._raise_refused(what, words.tolist())
             return
-        host = events.empty_pinned(self.symm.world_size, torch.int32)
-        host.copy_(words, non_blocking=True)
-        events.launch(reads=(words,), writes=(host,), what="refusal words (copy)")
-        ev = events.new_event()
-        events.record(ev)
-        self._ref_pending.append((ev, host, what))
+        self._drain(raise_now=False)
+        if len(self._ref_pending) < 64:
+            host = events.empty_pinned(self.symm.world_size, torch.int32)
+            host.copy_(words, non_blocking=True)
+            events.launch(reads=(words,), writes=(host,), what="refusal words (copy)")
+            ev = events.new_event()
+            events.record(ev)
+            self._ref_pending.append((ev, host, what))
+
+    def _drain(self, raise_now: bool) -> None:
+        """Drop the landed copies that saw no refusal; with ``raise_now``, raise for the first that saw one."""
+        still = []
+        for ev, host, what in self._ref_pending:
+            if not events.query(ev):
+                still.append((ev, host, what))
+            elif any(host.tolist()):
+                if raise_now:
+                    self._ref_pending = []
+                    self._raise_refused(what, host.tolist())
+                still.append((ev, host, what))
+        self._ref_pending = still
 
     def poll_refused(self) -> None:
         """Raise for a refusal seen by an earlier call whose queued copy has landed (GPU; CPU raises at the call)."""
-        still = []
-        for ev, host, what in self._ref_pending:
-            if events.query(ev):
-                if any(host.tolist()):
-                    self._ref_pending = []
-                    self._raise_refused(what, host.tolist())
-            else:
-                still.append((ev, host, what))
-        self._ref_pending = still
+        self._drain(raise_now=True)
 
     def _diagnose_kind(self, exc: RankTimeoutError, what: str) -> None:
         """Error path of a timed-out normal-mode wait on peer ``p``: if ``p`` published the other operation's

@@ -39,8 +39,9 @@ Signals (int32 words of each rank's signal region, see :func:`signal_layout`)::
     DISP_HELD + s  on receiver: 1 while source s's rows are handed out as a receive view
     DISP_META + s, DISP_META + R + s   on receiver: source s's rows for us over the whole call and its token
                    count (written before FULL; they fix a chunked dispatch's offsets and number of rounds)
-    REFUSED + s    on receiver, local: 1 when a receive saw source s's refused signature (``SIG_REFUSED``: s's
-                   own checks raised, it sent an empty block); the host reads, reports and clears them
+    REFUSED + s    on receiver, local: set to 1 by a receive that saw source s's refused signature (``SIG_REFUSED``:
+                   s's own checks raised, it sent an empty block); zeroed by program (0, 0) of this rank's next send
+                   (``REF``), so the host reads the current call's (copies queued earlier keep theirs)
 
 Refusals (docs/protocols.md): a rank whose own checks refuse a call publishes, in place of it, a signature with
 ``SIG_REFUSED`` and an empty block (the send kernel with no rows) and drains its peers' blocks
@@ -119,7 +120,8 @@ def _refused(my_sig, base, s):
 def _check_source(my_sig, status_ptr, rank, R, s, FULL: tl.constexpr, REF: tl.constexpr):
     """After the FULL wait on source ``s``: a refusal is noted in this rank's local word ``REF + s`` (the host
     raises ``RemoteRankError`` naming ``s``; its block is empty) and not compared; any other signature that
-    differs from this rank's is a call mismatch (status ``STATUS_SIG_MISMATCH - s``)."""
+    differs from this rank's is a call mismatch (status ``STATUS_SIG_MISMATCH - s``). (The words are zeroed by
+    this rank's send of the same kind, a launch before this receive: see :func:`_scatter_send_kernel`.)"""
     if tl.load(status_ptr, volatile=True) == 0:
         base = _sig_base(R, FULL)
         if _refused(my_sig, base, s):
@@ -208,10 +210,15 @@ def _scatter_send_kernel(
     CNT: tl.constexpr = -1, VIEW: tl.constexpr = False,  # CNT: offset of d's count words (dispatch), -1 none
     META: tl.constexpr = -1,  # offset of d's words [R totals][R token counts] (dispatch), -1 none
     SEG: tl.constexpr = False,  # rows for d are src rows [pos_ptr[d], + counts[d]) (pos_ptr: [R] offsets)
+    REF: tl.constexpr = -1,  # offset of this rank's local refusal words: zeroed here, before this call's receive
 ):
     d = tl.program_id(0)
     c = tl.program_id(1)
     my_sig = _words(signal_ptrs, rank)
+    if REF >= 0:
+        if (d == 0) & (c == 0):
+            for s in range(R):
+                tl.store(my_sig + REF + s, 0)
 
     # Step 1: d has drained our previous block.
     wait_ne(my_sig + BUSY + d, 1, status_ptr, d, timeout_ns)
