@@ -48,7 +48,8 @@ class RefusalMixin:
             zeros, zeros, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status, self.symm.rank, 0, R, 16,
             0, 1, self.symm.timeout_ns, 0, 16, 16, 16, 16, 16, 16,
             FULL=L[f"{pre}_FULL"], BUSY=L[f"{pre}_BUSY"], SEND_CNT=L[f"{pre}_SEND_CNT"], BLOCK_T=16, BLOCK_W=16,
-            CNT=L["DISP_CNT"] if kind == "dispatch" else -1, META=L["DISP_META"] if kind == "dispatch" else -1, REF=L["REFUSED"])
+            CNT=L["DISP_CNT"] if kind == "dispatch" else -1, META=L["DISP_META"] if kind == "dispatch" else -1,
+            REF=L["REFUSED"])
 
     def refuse_recv(self, kind: str) -> None:
         """Drain the blocks the peers sent for call ``kind`` (read nothing, free them all)."""
@@ -64,8 +65,8 @@ class RefusalMixin:
     def refuse(self, kind: str) -> None:
         """This rank's checks refused call ``kind`` before any peer write: take part with nothing (both phases).
         A timed-out wait here leaves the status word set (the next call raises); the caller raises its own error."""
-        if self.symm.broken is not None:
-            return
+        if self.symm.broken is not None or events.is_capturing(self.symm.device):
+            return  # (in a capture nothing runs: the kernels would only be recorded into a graph that is dropped)
         self.refuse_send(kind)
         self.refuse_recv(kind)
 
