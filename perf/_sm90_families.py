@@ -99,7 +99,7 @@ def _intranode_cases() -> list[Case]:
                             # as SymmNormal launches them: a copying dispatch's meta words, and both operations wait
                             # on the other's busy words too (the time-shared area)
                             "META": sig["DISP_META"] if full == "DISP_FULL" else -1,
-                            "BUSY2": sig["COMB_BUSY" if full == "DISP_FULL" else "DISP_BUSY"]}))
+                            "BUSY2": sig["COMB_BUSY" if full == "DISP_FULL" else "DISP_BUSY"], "REF": sig["REFUSED"]}))
     # receive as a view: the same rows written as planes (payload | scales | top-k ids | weights + padding)
     bounds = (H // 4, H // 4 + H // 128, H // 4 + H // 128 + 2 * KT)
     rows = (nbytes // 2 // 4) // w_disp
@@ -110,11 +110,12 @@ def _intranode_cases() -> list[Case]:
                         "timeout_ns": _TIMEOUT_NS, "ntok": N,
                         **dict(zip(("S1", "S2", "S3"), bounds)), **dict(zip(("O1", "O2", "O3"), planes))},
                        {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "SEND_CNT": sig["DISP_SEND_CNT"],
-                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "VIEW": True, "BUSY2": sig["COMB_BUSY"]}))
+                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "VIEW": True, "BUSY2": sig["COMB_BUSY"],
+                        "REF": sig["REFUSED"]}))
     cases.append(_case("normal_view_recv", f"EP{R}", k._view_recv_kernel,
                        {"counts_ptr": "*i32", "signal_ptrs": "*i64", "status_ptr": "*i32"},
                        {"rank": _RANK, "R": R, "M": R * N, "timeout_ns": _TIMEOUT_NS},
-                       {"FULL": sig["DISP_FULL"], "HELD": sig["DISP_HELD"]}, num_warps=1))
+                       {"FULL": sig["DISP_FULL"], "HELD": sig["DISP_HELD"], "REF": sig["REFUSED"]}, num_warps=1))
     cases.append(_case("normal_release_held", f"EP{R}", k._release_held_kernel,
                        {"signal_ptrs": "*i64", "status_ptr": "*i32"}, {"rank": _RANK, "R": R},
                        {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "CNT": sig["DISP_CNT"],
@@ -127,13 +128,19 @@ def _intranode_cases() -> list[Case]:
                        {"rank": _RANK, "R": R, "W": w_disp, "cap": cap, "area_off": 0, "M": R * N,
                         "timeout_ns": _TIMEOUT_NS},
                        {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "RECV_CNT": sig["DISP_RECV_CNT"],
-                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"]}))
+                        "BLOCK_T": 16, "BLOCK_W": 256, "CNT": sig["DISP_CNT"], "REF": sig["REFUSED"]}))
+    # a refusing rank's drain (symm_refusal.py: one row block of 16 words, nothing read)
+    cases.append(_case("normal_gather_recv", f"refusal drain EP{R}", k._gather_recv_kernel,
+                       {"out_ptr": "*i32", "counts_ptr": "*i32", "dst_ptr": "*i32", **_SYMM_PTRS},
+                       {"rank": _RANK, "R": R, "W": 16, "cap": 1, "area_off": 0, "M": 0, "timeout_ns": _TIMEOUT_NS},
+                       {"FULL": sig["DISP_FULL"], "BUSY": sig["DISP_BUSY"], "RECV_CNT": sig["DISP_RECV_CNT"],
+                        "BLOCK_T": 16, "BLOCK_W": 16, "CNT": sig["DISP_CNT"], "DRAIN": True}))
     cases.append(_case("normal_combine_recv", f"BF16 H={H} top-{KT} N={N} EP{R} +weights", k._combine_recv_kernel,
                        {"acc_ptr": "*fp32", "out_ptr": "*i16", "wout_ptr": "*fp32", "pos_ptr": "*i32", **_SYMM_PTRS},
                        {"rank": _RANK, "N": N, "R": R, "W": w_comb, "cap": cap, "area_off": nbytes // 8,
                         "timeout_ns": _TIMEOUT_NS},
                        {"H": H, "K": KT, "KP": KT, "HAS_W": True, "FULL": sig["COMB_FULL"], "BUSY": sig["COMB_BUSY"],
-                        "RECV_CNT": sig["COMB_RECV_CNT"], "BLOCK_T": 16, "HC": 256},
+                        "RECV_CNT": sig["COMB_RECV_CNT"], "BLOCK_T": 16, "HC": 256, "REF": sig["REFUSED"]},
                        options={"enable_fp_fusion": False}))
     w_comb8 = pad16(H // 4 + H // 128 + KT)  # FP8 payload | scales | weights
     for what, fmt, words, f16 in (("FP8 combine", 2, w_comb8, False), ("FP16", 1, w_comb, True)):
@@ -144,7 +151,7 @@ def _intranode_cases() -> list[Case]:
                             "timeout_ns": _TIMEOUT_NS},
                            {"H": H, "K": KT, "KP": KT, "HAS_W": True, "FULL": sig["COMB_FULL"],
                             "BUSY": sig["COMB_BUSY"], "RECV_CNT": sig["COMB_RECV_CNT"], "BLOCK_T": 16, "HC": 256,
-                            "FMT": fmt, "OUT_F16": f16},
+                            "FMT": fmt, "OUT_F16": f16, "REF": sig["REFUSED"]},
                            options={"enable_fp_fusion": False}))
     return cases
 

@@ -131,10 +131,12 @@ CASES = {
     "counts_meta": lambda: compile_one("_recv_counts_kernel", P, {"FULL": 0, "META": 130}),
     "gather_offs": lambda: compile_one("_gather_recv_kernel", P, {"FULL": 0, "BUSY": 8, "RECV_CNT": 48,
                                                                   "BLOCK_T": 16, "BLOCK_W": 256, "CNT": 114,
-                                                                  "OFFS": True}),
+                                                                  "OFFS": True, "REF": 146}),
+    "gather_drain": lambda: compile_one("_gather_recv_kernel", P, {"FULL": 16, "BUSY": 24, "RECV_CNT": 49,
+                                                                   "BLOCK_T": 16, "BLOCK_W": 256, "DRAIN": True}),
     "send_view": lambda: compile_one("_scatter_send_kernel", P, {"FULL": 0, "BUSY": 8, "SEND_CNT": 32, "BLOCK_T": 16,
                                                                  "BLOCK_W": 256, "CNT": 114, "VIEW": True}),
-    "view_recv": lambda: compile_one("_view_recv_kernel", P, {"FULL": 0, "HELD": 122}),
+    "view_recv": lambda: compile_one("_view_recv_kernel", P, {"FULL": 0, "HELD": 122, "REF": 146}),
     "release_held": lambda: compile_one("_release_held_kernel", P, {"FULL": 0, "BUSY": 8, "CNT": 114, "HELD": 122}),
     "counts": lambda: compile_one("_recv_counts_kernel", P, {"FULL": 0}),
     "gather": lambda: compile_one("_gather_recv_kernel", P, {"FULL": 0, "BUSY": 8, "RECV_CNT": 48, "BLOCK_T": 16,
@@ -142,7 +144,7 @@ CASES = {
     "layout": lambda: compile_layout(),
     "combine": lambda: compile_one("_combine_recv_kernel", dict(P, out_ptr="*i16"),
                                    {"H": 7168, "K": 8, "KP": 8, "HAS_W": True, "FULL": 16, "BUSY": 24, "RECV_CNT": 49,
-                                    "BLOCK_T": 16, "HC": 256}, fp_fusion=False),
+                                    "BLOCK_T": 16, "HC": 256, "REF": 146}, fp_fusion=False),
 }
 print(json.dumps({k: CASES[k]() for k in json.loads(sys.argv[1])}))
 '''
@@ -154,7 +156,7 @@ def compiled():
 
 
 KERNELS = ["send", "send_view", "view_recv", "release_held", "counts", "gather", "combine", "layout",
-           "send_chunked", "send_seg", "counts_meta", "gather_offs"]
+           "send_chunked", "send_seg", "counts_meta", "gather_offs", "gather_drain"]
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -167,7 +169,7 @@ def test_compiles_for_sm90(compiled, name):
         assert ops[r"globaltimer"] == 0 and ops[r"\.release"] > 0, ops
         return
     assert ops[r"globaltimer"] > 0, f"waits must be bounded by the GPU timer: {ops}"
-    if name in ("send", "send_view", "gather", "combine", "send_chunked", "send_seg", "gather_offs"):
+    if name in ("send", "send_view", "gather", "combine", "send_chunked", "send_seg", "gather_offs", "gather_drain"):
         assert ops[r"\.release"] > 0, f"signals must be published with release semantics: {ops}"
     if name in ("send", "send_view", "gather", "send_chunked", "send_seg", "gather_offs"):
         assert ops[r"ld\.global\.v4\.b32"] > 0 and ops[r"st\.global\.v4\.b32"] > 0, f"rows not moved in 16-byte vectors: {ops}"

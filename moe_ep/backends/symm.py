@@ -186,6 +186,18 @@ class SymmBackend(Backend):
     def combine(self, x, handle, topk_weights, bias, fmt=None):
         return self.combine_recv(self.combine_send(x, handle, topk_weights, fmt=fmt), bias)
 
+    # ------------------------------------------------------------------ refusals (normal mode)
+    def arrival_mark(self):
+        """Normal-mode send launches so far: a refusal with the same count wrote nothing to any peer."""
+        return self._normal.sends if self._normal is not None else None
+
+    def refuse(self, what: str, mark, message: str) -> None:
+        """The Buffer's checks refused normal-mode ``what`` before any send of it: publish the refusal to every
+        peer and drain their blocks (:mod:`moe_ep.backends.symm_refusal`), so they raise ``RemoteRankError`` at
+        once and the Buffer stays in step. Low-latency refusals are not published (the peers time out)."""
+        if what in ("dispatch", "combine") and mark is not None and self._normal.sends == mark:
+            self._normal.refuse(what)
+
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch_send(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, *,
                                   use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False):
@@ -269,6 +281,10 @@ class SymmBackend(Backend):
         replays, where the per-call check cannot run)."""
         for b in self._buffers:
             b.check_status("a CUDA-graph replay or earlier call", blocking=blocking)
+        if self._normal is not None and self._buffers:  # a peer's refusal seen by an earlier receive (GPU)
+            self._normal.poll_refused()
+            if blocking:
+                self._normal._check_refused("an earlier call", blocking=True)
 
     def destroy(self) -> None:
         for b in self._buffers:

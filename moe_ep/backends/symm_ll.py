@@ -43,9 +43,10 @@ from ..kernels.low_latency import (
     signal_layout,
 )
 from ..kernels.pdl import INTERPRET
-from ..kernels.signals import MASK_API
+from .. import events
+from ..kernels.signals import MASK_API, MASK_TIMEOUT
 from ..symm import SymmBuffer
-from ..sync import CallMismatchError
+from ..sync import CallMismatchError, RankTimeoutError
 from .base import LowLatencyDispatchResult, LowLatencyHandle
 
 __all__ = ["SymmLowLatency", "SymmLowLatencyHandle", "ll_buffer_bytes", "deepep_ll_buffer_bytes", "virtual_low_latency_step"]
@@ -216,6 +217,8 @@ class SymmLowLatency:
         self._combine_slot = 0
         self._combine_buffers: dict = {}
         self._msg_areas: dict = {}  # message areas dispatched into so far: (byte offset, T, msg bytes) per slot
+        self._open = {"DISP": 0, "COMB": 0}  # sends of each kind whose receive has not run yet (hooks)
+        self._timed_seen: set = set()  # peers masked by a timed-out wait, as of the last receive (enable_shrink)
 
     @property
     def shrink(self) -> bool:
@@ -253,6 +256,9 @@ class SymmLowLatency:
         only: reads the signature words on the host)."""
         try:
             self.symm.check_status(what)
+        except RankTimeoutError as exc:
+            self._other_operation(exc.missing_ranks, which, what, exc)
+            raise
         except CallMismatchError as exc:
             peer = exc.peer
             base = slot * self.sig["SLOT_WORDS"] + self.sig[which]
@@ -264,6 +270,30 @@ class SymmLowLatency:
                                     "the Buffer is unusable: destroy it)", [n for n, a, b in
                                                                            zip(self._SIG_FIELDS, theirs, mine)
                                                                            if a != b]) from None
+        if self._shrink and not events.uses_streams(self.symm.device):  # CPU: a host read of the mask is free
+            # only peers this very receive masked: a masked rank still running may publish any word later
+            timed = {p for p, v in enumerate(self.mask.tolist()) if v == MASK_TIMEOUT}
+            new, self._timed_seen = sorted(timed - self._timed_seen), timed
+            self._other_operation(new, which, what)
+
+    def _other_operation(self, peers: list, which: str, what: str, exc: Optional[Exception] = None) -> None:
+        """Error path: a peer whose wait timed out (or that a wait masked) published the *other* operation's FULL
+        word here while this rank has no call of that kind open: it called that operation. Raise
+        :class:`CallMismatchError` naming it and both operations (host reads of a few signal words)."""
+        mine, other = ("DISP", "COMB") if which.startswith("DISP") else ("COMB", "DISP")
+        if self._open[other]:  # (this rank's own call of that kind is still open: its FULL words are expected)
+            return
+        names = {"DISP": "low_latency_dispatch", "COMB": "low_latency_combine"}
+        sw, at = self.sig["SLOT_WORDS"], self.sig[f"{other}_FULL"]
+        for p in peers:
+            if any(int(self.symm.signals[slot * sw + at + 2 * p]) for slot in range(NUM_SLOTS)):
+                err = CallMismatchError(
+                    f"moe_ep {what}: ranks called different operations (rank {p}: {names[other]}, rank "
+                    f"{self.symm.rank}: {names[mine]}); this rank found rank {p}'s {names[other]} where it waited for "
+                    f"its {names[mine]} ({'it was masked' if self._shrink else 'the Buffer is unusable: destroy it'})",
+                    ["call"])
+                err.peer = p
+                raise err from exc
 
     def _slot_span(self, lay: _Layout) -> int:
         """Bytes of one slot: the data region less the staging areas (nvshmem), halved."""
@@ -367,6 +397,7 @@ class SymmLowLatency:
             self.symm.buffer[off:off + R * T * msg].view(R, T * msg).mul_(keep.to(torch.uint8)[:, None])
         self.mask.zero_()
         self._api = [0] * R
+        self._timed_seen = set()
 
     # ------------------------------------------------------------------ dispatch
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -452,6 +483,7 @@ class SymmLowLatency:
             sig_copy_off=self._stage_base(lay, slot), num_warps=warps, **self._nvshmem_launch(dev))
         symm.check_status("low_latency_dispatch (send)")
         self._dispatch_slot ^= 1
+        self._open["DISP"] += 1
         return _DispatchState(result, x_c, topk, slot, lay, use_fp8)
 
     def dispatch_recv(self, state: _DispatchState,
@@ -501,6 +533,7 @@ class SymmLowLatency:
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"],
             TRANSPORT=self.transport, num_warps=warps)
         self._release(state.slot, "DISP_BUSY", dev)
+        self._open["DISP"] = max(0, self._open["DISP"] - 1)
         self._check_status_naming_fields("low_latency_dispatch (receive)", state.slot, "DISP_SIG")
         state.recv_done = True
         return res
@@ -569,6 +602,7 @@ class SymmLowLatency:
             num_warps=warps, **self._nvshmem_launch(dev))
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1
+        self._open["COMB"] += 1
         return _CombineState(out, topk_idx.contiguous(), topk_weights.contiguous(), handle, slot, lay, fmt=fmt)
 
     def combine_recv(self, state: _CombineState, out: Optional[torch.Tensor] = None,
@@ -601,6 +635,7 @@ class SymmLowLatency:
             FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, TRANSPORT=self.transport, num_warps=warps,
             enable_fp_fusion=False)
         self._release(state.slot, "COMB_BUSY", dev)
+        self._open["COMB"] = max(0, self._open["COMB"] - 1)
         self._check_status_naming_fields("low_latency_combine (receive)", state.slot, "COMB_SIG")
         state.recv_done = True
         return state.out

@@ -52,6 +52,8 @@ land in the next source's block); the sender's status word then names the destin
 receiver's gather drops rows past ``num_worst_tokens`` and flags them. The handle is a one-round handle
 (its combine is one round too); a cached dispatch with ``num_worst_tokens <= C`` takes the same path.
 
+A call refused by one rank's own checks is published to the peers as an empty "refused" block
+(:mod:`moe_ep.backends.symm_refusal`): they raise ``RemoteRankError`` naming it and the Buffer stays in step.
 A buffer below one token per source per round is refused with the minimum (:meth:`SymmNormal.min_bytes`);
 a receive view must hold the whole receive (refused otherwise). :meth:`SymmNormal.size_hint` gives the
 whole-batch size for a token count, or a fixed size for a chunk (``num_max_tokens=None`` /
@@ -74,6 +76,7 @@ import dataclasses
 import torch
 import triton
 
+from .. import events
 from ..kernels.intranode import (
     _combine_recv_fmt_kernel,
     _gather_recv_kernel,
@@ -88,8 +91,9 @@ from ..kernels.layout import dispatch_layout
 from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, encode_rows
 from ..kernels.pdl import INTERPRET
 from ..symm import SymmBuffer
-from ..sync import CallMismatchError
+from ..sync import CallMismatchError, RankTimeoutError
 from .base import DispatchHandle, DispatchResult
+from .symm_refusal import RefusalMixin
 
 __all__ = ["SymmNormal", "SymmNormalHandle"]
 
@@ -186,6 +190,7 @@ class _SendState:
     ntok_max: int = None
     worst_fit: bool = False  # 0 < num_worst_tokens <= cap (not a view): one round, every token, no host read
     one_round: bool = False  # a cached dispatch of a one-round handle (a view's or a worst-fit one): likewise
+    refused: bool = False  # round 0's host read saw a peer's refusal (the receive raises RemoteRankError)
 
 
 @dataclasses.dataclass
@@ -206,9 +211,9 @@ class _CombineState:
     shared: bool = True  # the time-shared area (whole buffer, also waits for the dispatch's busy words); else halves
 
 
-class SymmNormal:
+class SymmNormal(RefusalMixin):
     """Normal-mode dispatch / combine of one rank over its :class:`~moe_ep.symm.SymmBuffer` (phases as
-    methods; see :class:`moe_ep.backends.symm.SymmBackend`)."""
+    methods; see :class:`moe_ep.backends.symm.SymmBackend`; refusals: :mod:`moe_ep.backends.symm_refusal`)."""
 
     def __init__(self, symm: SymmBuffer, owner: int):
         self.symm = symm
@@ -217,6 +222,8 @@ class SymmNormal:
         self._interp = INTERPRET or symm.device.type != "cuda"
         self._view_used = False  # a receive view was handed out once: releases may be due (device-checked)
         self._held = False  # the last dispatch was a view, not yet released by a combine: the combine uses halves
+        self.sends = 0  # send launches so far (a refusal with none since the Buffer's mark wrote nothing)
+        self._ref_pending: list = []  # queued copies of the refusal words (GPU)
 
     @staticmethod
     def num_signals(world_size: int) -> int:
@@ -274,10 +281,20 @@ class SymmNormal:
         for w, v in enumerate(values):
             self.symm.signals[at + w].fill_(int(v))
 
-    def _check_status_naming_fields(self, what: str, which: str) -> None:
+    def _check(self, what: str) -> None:
+        """``check_status``; a timeout on a peer that called the other operation is a :class:`CallMismatchError`."""
         try:
             self.symm.check_status(what)
+        except RankTimeoutError as exc:
+            self._diagnose_kind(exc, what)
+            raise
+
+    def _check_status_naming_fields(self, what: str, which: str) -> None:
+        try:
+            self._check(what)
         except CallMismatchError as exc:
+            if getattr(exc, "other_operation", None):  # (the peer is in the other operation: nothing to name)
+                raise
             peer, me, base = exc.peer, self.symm.rank, self.sig[which]
             theirs = self.symm.signals[base + 4 * peer: base + 4 * peer + 4].tolist()
             mine = self.symm.signals[base + 4 * me: base + 4 * me + 4].tolist()
@@ -322,11 +339,16 @@ class SymmNormal:
         return min(cap, rows // self.symm.world_size), rows, view_planes(rows, bounds, words)[:3]
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch_release(self) -> None:
+    def _release_due(self, view: bool = False) -> bool:
+        """Whether a release launch is due: this call is a view, a view was handed out before, or a CUDA graph is
+        being captured (its replays may follow views taken after the capture). The device checks ``HELD``."""
+        return view or self._view_used or events.is_capturing(self.symm.device)
+
+    def dispatch_release(self, view: bool = False) -> None:
         """Free the dispatch area a receive view of this rank still holds (a no-op on the device when none is
-        held; nothing is launched before the first view). Its own phase: :meth:`SymmBackend.dispatch` runs
-        it before the sends, since a peer's sends wait for it."""
-        if self._view_used:
+        held; launched for every view dispatch (``view``), once a view was handed out, and while capturing).
+        Its own phase: :meth:`SymmBackend.dispatch` runs it before the sends, since a peer's sends wait for it."""
+        if self._release_due(view):
             L = self.sig
             _release_held_kernel[(1,)](self.symm.signal_ptrs, self.symm.status, self.symm.rank, self.symm.world_size,
                                        FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], CNT=L["DISP_CNT"],
@@ -398,7 +420,7 @@ class SymmNormal:
         flags = 1 | int(x_scales is not None) << 1 | int(x_scales is not None and x_scales.dtype == torch.int32) << 2 \
             | int(handle is not None) << 3 | int(bool(recv_view)) << 4 | int(exchange) << 5 | int(worst_fit) << 6
         if release:  # before the signature: the release clears the held sources' entries, this rank's own too
-            self.dispatch_release()
+            self.dispatch_release(view=bool(recv_view))
         self._write_signature("DISP_SIG", (hidden, words, (num_experts or 0) * 256 + k, flags))
         if recv_view:
             self._view_used = True
@@ -443,14 +465,16 @@ class SymmNormal:
         if r > 0:
             self._write_signature("DISP_SIG", st.sig)
         bt, bw = self._blocks(st.words)
+        self.sends += 1
         _scatter_send_kernel[(R, max(1, triton.cdiv(t1 - t0, bt)))](
             rows, pos.contiguous(), counts.contiguous(), st.counts.contiguous(), self.symm.buffer_ptrs,
             self.symm.signal_ptrs, self.symm.status, self.symm.rank, t1 - t0, R, st.words,
             0 if st.view else self.symm.rank * st.cap * st.words, st.cap, self.symm.timeout_ns, n,
             *st.bounds, *st.planes,
             FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], SEND_CNT=L["DISP_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw,
-            CNT=L["DISP_CNT"], VIEW=st.view, META=-1 if st.view else L["DISP_META"], BUSY2=L["COMB_BUSY"])
-        self.symm.check_status("dispatch (send)")
+            CNT=L["DISP_CNT"], VIEW=st.view, META=-1 if st.view else L["DISP_META"], BUSY2=L["COMB_BUSY"],
+            REF=L["REFUSED"])
+        self._check("dispatch (send)")
 
     def dispatch_recv_round(self, st: _SendState, r: int, *, num_worst_tokens: int) -> None:
         """Receive round ``r`` into the final output. Round 0 also learns the whole call's sizes (rows from
@@ -460,8 +484,9 @@ class SymmNormal:
             counts = torch.zeros(R, dtype=torch.int32, device=dev)
             _view_recv_kernel[(1,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank, R,
                                     num_worst_tokens if num_worst_tokens > 0 else st.view_rows, self.symm.timeout_ns,
-                                    FULL=L["DISP_FULL"], HELD=L["DISP_HELD"], num_warps=1)
+                                    FULL=L["DISP_FULL"], HELD=L["DISP_HELD"], REF=L["REFUSED"], num_warps=1)
             self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
+            self._check_refused("dispatch (receive)")
             if num_worst_tokens > 0:
                 st.m, st.host = num_worst_tokens, None
             else:
@@ -493,14 +518,15 @@ class SymmNormal:
                 counts = torch.zeros(R, dtype=torch.int32, device=dev)
                 _recv_counts_kernel[(R,)](counts, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
                                           self.symm.timeout_ns, FULL=L["DISP_FULL"])
-                self.symm.check_status("dispatch (receive)")
+                self._check("dispatch (receive)")
         else:
-            meta = torch.zeros(3 * R, dtype=torch.int32, device=dev)
+            meta = torch.zeros(4 * R, dtype=torch.int32, device=dev)
             _recv_counts_kernel[(R,)](meta, self.symm.signal_ptrs, self.symm.status, self.symm.rank,
                                       self.symm.timeout_ns, FULL=L["DISP_FULL"], META=L["DISP_META"])
-            self.symm.check_status("dispatch (receive)")
+            self._check("dispatch (receive)")
             vals = meta.tolist()  # NOTES: the one host read of a dispatch (sizes the output, fixes the rounds)
-            st.ntok_max = max(vals[2 * R:])
+            st.ntok_max = max(vals[2 * R:3 * R])
+            st.refused = any(vals[3 * R:])
             if h is not None:
                 st.host, tot = h.recv_counts_host, h.recv_counts
             else:
@@ -508,6 +534,10 @@ class SymmNormal:
         st.rounds = max(1, -(-st.ntok_max // C))
         st.m = num_worst_tokens if num_worst_tokens > 0 else (sum(st.host) if st.host is not None else sum(tot.tolist()))
         if st.rounds == 1:
+            self._gather_single(st, num_worst_tokens)
+            return
+        if st.refused:  # a peer refused: drain round 0 (its release frees every block), then raise
+            st.rounds = 1
             self._gather_single(st, num_worst_tokens)
             return
         # Chunked: source s's rows of round r land at (rows of the sources before s) + (rows of s in rounds < r).
@@ -528,8 +558,9 @@ class SymmNormal:
             st.out, counts, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, R, st.words, C, 0, st.m, self.symm.timeout_ns,
             FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw,
-            CNT=L["DISP_CNT"])
+            CNT=L["DISP_CNT"], REF=L["REFUSED"])
         self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
+        self._check_refused("dispatch (receive)", blocking=st.refused)
         # (more rows than num_worst_tokens: the gather kernel drops them and sets the status flag, which the
         # check above reports; no host read)
         st.rcounts = counts
@@ -543,8 +574,10 @@ class SymmNormal:
             st.out, counts, st.dst, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, R, st.words, st.cap, 0, st.m, self.symm.timeout_ns,
             FULL=L["DISP_FULL"], BUSY=L["DISP_BUSY"], RECV_CNT=L["DISP_RECV_CNT"], BLOCK_T=bt, BLOCK_W=bw,
-            CNT=L["DISP_CNT"], OFFS=True)
+            CNT=L["DISP_CNT"], OFFS=True, REF=L["REFUSED"])
         self._check_status_naming_fields("dispatch (receive)", "DISP_SIG")
+        if not st.round_counts:  # (a refusal comes in round 0; later rounds must not start on any rank)
+            self._check_refused("dispatch (receive)", blocking=True)
         st.round_counts.append(counts)
         st.dst = st.dst + counts
 
@@ -664,14 +697,15 @@ class SymmNormal:
         pos = torch.full((m, R), -1, dtype=torch.int32, device=dev)
         pos[rows_idx, src_c] = torch.where(valid, slot, -1).to(torch.int32)  # no boolean indexing: no host sync
         bt, bw = self._blocks(words)
+        self.sends += 1
         _scatter_send_kernel[(R, max(1, triton.cdiv(m, bt)))](
             rows, pos, counts, counts, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, m, R, words, self._comb_off(st) + self.symm.rank * cap * words, cap, self.symm.timeout_ns,
             0,
             words, words, words, words, words, words,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw,
-            BUSY2=L["DISP_BUSY"] if shared else -1)
-        self.symm.check_status("combine (send)")
+            BUSY2=L["DISP_BUSY"] if shared else -1, REF=L["REFUSED"])
+        self._check("combine (send)")
         return st
 
     def _comb_off(self, st: _CombineState) -> int:
@@ -688,13 +722,14 @@ class SymmNormal:
             self._write_signature("COMB_SIG", st.sig)
         rc = st.handle.round_counts[r]
         bt, bw = self._blocks(w)
+        self.sends += 1
         _scatter_send_kernel[(R, max(1, triton.cdiv(st.handle.chunk, bt)))](
             st.rows, st.offs[r], rc, rc, self.symm.buffer_ptrs, self.symm.signal_ptrs, self.symm.status,
             self.symm.rank, st.rows.shape[0], R, w, self._comb_off(st) + self.symm.rank * st.cap * w, st.cap,
             self.symm.timeout_ns, 0, w, w, w, w, w, w,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], SEND_CNT=L["COMB_SEND_CNT"], BLOCK_T=bt, BLOCK_W=bw, SEG=True,
-            BUSY2=L["DISP_BUSY"] if st.shared else -1)
-        self.symm.check_status("combine (send)")
+            BUSY2=L["DISP_BUSY"] if st.shared else -1, REF=L["REFUSED"])
+        self._check("combine (send)")
 
     def combine_recv_round(self, st: _CombineState, r: int, bias: tuple = ()) -> None:
         """Reduce round ``r`` (the original tokens ``[r C, (r + 1) C)``; all of them when the dispatch took one
@@ -726,10 +761,12 @@ class SymmNormal:
             self.symm.timeout_ns,
             H=h, K=max(k, 1), KP=triton.next_power_of_2(max(k, 1)), HAS_W=st.has_w,
             FULL=L["COMB_FULL"], BUSY=L["COMB_BUSY"], RECV_CNT=L["COMB_RECV_CNT"], BLOCK_T=bt, HC=hc,
-            FMT=st.fmt, OUT_F16=st.out_dtype == torch.float16, enable_fp_fusion=False,
+            FMT=st.fmt, OUT_F16=st.out_dtype == torch.float16, enable_fp_fusion=False, REF=L["REFUSED"],
             **(dict(DFULL=L["DISP_FULL"], DBUSY=L["DISP_BUSY"], DCNT=L["DISP_CNT"], DHELD=L["DISP_HELD"])
-               if self._view_used else {}))
+               if self._release_due() else {}))
         self._check_status_naming_fields("combine (receive)", "COMB_SIG")
+        if r == 0:  # (a refusal comes in round 0; later rounds must not start on any rank)
+            self._check_refused("combine (receive)", blocking=handle.rounds > 1)
 
     def combine_finish(self, st: _CombineState):
         return st.out, (st.wout if st.has_w else None)

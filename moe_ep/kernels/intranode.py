@@ -39,6 +39,13 @@ Signals (int32 words of each rank's signal region, see :func:`signal_layout`)::
     DISP_HELD + s  on receiver: 1 while source s's rows are handed out as a receive view
     DISP_META + s, DISP_META + R + s   on receiver: source s's rows for us over the whole call and its token
                    count (written before FULL; they fix a chunked dispatch's offsets and number of rounds)
+    REFUSED + s    on receiver, local: set to 1 by a receive that saw source s's refused signature (``SIG_REFUSED``:
+                   s's own checks raised, it sent an empty block); zeroed by program (0, 0) of this rank's next send
+                   (``REF``), so the host reads the current call's (copies queued earlier keep theirs)
+
+Refusals (docs/protocols.md): a rank whose own checks refuse a call publishes, in place of it, a signature with
+``SIG_REFUSED`` and an empty block (the send kernel with no rows) and drains its peers' blocks
+(:func:`_gather_recv_kernel` with ``DRAIN``); the peers' receives note it, skip its (empty) block and complete.
 
 Time-shared area (``BUSY2``): a copying dispatch and the combine that follows it may use the same bytes of the
 receiver's buffer (source ``s``'s block of either operation is written only by ``s``). A send then waits on both of
@@ -66,7 +73,7 @@ from .signals import STATUS_WORST_EXCEEDED, report_error, arrive_last, signal_re
 
 assert STATUS_WORST_EXCEEDED == -16777216  # (written as a literal in the kernel)
 
-__all__ = ["signal_layout", "view_planes", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
+__all__ = ["SIG_REFUSED", "signal_layout", "view_planes", "_scatter_send_kernel", "_recv_counts_kernel", "_gather_recv_kernel",
            "_view_recv_kernel", "_release_held_kernel", "_combine_recv_kernel", "_combine_recv_fmt_kernel"]
 
 
@@ -78,7 +85,7 @@ def signal_layout(world_size: int) -> dict:
     return {"DISP_FULL": 0, "DISP_BUSY": R, "COMB_FULL": 2 * R, "COMB_BUSY": 3 * R, "DISP_SEND_CNT": 4 * R,
             "COMB_SEND_CNT": 5 * R, "DISP_RECV_CNT": 6 * R, "COMB_RECV_CNT": 6 * R + 1,
             "DISP_SIG": 6 * R + 2, "COMB_SIG": 10 * R + 2, "DISP_CNT": 14 * R + 2, "DISP_HELD": 15 * R + 2,
-            "DISP_META": 16 * R + 2, "WORDS": (18 * R + 2 + 7) // 8 * 8}
+            "DISP_META": 16 * R + 2, "REFUSED": 18 * R + 2, "WORDS": (19 * R + 2 + 7) // 8 * 8}
 
 
 def view_planes(rows: int, bounds: tuple, words: int) -> tuple:
@@ -101,6 +108,32 @@ def _sig_base(R, FULL: tl.constexpr):
     2R: combine)."""
     return 6 * R + 2 + 4 * R * ((FULL // 2) // R)
 
+
+
+#: flags bit of a call signature that says "this rank refused its call" (its own input checks raised): the
+#: rank publishes it with an empty block (FULL = 1) so that its peers' receives complete and name it.
+SIG_REFUSED = 1 << 30
+
+
+@triton.jit
+def _refused(my_sig, base, s):
+    """Whether source ``s``'s published signature (entry ``s`` of the area at ``base``) is a refusal."""
+    return (tl.load(my_sig + base + 4 * s + 3, volatile=True) & 0x40000000) != 0  # SIG_REFUSED
+
+
+@triton.jit
+def _check_source(my_sig, status_ptr, rank, R, s, FULL: tl.constexpr, REF: tl.constexpr):
+    """After the FULL wait on source ``s``: a refusal is noted in this rank's local word ``REF + s`` (the host
+    raises ``RemoteRankError`` naming ``s``; its block is empty) and not compared; any other signature that
+    differs from this rank's is a call mismatch (status ``STATUS_SIG_MISMATCH - s``). (The words are zeroed by
+    this rank's send of the same kind, a launch before this receive: see :func:`_scatter_send_kernel`.)"""
+    if tl.load(status_ptr, volatile=True) == 0:
+        base = _sig_base(R, FULL)
+        if _refused(my_sig, base, s):
+            if REF >= 0:
+                tl.atomic_xchg(my_sig + REF + s, 1, sem="relaxed", scope="sys")
+        elif _signature_differs(my_sig, base, rank, s):
+            report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
 
 
 @triton.jit
@@ -183,10 +216,15 @@ def _scatter_send_kernel(
     META: tl.constexpr = -1,  # offset of d's words [R totals][R token counts] (dispatch), -1 none
     SEG: tl.constexpr = False,  # rows for d are src rows [pos_ptr[d], + counts[d]) (pos_ptr: [R] offsets)
     BUSY2: tl.constexpr = -1,  # the other operation's busy words (time-shared area): also wait for them, -1 none
+    REF: tl.constexpr = -1,  # offset of this rank's local refusal words: zeroed here, before this call's receive
 ):
     d = tl.program_id(0)
     c = tl.program_id(1)
     my_sig = _words(signal_ptrs, rank)
+    if REF >= 0:
+        if (d == 0) & (c == 0):
+            for s in range(R):
+                tl.store(my_sig + REF + s, 0)
 
     # Step 1: d has drained our previous block (and, time-shared, its receive of the other operation is done).
     wait_ne(my_sig + BUSY + d, 1, status_ptr, d, timeout_ns)
@@ -256,7 +294,8 @@ def _scatter_send_kernel(
 def _recv_counts_kernel(counts_ptr, signal_ptrs, status_ptr, rank, timeout_ns, FULL: tl.constexpr,
                         META: tl.constexpr = -1):
     """Program s: wait for source s and record its row count (the full word stays set). ``META >= 0``:
-    ``counts_ptr`` is `[3, R]`: this round's counts, then the whole call's rows and token count of s."""
+    ``counts_ptr`` is `[4, R]`: this round's counts, then the whole call's rows and token count of s, then 1
+    where s refused its call (read in the host read the receive makes anyway)."""
     s = tl.program_id(0)
     v = wait_ne(_words(signal_ptrs, rank) + FULL + s, 0, status_ptr, s, timeout_ns)
     tl.store(counts_ptr + s, tl.maximum(v - 1, 0))
@@ -266,6 +305,7 @@ def _recv_counts_kernel(counts_ptr, signal_ptrs, status_ptr, rank, timeout_ns, F
         my_sig = _words(signal_ptrs, rank)
         tl.store(counts_ptr + R + s, tl.where(ok, tl.load(my_sig + META + s, volatile=True), 0))
         tl.store(counts_ptr + 2 * R + s, tl.where(ok, tl.load(my_sig + META + R + s, volatile=True), 0))
+        tl.store(counts_ptr + 3 * R + s, tl.where(ok, _refused(my_sig, _sig_base(R, FULL), s).to(tl.int32), 0))
 
 
 @triton.jit
@@ -278,6 +318,8 @@ def _gather_recv_kernel(
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
     CNT: tl.constexpr = -1, OFFS: tl.constexpr = False,
+    REF: tl.constexpr = -1,  # offset of this rank's local refusal words (see _check_source), -1: none
+    DRAIN: tl.constexpr = False,  # this rank refused its call: wait, read nothing, free every block
 ):
     s = tl.program_id(0)
     c = tl.program_id(1)
@@ -294,18 +336,20 @@ def _gather_recv_kernel(
     if OFFS:
         offset = tl.load(dst_ptr + s)
     tl.debug_barrier()
-    # Rows laid out for another call (hidden, dtype, top-k, experts) are never read: report it instead.
-    if tl.load(status_ptr, volatile=True) == 0:
-        if _signature_differs(my_sig, _sig_base(R, FULL), rank, s):
-            report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
-    if c == 0:
-        tl.store(counts_ptr + s, n_s)
-        if offset + n_s > M:  # more rows than the worst-case size: dropped, but never silently
-            report_error(status_ptr, -1)  # STATUS_OVERFLOW
+    # Rows laid out for another call (hidden, dtype, top-k, experts) are never read: report it instead
+    # (a refusal of s is noted, its block is empty).
+    if DRAIN == 0:  # (== 0, not `not`: the sm90 checks also compile it as a runtime int)
+        _check_source(my_sig, status_ptr, rank, R, s, FULL, REF)
+        if c == 0:
+            tl.store(counts_ptr + s, n_s)
+            if offset + n_s > M:  # more rows than the worst-case size: dropped, but never silently
+                report_error(status_ptr, -1)  # STATUS_OVERFLOW
 
     # Step 2: copy rows of s's block (rows past M, the worst-case size, are dropped).
     rows = c * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = (rows < n_s) & (offset + rows < M) & _status_ok(status_ptr, rows)
+    if DRAIN:
+        ok = ok & (rows < 0)
     src = _words(buffer_ptrs, rank) + area_off + s.to(tl.int64) * cap * W
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
@@ -325,7 +369,7 @@ def _view_recv_kernel(
     counts_ptr,  # [R] int32 out: rows received from each source
     signal_ptrs, status_ptr,
     rank, R, M, timeout_ns,  # M: rows the caller will view (more received is an overflow)
-    FULL: tl.constexpr, HELD: tl.constexpr,
+    FULL: tl.constexpr, HELD: tl.constexpr, REF: tl.constexpr = -1,
 ):
     """One program, receive as a view: wait for every source, record its count, check its call signature,
     and mark its rows held (freed by :func:`_release_held`). The rows stay where the senders put them."""
@@ -338,9 +382,7 @@ def _view_recv_kernel(
         total += n_s
     tl.debug_barrier()
     for s in range(R):
-        if tl.load(status_ptr, volatile=True) == 0:
-            if _signature_differs(my_sig, _sig_base(R, FULL), rank, s):
-                report_error(status_ptr, -16 - s)  # STATUS_SIG_MISMATCH - s
+        _check_source(my_sig, status_ptr, rank, R, s, FULL, REF)
     if total > M:
         report_error(status_ptr, -1)  # STATUS_OVERFLOW
     for s in range(R):
@@ -359,7 +401,7 @@ def _combine_recv_impl(
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, HC: tl.constexpr,
     FMT: tl.constexpr, OUT_F16: tl.constexpr,
-    DFULL: tl.constexpr, DBUSY: tl.constexpr, DCNT: tl.constexpr, DHELD: tl.constexpr,
+    DFULL: tl.constexpr, DBUSY: tl.constexpr, DCNT: tl.constexpr, DHELD: tl.constexpr, REF: tl.constexpr,
 ):
     """Row payload by ``FMT`` (:mod:`moe_ep.kernels.logfmt`): 0 BF16 / 1 FP16 ``H`` values, 2 FP8 ``H`` e4m3
     bytes | ``H/128`` float32 scales; the weights follow the payload (word ``H/2``, or ``H/4 + H/128``)."""
@@ -372,9 +414,7 @@ def _combine_recv_impl(
         wait_ne(my_sig + FULL + d, 0, status_ptr, d, timeout_ns)
     tl.debug_barrier()
     for d in range(R):
-        if tl.load(status_ptr, volatile=True) == 0:
-            if _signature_differs(my_sig, _sig_base(R, FULL), rank, d):
-                report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
+        _check_source(my_sig, status_ptr, rank, R, d, FULL, REF)
 
     # Step 2: float32 sum in ascending rank order, one cast (the torch backend's order, bitwise).
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -415,6 +455,17 @@ def _combine_recv_impl(
     # A wait of this rank timed out (now or at an earlier call: the status word stays set): the rows of the
     # silent rank are missing, so the output is poisoned with NaN rather than left as plausible partial sums.
     acc = tl.where(_status_ok(status_ptr, offs_t)[:, None], acc, float("nan"))
+    # A rank that refused this call sent an empty block (the host raises RemoteRankError): the tokens that need
+    # its rows (read above from its stale slots) are NaN, never a plausible partial sum. (Outside the hot loop: 64
+    # registers as before; the reduced top-k weights of those tokens are not poisoned, that would cost 4 more.)
+    refs = 0
+    for d in range(R):
+        refs += _refused(my_sig, _sig_base(R, FULL), d).to(tl.int32)
+    if refs != 0:
+        for d in range(R):
+            if _refused(my_sig, _sig_base(R, FULL), d):
+                p = tl.load(pos_ptr + t64 * R + d, mask=t_ok, other=-1)
+                acc = tl.where((p >= 0)[:, None], float("nan"), acc)
     if OUT_F16:
         bits = fp16_bits(acc)
     else:
@@ -444,11 +495,12 @@ def _combine_recv_kernel(
     FULL: tl.constexpr, BUSY: tl.constexpr, RECV_CNT: tl.constexpr,
     BLOCK_T: tl.constexpr, HC: tl.constexpr,
     DFULL: tl.constexpr = -1, DBUSY: tl.constexpr = -1, DCNT: tl.constexpr = -1, DHELD: tl.constexpr = -1,
+    REF: tl.constexpr = -1,
 ):
     """BF16 payloads: see :func:`_combine_recv_impl`."""
     _combine_recv_impl(acc_ptr, out_ptr, wout_ptr, pos_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, N, R, W,
                        cap, area_off, timeout_ns, H, K, KP, HAS_W, FULL, BUSY, RECV_CNT, BLOCK_T, HC, 0, False,
-                       DFULL, DBUSY, DCNT, DHELD)
+                       DFULL, DBUSY, DCNT, DHELD, REF)
 
 
 @triton.jit
@@ -464,10 +516,11 @@ def _combine_recv_fmt_kernel(
     BLOCK_T: tl.constexpr, HC: tl.constexpr,
     FMT: tl.constexpr, OUT_F16: tl.constexpr,
     DFULL: tl.constexpr = -1, DBUSY: tl.constexpr = -1, DCNT: tl.constexpr = -1, DHELD: tl.constexpr = -1,
+    REF: tl.constexpr = -1,
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes): see :func:`_combine_recv_impl`.
     ``DHELD >= 0``: the last program also frees a dispatch area held for a receive view (``D*``: the
     dispatch signal offsets)."""
     _combine_recv_impl(acc_ptr, out_ptr, wout_ptr, pos_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, N, R, W,
                        cap, area_off, timeout_ns, H, K, KP, HAS_W, FULL, BUSY, RECV_CNT, BLOCK_T, HC, FMT,
-                       OUT_F16, DFULL, DBUSY, DCNT, DHELD)
+                       OUT_F16, DFULL, DBUSY, DCNT, DHELD, REF)

@@ -8,8 +8,9 @@ them into errors while a block runs, so the graph-safety of a path is checked by
 Two exemptions, both work that on a GPU involves no host read of device memory:
 - Triton's interpreter reads tensors on the host to emulate a kernel: the device's work, not the
   caller's, so reads made inside an interpreted kernel launch are allowed.
-- the symm backend's status-word poll (``check_status``): on a CPU it reads the word directly, on a GPU
-  it reads a pinned host copy queued earlier (and queues nothing while a graph is being captured).
+- the symm backend's status-word poll (``check_status``) and its normal mode's refusal-word poll
+  (``_check_refused`` / ``poll_refused``): on a CPU they read the words directly, on a GPU a pinned host copy
+  queued earlier (and they queue nothing while a graph is being captured).
 """
 
 from __future__ import annotations
@@ -94,12 +95,15 @@ def host_reads_trapped():
         saved.append((executor, "__call__", executor.__call__))
     except ImportError:  # pragma: no cover - Triton without an interpreter
         pass
+    from ..backends.symm_refusal import RefusalMixin
     from ..symm import SymmBuffer
 
+    polls = (SymmBuffer, RefusalMixin)
     saved.append((SymmBuffer, "check_status", SymmBuffer.check_status))
+    saved += [(RefusalMixin, n, getattr(RefusalMixin, n)) for n in ("_check_refused", "poll_refused")]
     try:
         for owner, name, original in saved:
-            if owner is executor or owner is SymmBuffer:
+            if owner is executor or owner in polls:
                 setattr(owner, name, _kernel_scope(original))
             elif name == "to":
                 setattr(owner, name, _trapping_to(original))
