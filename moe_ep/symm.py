@@ -91,7 +91,12 @@ class SymmBuffer:
 
     # ------------------------------------------------------------------ host-side coordination
     def barrier(self, what: str = "barrier") -> None:
-        """Host barrier over the group's store, bounded by ``timeout_s`` (names missing ranks)."""
+        """Host barrier over the group's store, bounded by ``timeout_s`` (names missing ranks). On CPU it first
+        completes this process's pending emulated NVSHMEM puts, as ``nvshmem_barrier_all`` quiets first."""
+        if self.device.type != "cuda":
+            from .kernels.nvshmem_device import deliver
+
+            deliver()
         if self._arrival is not None:
             self._arrival.arrive(what)
 

@@ -310,7 +310,7 @@ def test_more_rows_than_worst_tokens_is_refused_without_writing_past_the_block()
         _send_all(bs, inputs, E, worst, order=[0])
     st_words = bs[0].normal._dispatch_words(H, K, False)
     block = chunk * st_words * 4  # bytes of one source's block
-    assert bs[0].normal._cap(st_words) == chunk
+    assert bs[0].normal._cap(st_words, True) == chunk  # a copying dispatch: blocks over the time-shared buffer
     after = bs[0].normal.symm.buffer
     assert torch.equal(after[block:], area[block:])  # rank 1's block (and beyond) intact
     assert not torch.equal(after[:block], area[:block])  # rank 0's own rows within its block were written
