@@ -50,11 +50,14 @@ from .fp8_cast import e4m3_byte, group_scale
 from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layout: the API of this module
     GROUP,
     SIG_WORDS,
+    _adopt_masks,
     _disp_sig_word,
     _live,
     _live_like,
     _live_vec,
     _scratch_word,
+    _sig_payload_words,
+    _sig_stride,
     _signature_differs,
     _clear_signature,
     _decided,
@@ -64,6 +67,7 @@ from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layou
     _wait,
     _wait_decided,
     _wait_landed,
+    _write_mask_bits,
     signal_layout,
 )
 from .signals import (
@@ -313,8 +317,13 @@ def _ll_dispatch_send_kernel(
         tl.store(status_ptr + STATUS_SEQ, (w - seq) | ((seq + 1) & SEQ_MASK))
         tl.store(stamp_ptr + R, seq)
         if tl.load(status_ptr, volatile=True) == 0:
+            # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md,
+            # "Agreement across survivors")
+            _write_mask_bits(my_sig, _disp_sig_word(R), rank, status_ptr, R)
+            nw = _sig_payload_words(status_ptr, R)
             if TRANSPORT == NVSHMEM:
-                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, _disp_sig_word(R), sig_copy_off)
+                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, _disp_sig_word(R), sig_copy_off,
+                               _sig_stride(R), nw)
             for d in range(R):
                 if _live(status_ptr, rank, d):
                     puts = 0
@@ -323,7 +332,7 @@ def _ll_dispatch_send_kernel(
                             puts = _dispatch_puts(topk_ptr, N, L, d, K, KP, CHUNK_T, BLOCK_E)
                     tl.atomic_xchg(my_sig + DISP_BUSY + 2 * d, 1, sem="relaxed", scope="sys")
                     publish(signal_ptrs, rank, d, sig_off, _disp_sig_word(R), DISP_FULL + 2 * rank,
-                            (seq << 16) | (N + 1), TRANSPORT, buffer_ptrs, sig_copy_off, puts)
+                            (seq << 16) | (N + 1), TRANSPORT, buffer_ptrs, sig_copy_off, puts, _sig_stride(R), nw)
 
 
 @triton.jit
@@ -367,7 +376,7 @@ def _ll_dispatch_recv_kernel(
                 tl.atomic_add(wait_stats_ptr + sp, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
             # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
             if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
-                if _signature_differs(my_sig, _disp_sig_word(R), rank, sp):
+                if _signature_differs(my_sig, _disp_sig_word(R), rank, sp, _sig_stride(R)):
                     report_error(status_ptr, -16 - sp)  # STATUS_SIG_MISMATCH - sp
             _decided(status_ptr, R, base + sp + 1)
     _wait_decided(status_ptr, rank, R, base + s + 1, base + R, timeout_ns)
@@ -466,10 +475,16 @@ def _ll_dispatch_recv_kernel(
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
         _decision_reset(status_ptr, R)
+        # enable_shrink: adopt the ranks each live source masked by timeout (its bits came with its signature). Here,
+        # after every program's reads, so the launch kept one live set; they count from the next phase on (this
+        # rank's combine neither sends to them nor waits for them). Before the releases: they get none.
+        for sp in range(R):
+            if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
+                _adopt_masks(my_sig, _disp_sig_word(R), rank, sp, status_ptr, R)
         for sp in range(R):
             tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
-                _clear_signature(my_sig, _disp_sig_word(R), sp)  # before BUSY is released: the next call's copy comes after
+                _clear_signature(my_sig, _disp_sig_word(R), sp, R)  # before BUSY is released: the next copy comes after
         if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
             for sp in range(R):
                 if _live(status_ptr, rank, sp):
