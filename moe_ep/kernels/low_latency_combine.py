@@ -262,15 +262,15 @@ def _comb_recv_body_ll(
             _wait_landed(my_sig, COMB_FULL + 2 * d, status_ptr, rank, d, timeout_ns, signal_ptrs, TRANSPORT)
             if HAS_WAIT_STATS:
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
+        # enable_shrink: and adopt the ranks each live expert rank (same call) masked by timeout (bits with its
+        # signature), in rank order, before the decision: every program of this launch, and the mask after it,
+        # count them as masked.
         for d in range(R):
             if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
                 if _signature_differs(my_sig, _comb_sig_word(R), rank, d, _sig_stride(R)):
                     report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
-        # enable_shrink: adopt the ranks each live expert rank masked by timeout (bits with its signature), in rank
-        # order, before the decision: every program of this launch, and the mask after it, count them as masked.
-        for d in range(R):
-            if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
-                _adopt_masks(my_sig, _comb_sig_word(R), rank, d, status_ptr, R)
+                else:
+                    _adopt_masks(my_sig, _comb_sig_word(R), rank, d, status_ptr, R)
         _decided(status_ptr, R, base + R)
     _wait_decided(status_ptr, rank, R, base + R, base + R, timeout_ns)
     tl.debug_barrier()
