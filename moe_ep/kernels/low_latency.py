@@ -30,10 +30,12 @@ Signals (int32 words of each rank's signal region; ``sig_off`` selects the doubl
     COMB_FULL  + 2d  on source s: expert rank d's outputs are in (1); s resets to 0
     COMB_BUSY  + 2s  on expert rank d: s has not drained d's outputs yet (1); s resets to 0
     *_CNT            local arrive_last counters (nobody waits on them)
-    DISP_SIG / COMB_SIG + 4 r   on every receiver: the call signature of rank r (hidden, T, E * 256 + K,
-                     flags), copied there by r before it releases FULL; the receiver compares it with its own
-                     entry (written by its host before its send) and reports a mismatch in its status word
-                     (``STATUS_SIG_MISMATCH - r``) instead of reading rows laid out for another call
+    DISP_SIG / COMB_SIG + SIG_STRIDE r   on every receiver: the call signature of rank r (hidden, T,
+                     E * 256 + K, flags), then (enable_shrink) r's timeout-masked ranks as bits, copied there by r
+                     before it releases FULL; the receiver compares the signature with its own entry (written by its
+                     host before its send) and reports a mismatch in its status word (``STATUS_SIG_MISMATCH - r``)
+                     instead of reading rows laid out for another call; it adopts the mask bits of live senders
+                     (docs/protocols.md, "Agreement across survivors")
 
 NOTES: every data write precedes a ``tl.debug_barrier()`` and then the release of the signal by one
 program (``arrive_last`` chains the other programs' writes to it), and every read follows an acquire

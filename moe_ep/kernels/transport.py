@@ -11,9 +11,9 @@ the same on every rank, or a separate staging area), then :func:`xfer` moves the
   never take the NIC, and the signal is a release store like ``PEER``'s;
 - to any other peer with ``nvshmemx_putmem_signal_nbi_block`` (IBGDA: the GPU rings the NIC's doorbell itself)
   whose signal ADDS one landed put to the high half of this rank's FULL word there; the announcing signal (the call
-  signature, 16 bytes, or 8 dummy bytes as the payload) subtracts the number sent, so the receiver knows when every
-  put has landed. No kernel calls ``nvshmem_quiet``, and a put's source is rewritten only after the peer released
-  the slot: docs/protocols.md, "NVSHMEM: no quiet on the hot path".
+  signature entry, 16 bytes plus the mask bits with enable_shrink, or 8 dummy bytes as the payload) subtracts the
+  number sent, so the receiver knows when every put has landed. No kernel calls ``nvshmem_quiet``, and a put's
+  source is rewritten only after the peer released the slot: docs/protocols.md, "NVSHMEM: no quiet on the hot path".
 
 Peer tables: ``buffer_ptrs`` / ``signal_ptrs`` entry ``r`` is rank ``r``'s region mapped in this process, or 0 when
 it is not mapped; entry ``rank`` is this rank's own region, whose addresses NVSHMEM translates to ``pe``'s.
