@@ -51,10 +51,10 @@ def _paths(R, E, T, transport):
         bks = virtual_backends(R, num_nvl_bytes=0, num_rdma_bytes=SymmLowLatency.size_hint(T, H, R, E, K),
                                low_latency_mode=True, device=torch.device("cpu"), timeout_s=0.3)
         paths = [b.ll for b in bks]
-    else:  # two ranks per node: mapped peers (stores) and remote ones (emulated puts with signal)
+    else:  # 3 ranks: every peer remote (the bits travel in the put-with-signal payload); 4: two per node (mixed)
         from moe_ep.backends.nvshmem import nvshmem_ll_size_hint, virtual_nvshmem_paths
 
-        paths = virtual_nvshmem_paths(R, nvshmem_ll_size_hint(T, H, R, E, K), ranks_per_node=2, timeout_s=0.3)
+        paths = virtual_nvshmem_paths(R, nvshmem_ll_size_hint(T, H, R, E, K), ranks_per_node=R - 2, timeout_s=0.3)
     for p in paths:
         p.shrink = True
     return paths
