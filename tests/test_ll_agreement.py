@@ -17,11 +17,20 @@ import random
 
 import pytest
 import torch
+import triton
 
 from moe_ep.kernels import low_latency_common as llc
+from moe_ep.kernels.low_latency_common import _adopt_masks, _write_mask_bits, sig_stride
 from moe_ep.kernels.signals import MASK_TIMEOUT
 
 H, K = 128, 2
+
+
+@triton.jit
+def _round_trip(sender_status, receiver_status, sig, rank, src, R):
+    """Sender ``src`` writes its mask bits into its entry of ``sig``; receiver ``rank`` adopts them."""
+    _write_mask_bits(sig, 0, src, sender_status, R)
+    _adopt_masks(sig, 0, rank, src, receiver_status, R)
 
 
 class _Boundary:
@@ -179,3 +188,27 @@ def test_survivors_agree_after_next_phase(monkeypatch, transport, R, phase, seed
         got = paths[r].combine_recv(cs[r])
         assert torch.equal(got.view(torch.int16), _expected_combine(inputs1[r], survivors, R, E).view(torch.int16))
         assert _masked(paths[r]) == [q]
+
+
+@pytest.mark.parametrize("R", [40, 144])
+def test_mask_bits_round_trip_many_ranks(R):
+    """The mask-bit words at EP sizes past 32 ranks (bit 31 and several words): what a sender writes from its
+    MASK_TIMEOUT words is what a receiver adopts; API masks are not sent, the receiver's own rank never adopted."""
+    def status(mask):
+        st = torch.zeros(4 + R + 1, dtype=torch.int32)
+        st[1] = 1  # STATUS_SHRINK
+        st[4:4 + R] = torch.tensor(mask, dtype=torch.int32)
+        return st
+
+    timed_out = {0, 31, 32, 63, R - 1} & set(range(R))
+    sender = status([MASK_TIMEOUT if r in timed_out else (1 if r == 5 else 0) for r in range(R)])  # 5: API mask
+    rank, src = 31 if R > 40 else 7, 3
+    receiver = status([1 if r == 0 else 0 for r in range(R)])  # an API mask already there stays as it is
+    sig = torch.zeros(sig_stride(R) * R, dtype=torch.int32)
+    _round_trip[(1,)](sender, receiver, sig, rank, src, R)
+    words = sig[sig_stride(R) * src + 4: sig_stride(R) * src + 4 + (R + 31) // 32].tolist()
+    want_bits = [sum(1 << (r - 32 * w) for r in timed_out if r // 32 == w and r < R) for w in range(len(words))]
+    assert words == [b - (1 << 32) if b >= 1 << 31 else b for b in want_bits]  # as int32
+    got = receiver[4:4 + R].tolist()
+    want = [1 if r == 0 else (MASK_TIMEOUT if r in timed_out and r != rank else 0) for r in range(R)]
+    assert got == want
