@@ -29,8 +29,8 @@ H, K = 128, 2
 @triton.jit
 def _round_trip(sender_status, receiver_status, sig, rank, src, R):
     """Sender ``src`` writes its mask bits into its entry of ``sig``; receiver ``rank`` adopts them."""
-    _write_mask_bits(sig, 0, src, sender_status, R)
-    _adopt_masks(sig, 0, rank, src, receiver_status, R)
+    _write_mask_bits(sig, 0, src, sender_status, R, (4 + (R + 31) // 32 + 3) // 4 * 4)
+    _adopt_masks(sig, 0, rank, src, receiver_status, R, (4 + (R + 31) // 32 + 3) // 4 * 4)
 
 
 class _Boundary:

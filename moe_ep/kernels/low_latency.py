@@ -76,6 +76,7 @@ from .signals import (
     SEQ_BAD_EXPERT,
     SEQ_MASK,
     STATUS_SEQ,
+    STATUS_SHRINK,
     arrive_last,
     load_acquire,
     now_ns,
@@ -321,11 +322,12 @@ def _ll_dispatch_send_kernel(
         if tl.load(status_ptr, volatile=True) == 0:
             # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md,
             # "Agreement across survivors")
-            _write_mask_bits(my_sig, _disp_sig_word(R), rank, status_ptr, R)
+            sig_ss = _sig_stride(R)
+            sig_sb = _disp_sig_word(R)
+            _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
             nw = _sig_payload_words(status_ptr, R)
             if TRANSPORT == NVSHMEM:
-                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, _disp_sig_word(R), sig_copy_off,
-                               _sig_stride(R), nw)
+                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, sig_sb, sig_copy_off, sig_ss, nw)
             for d in range(R):
                 if _live(status_ptr, rank, d):
                     puts = 0
@@ -333,8 +335,8 @@ def _ll_dispatch_send_kernel(
                         if (d != rank) & (tl.load(buffer_ptrs + d) == 0):
                             puts = _dispatch_puts(topk_ptr, N, L, d, K, KP, CHUNK_T, BLOCK_E)
                     tl.atomic_xchg(my_sig + DISP_BUSY + 2 * d, 1, sem="relaxed", scope="sys")
-                    publish(signal_ptrs, rank, d, sig_off, _disp_sig_word(R), DISP_FULL + 2 * rank,
-                            (seq << 16) | (N + 1), TRANSPORT, buffer_ptrs, sig_copy_off, puts, _sig_stride(R), nw)
+                    publish(signal_ptrs, rank, d, sig_off, sig_sb, DISP_FULL + 2 * rank,
+                            (seq << 16) | (N + 1), TRANSPORT, buffer_ptrs, sig_copy_off, puts, sig_ss, nw)
 
 
 @triton.jit
@@ -370,6 +372,8 @@ def _ll_dispatch_recv_kernel(
     if (s == 0) & (b == 0):
         if HAS_WAIT_STATS:
             t_start = now_ns()
+        sig_ss = _sig_stride(R)
+        sig_sb = _disp_sig_word(R)
         for sp in range(R):
             _wait(my_sig + DISP_FULL + 2 * sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
             # NVSHMEM: and every data put of sp has landed (the FULL word's high half is back to 0)
@@ -378,7 +382,7 @@ def _ll_dispatch_recv_kernel(
                 tl.atomic_add(wait_stats_ptr + sp, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
             # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
             if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
-                if _signature_differs(my_sig, _disp_sig_word(R), rank, sp, _sig_stride(R)):
+                if _signature_differs(my_sig, sig_sb, rank, sp, sig_ss):
                     report_error(status_ptr, -16 - sp)  # STATUS_SIG_MISMATCH - sp
             _decided(status_ptr, R, base + sp + 1)
     _wait_decided(status_ptr, rank, R, base + s + 1, base + R, timeout_ns)
@@ -480,13 +484,16 @@ def _ll_dispatch_recv_kernel(
         # enable_shrink: adopt the ranks each live source masked by timeout (its bits came with its signature). Here,
         # after every program's reads, so the launch kept one live set; they count from the next phase on (this
         # rank's combine neither sends to them nor waits for them). Before the releases: they get none.
-        for sp in range(R):
-            if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
-                _adopt_masks(my_sig, _disp_sig_word(R), rank, sp, status_ptr, R)
+        sig_ss = _sig_stride(R)
+        sig_sb = _disp_sig_word(R)
+        if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+            for sp in range(R):
+                if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
+                    _adopt_masks(my_sig, sig_sb, rank, sp, status_ptr, R, sig_ss)
         for sp in range(R):
             tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
-                _clear_signature(my_sig, _disp_sig_word(R), sp, R)  # before BUSY is released: the next copy comes after
+                _clear_signature(my_sig, sig_sb, sp, sig_ss)  # before BUSY is released: the next copy comes after
         if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
             for sp in range(R):
                 if _live(status_ptr, rank, sp):

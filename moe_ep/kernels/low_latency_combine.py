@@ -33,6 +33,7 @@ from .signals import (
     STATUS_BAD_EXPERT,
     STATUS_MASK,
     STATUS_SEQ,
+    STATUS_SHRINK,
     STATUS_STALE_ROW,
     arrive_last,
     now_ns,
@@ -209,7 +210,9 @@ def _comb_send_body_ll(
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
             # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md)
-            _write_mask_bits(my_sig, _comb_sig_word(R), rank, status_ptr, R)
+            sig_ss = _sig_stride(R)
+            sig_sb = _comb_sig_word(R)
+            _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
             nw = _sig_payload_words(status_ptr, R)
             puts = 0
             if TRANSPORT == NVSHMEM:
@@ -221,11 +224,10 @@ def _comb_send_body_ll(
                                      mask=(tt < n_s)[:, None] & (kk < K)[None, :], other=-1)
                         puts += tl.sum(tl.sum((sr >= 0).to(tl.int32), axis=1), axis=0)
                 # the signature's put source: a copy rewritten only after s released this slot (BUSY waits above)
-                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, _comb_sig_word(R),
-                               sig_copy_off + 4 * _sig_stride(R) * s, _sig_stride(R), nw)
+                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, sig_sb, sig_copy_off + 4 * sig_ss * s, sig_ss, nw)
             tl.atomic_xchg(my_sig + COMB_BUSY + 2 * s, 1, sem="relaxed", scope="sys")
-            publish(signal_ptrs, rank, s, sig_off, _comb_sig_word(R), COMB_FULL + 2 * rank, 1, TRANSPORT, buffer_ptrs,
-                    sig_copy_off + 4 * _sig_stride(R) * s, puts, _sig_stride(R), nw)
+            publish(signal_ptrs, rank, s, sig_off, sig_sb, COMB_FULL + 2 * rank, 1, TRANSPORT, buffer_ptrs,
+                    sig_copy_off + 4 * sig_ss * s, puts, sig_ss, nw)
 
 
 @triton.jit
@@ -265,12 +267,15 @@ def _comb_recv_body_ll(
         # enable_shrink: and adopt the ranks each live expert rank (same call) masked by timeout (bits with its
         # signature), in rank order, before the decision: every program of this launch, and the mask after it,
         # count them as masked.
+        sig_ss = _sig_stride(R)
+        sig_sb = _comb_sig_word(R)
+        shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0
         for d in range(R):
             if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
-                if _signature_differs(my_sig, _comb_sig_word(R), rank, d, _sig_stride(R)):
+                if _signature_differs(my_sig, sig_sb, rank, d, sig_ss):
                     report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
-                else:
-                    _adopt_masks(my_sig, _comb_sig_word(R), rank, d, status_ptr, R)
+                elif shrink:
+                    _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)
         _decided(status_ptr, R, base + R)
     _wait_decided(status_ptr, rank, R, base + R, base + R, timeout_ns)
     tl.debug_barrier()
@@ -355,10 +360,12 @@ def _comb_recv_body_ll(
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
         _decision_reset(status_ptr, R)
+        sig_ss = _sig_stride(R)
+        sig_sb = _comb_sig_word(R)
         for d in range(R):
             tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:
-                _clear_signature(my_sig, _comb_sig_word(R), d, R)
+                _clear_signature(my_sig, sig_sb, d, sig_ss)
         if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
             for d in range(R):
                 if _live(status_ptr, rank, d):

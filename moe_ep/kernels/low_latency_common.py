@@ -80,22 +80,26 @@ def _disp_sig_word(R):
 
 @triton.jit
 def _sig_stride(R):
-    """Words per signature entry (``sig_stride``): 4 signature words, ``ceil(R / 32)`` mask-bit words, 16-aligned."""
+    """Words per signature entry (``sig_stride``): 4 signature words, ``ceil(R / 32)`` mask-bit words, 16-aligned.
+    NOTES: callers compute it once per program and pass it on: each nested jit call costs ~1 ms in the
+    interpreter (the CPU tests' time), nothing on a GPU."""
     return (4 + (R + 31) // 32 + 3) // 4 * 4
 
 
 @triton.jit
 def _comb_sig_word(R):
     """First word of the combine call signatures (``COMB_SIG``)."""
-    return (9 * R + 4 + 1) // 2 * 2 + 2 * R + _sig_stride(R) * R
+    return (9 * R + 4 + 1) // 2 * 2 + 2 * R + (4 + (R + 31) // 32 + 3) // 4 * 4 * R  # + _sig_stride(R) * R
 
 
 @triton.jit
-def _clear_signature(my_sig, base, r, R):
-    """Zero entry ``r`` of a signature area (idle signal words are all zero between calls). Only the
-    caller decides when: after an error the entries stay, so the host can name the fields that differ."""
-    for w in range(_sig_stride(R)):
-        tl.store(my_sig + base + _sig_stride(R) * r + w, 0)
+def _clear_signature(my_sig, base, r, stride):
+    """Zero entry ``r`` (``stride`` words: ``_sig_stride(R)``) of a signature area (idle signal words are all zero
+    between calls). Only the caller decides when: after an error the entries stay, so the host can name the fields
+    that differ."""
+    for w0 in range(0, stride, 16):  # (one vector store up to 352 ranks)
+        w = w0 + tl.arange(0, 16)
+        tl.store(my_sig + base + stride * r + w, tl.zeros([16], tl.int32), mask=w < stride)
 
 
 @triton.jit
@@ -122,7 +126,7 @@ def _sig_payload_words(status_ptr, R):
 
 
 @triton.jit
-def _write_mask_bits(my_sig, base, rank, status_ptr, R):
+def _write_mask_bits(my_sig, base, rank, status_ptr, R, stride):
     """(The publishing program, enable_shrink) this rank's timeout-masked ranks as bits after the signature words of
     its own entry: word ``4 + w`` bit ``i`` = rank ``32 w + i`` is masked here with ``MASK_TIMEOUT``."""
     if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
@@ -131,17 +135,17 @@ def _write_mask_bits(my_sig, base, rank, status_ptr, R):
             r = w * 32 + lane
             m = tl.load(status_ptr + STATUS_MASK + r, mask=r < R, other=0, volatile=True)
             bits = tl.xor_sum(tl.where(m == _TIMEOUT, 1 << lane, 0), axis=0)  # disjoint bits: the XOR is an OR
-            tl.store(my_sig + base + _sig_stride(R) * rank + 4 + w, bits)
+            tl.store(my_sig + base + stride * rank + 4 + w, bits)
 
 
 @triton.jit
-def _adopt_masks(my_sig, base, rank, src, status_ptr, R):
+def _adopt_masks(my_sig, base, rank, src, status_ptr, R, stride):
     """(A receive's deciding program, enable_shrink, ``src`` live and its FULL acquired) mask, with ``MASK_TIMEOUT``,
     every rank that ``src`` published as masked by timeout and that is still live here (never this rank itself)."""
     if (tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0) & (src != rank):
         lane = tl.arange(0, 32)
         for w in range((R + 31) // 32):
-            bits = tl.load(my_sig + base + _sig_stride(R) * src + 4 + w, volatile=True)
+            bits = tl.load(my_sig + base + stride * src + 4 + w, volatile=True)
             r = w * 32 + lane
             ok = (r < R) & (r != rank)
             m = tl.load(status_ptr + STATUS_MASK + r, mask=ok, other=1, volatile=True)

@@ -57,8 +57,10 @@ def mapped(ptrs, r):
 def publish_signature(my_sig, peer_sig, base, rank, stride, nw):
     """Copy the first ``nw`` words of this rank's signature entry (its own entry at ``base``; ``stride`` words per
     entry: the call signature, then the mask bits) into a peer's entry for this rank."""
-    for w in range(nw):
-        tl.store(peer_sig + base + stride * rank + w, tl.load(my_sig + base + stride * rank + w, volatile=True))
+    for w0 in range(0, nw, 16):  # (one vector copy up to 384 ranks)
+        w = w0 + tl.arange(0, 16)
+        tl.store(peer_sig + base + stride * rank + w, tl.load(my_sig + base + stride * rank + w, mask=w < nw,
+                                                               volatile=True), mask=w < nw)
 
 
 @triton.jit
@@ -68,8 +70,9 @@ def copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, sig_base, sig_copy_o
     :func:`publish`)."""
     my_sig = peer_ptr(signal_ptrs, rank, 0, tl.int32) + sig_off
     dst = peer_ptr(buffer_ptrs, rank, sig_copy_off, tl.int32)
-    for w in range(nw):
-        tl.store(dst + w, tl.load(my_sig + sig_base + stride * rank + w, volatile=True))
+    for w0 in range(0, nw, 16):
+        w = w0 + tl.arange(0, 16)
+        tl.store(dst + w, tl.load(my_sig + sig_base + stride * rank + w, mask=w < nw, volatile=True), mask=w < nw)
     tl.debug_barrier()
 
 
