@@ -42,6 +42,7 @@ from ..kernels.low_latency import (
     _ll_release_kernel,
     signal_layout,
 )
+from ..kernels.low_latency_common import sig_stride
 from ..kernels.pdl import INTERPRET
 from .. import events
 from ..kernels.signals import MASK_API, MASK_TIMEOUT
@@ -107,10 +108,11 @@ def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _
     # only once the peer's BUSY release proved it read the put (no quiet on the hot path, docs/protocols.md), and
     # only the release of the SAME slot is waited for, so each slot has its own staging area (as DeepEP's two
     # buffers); NUM_SLOTS of them follow the slots:
-    #   [1 + R, 16 B] signature copies (dispatch; combine per source) | [E] int32 count staging
+    #   [1 + R, 4 sig_stride(R) B] signature copies (dispatch; combine per source: the signature and the mask bits)
+    #   | [E] int32 count staging
     #   | [L * R*T, CS] combine staging (stamp header + the expert rows' wire bytes)
     # DeepSeek-V3 decode (T=128, H=7168, E=256): 470 MB per slot whatever the EP size.
-    cnt_stage = _align(16 * (1 + R), _ALIGN)
+    cnt_stage = _align(4 * sig_stride(R) * (1 + R), _ALIGN)
     comb_stage = _align(cnt_stage + 4 * E, _ALIGN)
     stage_bytes = _align(comb_stage + L * R * T * comb_row_bytes(hidden), _ALIGN)
     return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes, stage_bytes, comb_stage, cnt_stage)
@@ -247,7 +249,7 @@ class SymmLowLatency:
         """This rank's call signature into its own entry of the slot (device writes, no host read; the
         send kernel copies it to every peer before it releases FULL, the receive kernel compares)."""
         rank = self.symm.rank
-        at = slot * self.sig["SLOT_WORDS"] + self.sig[which] + SIG_WORDS * rank
+        at = slot * self.sig["SLOT_WORDS"] + self.sig[which] + self.sig["SIG_STRIDE"] * rank
         for w, v in enumerate(values):
             self.symm.signals[at + w].fill_(int(v))
 
@@ -262,8 +264,9 @@ class SymmLowLatency:
         except CallMismatchError as exc:
             peer = exc.peer
             base = slot * self.sig["SLOT_WORDS"] + self.sig[which]
-            theirs = self.symm.signals[base + SIG_WORDS * peer: base + SIG_WORDS * (peer + 1)].tolist()
-            mine = self.symm.signals[base + SIG_WORDS * self.symm.rank: base + SIG_WORDS * (self.symm.rank + 1)].tolist()
+            at, me = base + self.sig["SIG_STRIDE"] * peer, base + self.sig["SIG_STRIDE"] * self.symm.rank
+            theirs = self.symm.signals[at:at + SIG_WORDS].tolist()
+            mine = self.symm.signals[me:me + SIG_WORDS].tolist()
             diffs = "; ".join(f"{name}: rank {peer}={a}, rank {self.symm.rank}={b}"
                               for name, a, b in zip(self._SIG_FIELDS, theirs, mine) if a != b)
             raise CallMismatchError(f"moe_ep {what}: ranks disagree on {diffs} (nothing was read from rank {peer}; "
@@ -388,7 +391,7 @@ class SymmLowLatency:
         # double buffers: a rank that was out for an odd number of calls is back in step with the others.
         for name in ("DISP_FULL", "DISP_BUSY", "COMB_FULL", "COMB_BUSY"):
             words[:, sig[name]:sig[name] + 2 * R] = 0
-        words[:, sig["DISP_SIG"]:sig["COMB_SIG"] + SIG_WORDS * R] = 0
+        words[:, sig["DISP_SIG"]:sig["COMB_SIG"] + sig["SIG_STRIDE"] * R] = 0
         self._dispatch_slot = 0
         self._combine_slot = 0
         # A masked source's messages may sit unread here (headers a receive never cleared): zero its rows, so a later
@@ -598,7 +601,7 @@ class SymmLowLatency:
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_SEND_CNT=s["COMB_SEND_CNT"],
             FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev),
             stage_off=self._stage_base(lay, slot) + lay.comb_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
-            ROW_BYTES=row_bytes(fmt, hidden), sig_copy_off=self._stage_base(lay, slot) + 16,
+            ROW_BYTES=row_bytes(fmt, hidden), sig_copy_off=self._stage_base(lay, slot) + 4 * self.sig["SIG_STRIDE"],
             num_warps=warps, **self._nvshmem_launch(dev))
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1

@@ -30,10 +30,12 @@ Signals (int32 words of each rank's signal region; ``sig_off`` selects the doubl
     COMB_FULL  + 2d  on source s: expert rank d's outputs are in (1); s resets to 0
     COMB_BUSY  + 2s  on expert rank d: s has not drained d's outputs yet (1); s resets to 0
     *_CNT            local arrive_last counters (nobody waits on them)
-    DISP_SIG / COMB_SIG + 4 r   on every receiver: the call signature of rank r (hidden, T, E * 256 + K,
-                     flags), copied there by r before it releases FULL; the receiver compares it with its own
-                     entry (written by its host before its send) and reports a mismatch in its status word
-                     (``STATUS_SIG_MISMATCH - r``) instead of reading rows laid out for another call
+    DISP_SIG / COMB_SIG + SIG_STRIDE r   on every receiver: the call signature of rank r (hidden, T,
+                     E * 256 + K, flags), then (enable_shrink) r's timeout-masked ranks as bits, copied there by r
+                     before it releases FULL; the receiver compares the signature with its own entry (written by its
+                     host before its send) and reports a mismatch in its status word (``STATUS_SIG_MISMATCH - r``)
+                     instead of reading rows laid out for another call; it adopts the mask bits of live senders
+                     (docs/protocols.md, "Agreement across survivors")
 
 NOTES: every data write precedes a ``tl.debug_barrier()`` and then the release of the signal by one
 program (``arrive_last`` chains the other programs' writes to it), and every read follows an acquire
@@ -50,11 +52,14 @@ from .fp8_cast import e4m3_byte, group_scale
 from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layout: the API of this module
     GROUP,
     SIG_WORDS,
+    _adopt_masks,
     _disp_sig_word,
     _live,
     _live_like,
     _live_vec,
     _scratch_word,
+    _sig_payload_words,
+    _sig_stride,
     _signature_differs,
     _clear_signature,
     _decided,
@@ -64,12 +69,14 @@ from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layou
     _wait,
     _wait_decided,
     _wait_landed,
+    _write_mask_bits,
     signal_layout,
 )
 from .signals import (
     SEQ_BAD_EXPERT,
     SEQ_MASK,
     STATUS_SEQ,
+    STATUS_SHRINK,
     arrive_last,
     load_acquire,
     now_ns,
@@ -313,8 +320,14 @@ def _ll_dispatch_send_kernel(
         tl.store(status_ptr + STATUS_SEQ, (w - seq) | ((seq + 1) & SEQ_MASK))
         tl.store(stamp_ptr + R, seq)
         if tl.load(status_ptr, volatile=True) == 0:
+            # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md,
+            # "Agreement across survivors")
+            sig_ss = _sig_stride(R)
+            sig_sb = _disp_sig_word(R)
+            _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
+            nw = _sig_payload_words(status_ptr, R)
             if TRANSPORT == NVSHMEM:
-                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, _disp_sig_word(R), sig_copy_off)
+                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, sig_sb, sig_copy_off, sig_ss, nw)
             for d in range(R):
                 if _live(status_ptr, rank, d):
                     puts = 0
@@ -322,8 +335,8 @@ def _ll_dispatch_send_kernel(
                         if (d != rank) & (tl.load(buffer_ptrs + d) == 0):
                             puts = _dispatch_puts(topk_ptr, N, L, d, K, KP, CHUNK_T, BLOCK_E)
                     tl.atomic_xchg(my_sig + DISP_BUSY + 2 * d, 1, sem="relaxed", scope="sys")
-                    publish(signal_ptrs, rank, d, sig_off, _disp_sig_word(R), DISP_FULL + 2 * rank,
-                            (seq << 16) | (N + 1), TRANSPORT, buffer_ptrs, sig_copy_off, puts)
+                    publish(signal_ptrs, rank, d, sig_off, sig_sb, DISP_FULL + 2 * rank,
+                            (seq << 16) | (N + 1), TRANSPORT, buffer_ptrs, sig_copy_off, puts, sig_ss, nw)
 
 
 @triton.jit
@@ -359,6 +372,8 @@ def _ll_dispatch_recv_kernel(
     if (s == 0) & (b == 0):
         if HAS_WAIT_STATS:
             t_start = now_ns()
+        sig_ss = _sig_stride(R)
+        sig_sb = _disp_sig_word(R)
         for sp in range(R):
             _wait(my_sig + DISP_FULL + 2 * sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
             # NVSHMEM: and every data put of sp has landed (the FULL word's high half is back to 0)
@@ -367,7 +382,7 @@ def _ll_dispatch_recv_kernel(
                 tl.atomic_add(wait_stats_ptr + sp, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
             # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
             if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
-                if _signature_differs(my_sig, _disp_sig_word(R), rank, sp):
+                if _signature_differs(my_sig, sig_sb, rank, sp, sig_ss):
                     report_error(status_ptr, -16 - sp)  # STATUS_SIG_MISMATCH - sp
             _decided(status_ptr, R, base + sp + 1)
     _wait_decided(status_ptr, rank, R, base + s + 1, base + R, timeout_ns)
@@ -466,10 +481,19 @@ def _ll_dispatch_recv_kernel(
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
         _decision_reset(status_ptr, R)
+        # enable_shrink: adopt the ranks each live source masked by timeout (its bits came with its signature). Here,
+        # after every program's reads, so the launch kept one live set; they count from the next phase on (this
+        # rank's combine neither sends to them nor waits for them). Before the releases: they get none.
+        sig_ss = _sig_stride(R)
+        sig_sb = _disp_sig_word(R)
+        if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+            for sp in range(R):
+                if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
+                    _adopt_masks(my_sig, sig_sb, rank, sp, status_ptr, R, sig_ss)
         for sp in range(R):
             tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
-                _clear_signature(my_sig, _disp_sig_word(R), sp)  # before BUSY is released: the next call's copy comes after
+                _clear_signature(my_sig, sig_sb, sp, sig_ss)  # before BUSY is released: the next copy comes after
         if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
             for sp in range(R):
                 if _live(status_ptr, rank, sp):

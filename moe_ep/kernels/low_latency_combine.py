@@ -8,6 +8,7 @@ import triton.language as tl
 
 from .logfmt import e4m3_decode, fp8_encode_groups, fp16_bits, logfmt_decode_values, logfmt_encode_groups
 from .low_latency_common import (
+    _adopt_masks,
     _bf16_bits,
     _clear_signature,
     _comb_sig_word,
@@ -16,11 +17,14 @@ from .low_latency_common import (
     _decision_reset,
     _live,
     _live_like,
+    _sig_payload_words,
+    _sig_stride,
     _signature_differs,
     _status_ok,
     _wait,
     _wait_decided,
     _wait_landed,
+    _write_mask_bits,
 )
 from .signals import (
     SEQ_BAD_EXPERT,
@@ -29,6 +33,7 @@ from .signals import (
     STATUS_BAD_EXPERT,
     STATUS_MASK,
     STATUS_SEQ,
+    STATUS_SHRINK,
     STATUS_STALE_ROW,
     arrive_last,
     now_ns,
@@ -204,6 +209,11 @@ def _comb_send_body_ll(
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
+            # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md)
+            sig_ss = _sig_stride(R)
+            sig_sb = _comb_sig_word(R)
+            _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
+            nw = _sig_payload_words(status_ptr, R)
             puts = 0
             if TRANSPORT == NVSHMEM:
                 if tl.load(buffer_ptrs + s) == 0:
@@ -214,10 +224,10 @@ def _comb_send_body_ll(
                                      mask=(tt < n_s)[:, None] & (kk < K)[None, :], other=-1)
                         puts += tl.sum(tl.sum((sr >= 0).to(tl.int32), axis=1), axis=0)
                 # the signature's put source: a copy rewritten only after s released this slot (BUSY waits above)
-                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, _comb_sig_word(R), sig_copy_off + 16 * s)
+                copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, sig_sb, sig_copy_off + 4 * sig_ss * s, sig_ss, nw)
             tl.atomic_xchg(my_sig + COMB_BUSY + 2 * s, 1, sem="relaxed", scope="sys")
-            publish(signal_ptrs, rank, s, sig_off, _comb_sig_word(R), COMB_FULL + 2 * rank, 1, TRANSPORT, buffer_ptrs,
-                    sig_copy_off + 16 * s, puts)
+            publish(signal_ptrs, rank, s, sig_off, sig_sb, COMB_FULL + 2 * rank, 1, TRANSPORT, buffer_ptrs,
+                    sig_copy_off + 4 * sig_ss * s, puts, sig_ss, nw)
 
 
 @triton.jit
@@ -254,10 +264,18 @@ def _comb_recv_body_ll(
             _wait_landed(my_sig, COMB_FULL + 2 * d, status_ptr, rank, d, timeout_ns, signal_ptrs, TRANSPORT)
             if HAS_WAIT_STATS:
                 tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
+        # enable_shrink: and adopt the ranks each live expert rank (same call) masked by timeout (bits with its
+        # signature), in rank order, before the decision: every program of this launch, and the mask after it,
+        # count them as masked.
+        sig_ss = _sig_stride(R)
+        sig_sb = _comb_sig_word(R)
+        shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0
         for d in range(R):
             if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
-                if _signature_differs(my_sig, _comb_sig_word(R), rank, d):
+                if _signature_differs(my_sig, sig_sb, rank, d, sig_ss):
                     report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
+                elif shrink:
+                    _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)
         _decided(status_ptr, R, base + R)
     _wait_decided(status_ptr, rank, R, base + R, base + R, timeout_ns)
     tl.debug_barrier()
@@ -342,10 +360,12 @@ def _comb_recv_body_ll(
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
         _decision_reset(status_ptr, R)
+        sig_ss = _sig_stride(R)
+        sig_sb = _comb_sig_word(R)
         for d in range(R):
             tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:
-                _clear_signature(my_sig, _comb_sig_word(R), d)
+                _clear_signature(my_sig, sig_sb, d, sig_ss)
         if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
             for d in range(R):
                 if _live(status_ptr, rank, d):
@@ -387,7 +407,7 @@ def _ll_combine_send_fmt_kernel(
     FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
     stage_off=0,  # bytes: [L * R*T, 16 + 2H] combine staging of this slot (stamp header + row) (NVSHMEM)
     TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024, ROW_BYTES: tl.constexpr = 0,  # ROW_BYTES: wire bytes per row
-    sig_copy_off=0,  # bytes: this slot's [R, 16 bytes] signature copies, the publish puts' sources (NVSHMEM)
+    sig_copy_off=0,  # bytes: this slot's [R, 4 sig_stride(R) bytes] signature copies, the publish puts' sources (NVSHMEM)
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, stamp_ptr, buffer_ptrs,

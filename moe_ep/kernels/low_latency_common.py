@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .signals import (
     HB_CAP,
+    MASK_TIMEOUT,
     STATUS_MASK,
     STATUS_SHRINK,
     load_acquire,
@@ -21,12 +22,20 @@ from .signals import (
 )
 from .transport import peer_ptr as _peer
 
-__all__ = ["GROUP", "SIG_WORDS", "signal_layout"]
+__all__ = ["GROUP", "SIG_WORDS", "signal_layout", "sig_stride"]
 
 GROUP = tl.constexpr(128)
 
 
 SIG_WORDS = 4  # call signature words: hidden, T, E * 256 + K, kind and format flags
+_TIMEOUT = tl.constexpr(MASK_TIMEOUT)  # (jit code reads constexpr globals only)
+
+
+def sig_stride(world_size: int) -> int:
+    """Words per signature entry: the ``SIG_WORDS`` call signature, then ``ceil(R / 32)`` words of "ranks the sender
+    has masked by timeout" bits (enable_shrink; docs/protocols.md "Agreement across survivors"), rounded up to 4
+    words (16-byte aligned entries and put payloads). The kernels compute it as ``_sig_stride(R)``."""
+    return (SIG_WORDS + (world_size + 31) // 32 + 3) // 4 * 4
 
 
 def signal_layout(world_size: int) -> dict:
@@ -45,8 +54,9 @@ def signal_layout(world_size: int) -> dict:
            # call signatures (SIG_WORDS words per rank; kernels compute the offsets as below): entry r on a
            # receiver holds what rank r called; the entry of the receiver itself holds its own call
            "DISP_SIG": (9 * R + 5) // 2 * 2 + 2 * R}
-    lay["COMB_SIG"] = lay["DISP_SIG"] + SIG_WORDS * R  # (the jit twins below compute the same offsets)
-    lay["SLOT_WORDS"] = (lay["COMB_SIG"] + SIG_WORDS * R + 7) // 8 * 8
+    lay["SIG_STRIDE"] = sig_stride(R)  # words per signature entry (entry r at X_SIG + SIG_STRIDE * r)
+    lay["COMB_SIG"] = lay["DISP_SIG"] + lay["SIG_STRIDE"] * R  # (the jit twins below compute the same offsets)
+    lay["SLOT_WORDS"] = (lay["COMB_SIG"] + lay["SIG_STRIDE"] * R + 7) // 8 * 8
     return lay
 
 
@@ -69,28 +79,78 @@ def _disp_sig_word(R):
 
 
 @triton.jit
+def _sig_stride(R):
+    """Words per signature entry (``sig_stride``): 4 signature words, ``ceil(R / 32)`` mask-bit words, 16-aligned.
+    NOTES: callers compute it once per program and pass it on: each nested jit call costs ~1 ms in the
+    interpreter (the CPU tests' time), nothing on a GPU."""
+    return (4 + (R + 31) // 32 + 3) // 4 * 4
+
+
+@triton.jit
 def _comb_sig_word(R):
     """First word of the combine call signatures (``COMB_SIG``)."""
-    return (9 * R + 4 + 1) // 2 * 2 + 2 * R + 4 * R  # SIG_WORDS = 4
+    return (9 * R + 4 + 1) // 2 * 2 + 2 * R + (4 + (R + 31) // 32 + 3) // 4 * 4 * R  # + _sig_stride(R) * R
 
 
 @triton.jit
-def _clear_signature(my_sig, base, r):
-    """Zero entry ``r`` of a signature area (idle signal words are all zero between calls). Only the
-    caller decides when: after an error the entries stay, so the host can name the fields that differ."""
-    for w in tl.static_range(4):
-        tl.store(my_sig + base + 4 * r + w, 0)
+def _clear_signature(my_sig, base, r, stride):
+    """Zero entry ``r`` (``stride`` words: ``_sig_stride(R)``) of a signature area (idle signal words are all zero
+    between calls). Only the caller decides when: after an error the entries stay, so the host can name the fields
+    that differ."""
+    for w0 in range(0, stride, 16):  # (one vector store up to 352 ranks)
+        w = w0 + tl.arange(0, 16)
+        tl.store(my_sig + base + stride * r + w, tl.zeros([16], tl.int32), mask=w < stride)
 
 
 @triton.jit
-def _signature_differs(my_sig, base, rank, src):
-    """Whether source ``src``'s published call signature differs from this rank's (after the FULL acquire)."""
+def _signature_differs(my_sig, base, rank, src, stride=4):
+    """Whether source ``src``'s published call signature differs from this rank's (after the FULL acquire);
+    ``stride``: words per entry (4 in normal mode, ``_sig_stride(R)`` in low latency)."""
     diff = tl.full([], 0, tl.int32)
     for w in tl.static_range(4):
-        a = tl.load(my_sig + base + 4 * src + w, volatile=True)
-        b = tl.load(my_sig + base + 4 * rank + w, volatile=True)
+        a = tl.load(my_sig + base + stride * src + w, volatile=True)
+        b = tl.load(my_sig + base + stride * rank + w, volatile=True)
         diff = diff | (a != b).to(tl.int32)
     return diff != 0
+
+
+# Masks travel with the calls (enable_shrink; docs/protocols.md, "Agreement across survivors"): the publishing
+# program of a send writes, after the 4 signature words of its own entry, ceil(R / 32) words whose bit r says "this
+# rank has masked r by timeout" (MASK_TIMEOUT), and publishes the entry with them (mapped peers: stores before the
+# FULL release; NVSHMEM: the put-with-signal payload). A receive ORs the bits of every live sender into its mask.
+@triton.jit
+def _sig_payload_words(status_ptr, R):
+    """Words of a signature entry a publish carries: 4, and the mask-bit words with enable_shrink."""
+    shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0
+    return tl.where(shrink, 4 + (R + 31) // 32, 4)
+
+
+@triton.jit
+def _write_mask_bits(my_sig, base, rank, status_ptr, R, stride):
+    """(The publishing program, enable_shrink) this rank's timeout-masked ranks as bits after the signature words of
+    its own entry: word ``4 + w`` bit ``i`` = rank ``32 w + i`` is masked here with ``MASK_TIMEOUT``."""
+    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+        lane = tl.arange(0, 32)
+        for w in range((R + 31) // 32):
+            r = w * 32 + lane
+            m = tl.load(status_ptr + STATUS_MASK + r, mask=r < R, other=0, volatile=True)
+            bits = tl.xor_sum(tl.where(m == _TIMEOUT, 1 << lane, 0), axis=0)  # disjoint bits: the XOR is an OR
+            tl.store(my_sig + base + stride * rank + 4 + w, bits)
+
+
+@triton.jit
+def _adopt_masks(my_sig, base, rank, src, status_ptr, R, stride):
+    """(A receive's deciding program, enable_shrink, ``src`` live and its FULL acquired) mask, with ``MASK_TIMEOUT``,
+    every rank that ``src`` published as masked by timeout and that is still live here (never this rank itself)."""
+    if (tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0) & (src != rank):
+        lane = tl.arange(0, 32)
+        for w in range((R + 31) // 32):
+            bits = tl.load(my_sig + base + stride * src + 4 + w, volatile=True)
+            r = w * 32 + lane
+            ok = (r < R) & (r != rank)
+            m = tl.load(status_ptr + STATUS_MASK + r, mask=ok, other=1, volatile=True)
+            tl.atomic_xchg(status_ptr + STATUS_MASK + r, tl.full([32], _TIMEOUT, tl.int32),
+                           mask=ok & (m == 0) & (((bits >> lane) & 1) != 0), sem="relaxed", scope="sys")
 
 
 @triton.jit

@@ -11,9 +11,9 @@ the same on every rank, or a separate staging area), then :func:`xfer` moves the
   never take the NIC, and the signal is a release store like ``PEER``'s;
 - to any other peer with ``nvshmemx_putmem_signal_nbi_block`` (IBGDA: the GPU rings the NIC's doorbell itself)
   whose signal ADDS one landed put to the high half of this rank's FULL word there; the announcing signal (the call
-  signature, 16 bytes, or 8 dummy bytes as the payload) subtracts the number sent, so the receiver knows when every
-  put has landed. No kernel calls ``nvshmem_quiet``, and a put's source is rewritten only after the peer released
-  the slot: docs/protocols.md, "NVSHMEM: no quiet on the hot path".
+  signature entry, 16 bytes plus the mask bits with enable_shrink, or 8 dummy bytes as the payload) subtracts the
+  number sent, so the receiver knows when every put has landed. No kernel calls ``nvshmem_quiet``, and a put's
+  source is rewritten only after the peer released the slot: docs/protocols.md, "NVSHMEM: no quiet on the hot path".
 
 Peer tables: ``buffer_ptrs`` / ``signal_ptrs`` entry ``r`` is rank ``r``'s region mapped in this process, or 0 when
 it is not mapped; entry ``rank`` is this rank's own region, whose addresses NVSHMEM translates to ``pe``'s.
@@ -54,20 +54,25 @@ def mapped(ptrs, r):
 
 
 @triton.jit
-def publish_signature(my_sig, peer_sig, base, rank):
-    """Copy this rank's call signature (its own entry at ``base``) into a peer's entry for this rank."""
-    for w in tl.static_range(4):
-        tl.store(peer_sig + base + 4 * rank + w, tl.load(my_sig + base + 4 * rank + w, volatile=True))
+def publish_signature(my_sig, peer_sig, base, rank, stride, nw):
+    """Copy the first ``nw`` words of this rank's signature entry (its own entry at ``base``; ``stride`` words per
+    entry: the call signature, then the mask bits) into a peer's entry for this rank."""
+    for w0 in range(0, nw, 16):  # (one vector copy up to 384 ranks)
+        w = w0 + tl.arange(0, 16)
+        tl.store(peer_sig + base + stride * rank + w, tl.load(my_sig + base + stride * rank + w, mask=w < nw,
+                                                               volatile=True), mask=w < nw)
 
 
 @triton.jit
-def copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, sig_base, sig_copy_off):
-    """(``NVSHMEM``) this rank's own signature entry -> its put source copy at byte ``sig_copy_off`` of its data
-    region (the publishing program, after every program's BUSY waits: see :func:`publish`)."""
+def copy_signature(signal_ptrs, buffer_ptrs, rank, sig_off, sig_base, sig_copy_off, stride, nw):
+    """(``NVSHMEM``) the first ``nw`` words of this rank's own signature entry -> its put source copy at byte
+    ``sig_copy_off`` of its data region (the publishing program, after every program's BUSY waits: see
+    :func:`publish`)."""
     my_sig = peer_ptr(signal_ptrs, rank, 0, tl.int32) + sig_off
     dst = peer_ptr(buffer_ptrs, rank, sig_copy_off, tl.int32)
-    for w in tl.static_range(4):
-        tl.store(dst + w, tl.load(my_sig + sig_base + 4 * rank + w, volatile=True))
+    for w0 in range(0, nw, 16):
+        w = w0 + tl.arange(0, 16)
+        tl.store(dst + w, tl.load(my_sig + sig_base + stride * rank + w, mask=w < nw, volatile=True), mask=w < nw)
     tl.debug_barrier()
 
 
@@ -96,31 +101,32 @@ def xfer(buffer_ptrs, signal_ptrs, rank, pe, dst_off, src_off, nbytes, full_word
 
 @triton.jit
 def publish(signal_ptrs, rank, pe, sig_off, sig_base, word, value, TRANSPORT: tl.constexpr, buffer_ptrs=None,
-            sig_copy_off=0, puts=0):
-    """Copy this rank's call signature (entry ``rank`` of the area at word ``sig_base``) to ``pe``, then set ``pe``'s
+            sig_copy_off=0, puts=0, stride=4, nw=4):
+    """Copy this rank's call signature (the first ``nw`` words of entry ``rank`` of the area at word ``sig_base``,
+    ``stride`` words per entry: the signature, then the mask bits) to ``pe``, then set ``pe``'s
     signal word ``word`` (both inside the slot at word ``sig_off``) to ``value`` with release semantics: every write
-    before it is visible to ``pe`` first. ``NVSHMEM`` to an unmapped peer: one put-with-signal whose 16-byte payload
-    is this rank's copy of its signature at byte ``sig_copy_off`` of its data region (:func:`copy_signature`, after
+    before it is visible to ``pe`` first. ``NVSHMEM`` to an unmapped peer: one put-with-signal whose ``4 nw``-byte
+    payload is this rank's copy of its entry at byte ``sig_copy_off`` of its data region (:func:`copy_signature`, after
     the BUSY waits: rewritten only once every live peer released the previous call of this slot) and whose signal
     ADDS ``value - puts * 2**32``: the low half reads ``value``, the high half is 0 again once the ``puts`` data puts
     of :func:`xfer` have landed too (docs/protocols.md, "NVSHMEM: no quiet on the hot path")."""
     if TRANSPORT == 0:
-        _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value)
+        _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value, stride, nw)
     elif mapped(signal_ptrs, pe):
-        _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value)
+        _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value, stride, nw)
     else:
         own = tl.load(signal_ptrs + rank)
-        entry = own + (sig_off + sig_base + 4 * rank).to(tl.int64) * 4
+        entry = own + (sig_off + sig_base + stride * rank).to(tl.int64) * 4
         src = tl.load(buffer_ptrs + rank) + sig_copy_off
         add = (value + tl.zeros([], tl.int64)) - (puts + tl.zeros([], tl.int64)) * LANDED
-        putmem_signal_nbi_block(entry, src, 16, own + (sig_off + word).to(tl.int64) * 4, add, pe, SIG_OP=SIGNAL_ADD)
+        putmem_signal_nbi_block(entry, src, 4 * nw, own + (sig_off + word).to(tl.int64) * 4, add, pe, SIG_OP=SIGNAL_ADD)
 
 
 @triton.jit
-def _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value):
+def _publish_mapped(signal_ptrs, rank, pe, sig_off, sig_base, word, value, stride, nw):
     my_sig = peer_ptr(signal_ptrs, rank, 0, tl.int32) + sig_off
     peer_sig = peer_ptr(signal_ptrs, pe, 0, tl.int32) + sig_off
-    publish_signature(my_sig, peer_sig, sig_base, rank)
+    publish_signature(my_sig, peer_sig, sig_base, rank, stride, nw)
     signal_release(peer_sig + word, value)
 
 
