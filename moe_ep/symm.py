@@ -91,12 +91,14 @@ class SymmBuffer:
 
     # ------------------------------------------------------------------ host-side coordination
     def barrier(self, what: str = "barrier") -> None:
-        """Host barrier over the group's store, bounded by ``timeout_s`` (names missing ranks). On CPU it first
-        completes this process's pending emulated NVSHMEM puts, as ``nvshmem_barrier_all`` quiets first."""
+        """Host barrier over the group's store, bounded by ``timeout_s`` (names missing ranks). On CPU, in the
+        emulation's ``deferred`` order, it first completes this process's pending emulated NVSHMEM puts, as
+        ``nvshmem_barrier_all`` quiets first (the ``manual`` order delivers only when a test says so)."""
         if self.device.type != "cuda":
-            from .kernels.nvshmem_device import deliver
+            from .kernels import nvshmem_device
 
-            deliver()
+            if nvshmem_device.emulation_order() == "deferred":
+                nvshmem_device.deliver()
         if self._arrival is not None:
             self._arrival.arrive(what)
 
