@@ -125,10 +125,12 @@ class TorchDispatchHandle(DispatchHandle):
     send_counts: list = None  # rows sent to each rank
     recv_counts: list = None  # rows received from each rank
     num_recv_tokens_per_expert_list: list = None
-    rank_prefix_matrix: torch.Tensor = None  # [R, R] int32
+    counts: list = None  # [R][R] rows rank s sent to rank d (the dispatch's exchanged counts)
     recv_src_idx: torch.Tensor = None  # [num_recv] int32
 
     def deepep_field(self, name: str):
+        if name == "rank_prefix_matrix":  # [R, R] int32: built when asked (most callers never do)
+            return torch.tensor(self.counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(self.send_token_idx.device)
         return getattr(self, name, None)
 
 
@@ -266,7 +268,6 @@ class TorchBackend(Backend):
             # Step 1: counts, in the arrival check's header: row s = tokens rank s sends to each rank (all of
             # them: DeepEP's rank_prefix_matrix needs the full [R, R]). NOTES: the host synchronisation.
             counts = self.arrival.exchange("dispatch", fields, counts=num_tokens_per_rank)  # [source][destination]
-            rank_prefix = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x.device)
             send_counts = counts[self.rank]
             recv_counts = [row[self.rank] for row in counts]
             if topk_idx is None and num_worst_tokens <= 0:
@@ -321,7 +322,7 @@ class TorchBackend(Backend):
                 owner=id(self), num_tokens=n, num_recv_tokens=num_rows, hidden=hidden,
                 is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
                 send_token_idx=send_idx, send_counts=send_counts, recv_counts=recv_counts,
-                num_recv_tokens_per_expert_list=per_expert_list, rank_prefix_matrix=rank_prefix,
+                num_recv_tokens_per_expert_list=per_expert_list, counts=counts,
                 recv_src_idx=recv_src_idx)
         elif num_rows != handle.num_recv_tokens:
             raise ValueError(f"cached dispatch received {num_rows} rows but the handle expects "
