@@ -106,10 +106,7 @@ def _rank(rank, world, args):
         return _common.time_ranks(fn, dev, iters=args.iters, warmup=1)
     rows = []
     for n in args.tokens:
-        g = torch.Generator().manual_seed(rank * 7919 + n)
-        x = torch.randn(n, h, generator=g).to(torch.bfloat16).to(dev)
-        idx = torch.rand(n, e, generator=g).argsort(1)[:, :k].to(dev)
-        w = torch.rand(n, k, generator=g).to(dev)
+        x, idx, w = _inputs(rank, n, h, e, k, dev)
         q, s = per_token_group_quant_fp8_ref(x)
         xq = dequant_fp8_ref(q, s)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
@@ -159,6 +156,14 @@ def _rank(rank, world, args):
     return rows, limits
 
 
+def _inputs(rank: int, n: int, h: int, e: int, k: int, dev) -> tuple:
+    """This rank's tokens (BF16 ``[n, h]``), top-``k`` of ``e`` experts and weights, seeded by rank and ``n``."""
+    g = torch.Generator().manual_seed(rank * 7919 + n)
+    x = torch.randn(n, h, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.rand(n, e, generator=g).argsort(1)[:, :k].to(dev)
+    return x, idx, torch.rand(n, k, generator=g).to(dev)
+
+
 def _vs_raw_rank(rank, world, args):
     """Interleaved timing of the raw exchange, layout+dispatch and combine; per iteration the slowest rank."""
     import torch.distributed as dist
@@ -171,10 +176,7 @@ def _vs_raw_rank(rank, world, args):
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
     for n in args.tokens:
-        g = torch.Generator().manual_seed(rank * 7919 + n)
-        x = torch.randn(n, h, generator=g).to(torch.bfloat16).to(dev)
-        idx = torch.rand(n, e, generator=g).argsort(1)[:, :k].to(dev)
-        w = torch.rand(n, k, generator=g).to(dev)
+        x, idx, w = _inputs(rank, n, h, e, k, dev)
         box = {}
 
         def raw():  # what a user writes: counts all_to_all, then the rows (same row bytes as our dispatch)
