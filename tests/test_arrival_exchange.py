@@ -106,6 +106,32 @@ def test_a_rank_dead_since_the_last_call_is_named():
     assert "exit code 7" in str(info.value)
 
 
+def _dead_between_header_and_rows(rank, world):
+    import moe_ep
+    from moe_ep.backends.torch_a2a import TorchBackend
+
+    buf = moe_ep.Buffer(None, backend="torch", timeout_s=2.0)
+    inp = make_rank_inputs(rank, 4, 128, 8, 2, seed=6, world_size=world)
+    if rank == world - 1:  # passes the call's arrival check, then dies before its rows move
+        TorchBackend._a2a = lambda *a, **k: os._exit(7)
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(inp.x, **_layout_args(buf, inp, 8))
+    except moe_ep.RankTimeoutError as exc:
+        assert "rows" in str(exc) and str(world - 1) in str(exc), str(exc)
+        assert time.monotonic() - t0 < 6, time.monotonic() - t0
+        return True
+    raise AssertionError(f"rank {rank} did not notice that rank {world - 1} died")
+
+
+def test_a_rank_dead_between_the_arrival_check_and_the_rows_is_named_within_the_timeout():
+    """The payload exchange is bounded by timeout_s too (a gloo group whose own timeout is timeout_s)."""
+    with pytest.raises(RankFailure) as info:
+        launch(_dead_between_header_and_rows, 2, timeout_s=60)
+    assert info.value.failed_ranks == [1], str(info.value)
+    assert "exit code 7" in str(info.value)
+
+
 def _late_in_combine(rank, world):
     import moe_ep
 
