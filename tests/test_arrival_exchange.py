@@ -125,7 +125,7 @@ def _dead_between_header_and_rows(rank, world):
 
 
 def test_a_rank_dead_between_the_arrival_check_and_the_rows_is_named_within_the_timeout():
-    """The payload exchange is bounded by timeout_s too (a gloo group whose own timeout is timeout_s)."""
+    """The payload exchange is bounded by timeout_s too, not only the arrival check."""
     with pytest.raises(RankFailure) as info:
         launch(_dead_between_header_and_rows, 2, timeout_s=60)
     assert info.value.failed_ranks == [1], str(info.value)

@@ -158,7 +158,6 @@ class TorchBackend(Backend):
     def __init__(self, group, rank: int, world_size: int, **kwargs):
         super().__init__(group, rank, world_size, **kwargs)
         self.arrival = ArrivalCheck(group, rank, world_size, self.timeout_s, exchange_group=host_group(group))
-        self._rows_group = self._bounded_gloo_group(group)
         self._combine_buffers: dict = {}
         # rank mask (enable_shrink, low-latency mode): host list, 0 live / 1 API / 2 timed out
         self.shrink = False
@@ -223,36 +222,21 @@ class TorchBackend(Backend):
             self.arrival.refuse_exchange(what, message)
 
     # ------------------------------------------------------------------ collectives
-    def _bounded_gloo_group(self, group):
-        """A gloo group of the same ranks whose own timeout is ``timeout_s``: host-memory payload exchanges (a
-        gloo Buffer) run on it with a plain ``wait()``, bounded by gloo itself (``wait(timeout=...)`` costs about
-        100 us more per call on gloo). ``None`` without a pure gloo group (NCCL payloads keep the timed wait)."""
-        if self.world_size == 1 or not dist.is_initialized() or str(dist.get_backend(group)) != "gloo":
-            return None
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout_s),
-                              use_local_synchronization=True)
-
     def _a2a(self, send: torch.Tensor, recv_counts: list, send_counts: list, row_bytes: int,
              async_op: bool = False):
         recv = torch.empty(sum(recv_counts), row_bytes, dtype=torch.uint8, device=send.device)
-        bounded = self._rows_group is not None and send.device.type == "cpu"
         work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                                      group=self._rows_group if bounded else self.group, async_op=True)
+                                      group=self.group, async_op=True)
         if not async_op:
-            self._wait(work, "rows", bounded)
+            self._wait(work, "rows")
             work = None
         return recv, work
 
-    def _wait(self, work, what: str, bounded: bool = False) -> None:
-        """Bound a payload collective by ``timeout_s`` too (``bounded``: its group's own timeout is ``timeout_s``):
-        every rank passed the call's arrival check, so only a peer that died (or gave up) since then makes it time
-        out."""
+    def _wait(self, work, what: str) -> None:
+        """Bound a payload collective by ``timeout_s`` too: every rank passed the call's arrival check, so only a
+        peer that died (or gave up) since then makes it time out."""
         try:
-            if bounded:
-                work.wait()
-            else:
-                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as exc:  # noqa: BLE001 - "Operation timed out!" or a peer's closed connection
             peers = [r for r in range(self.world_size) if r != self.rank]
             raise RankTimeoutError(
