@@ -80,55 +80,44 @@ def test_a_slow_rank_inside_the_timeout_is_waited_for_and_timed():
     assert s0[0] == 0 and s1 == [0, 0], (s0, s1)
 
 
-def _dead_after_dispatch(rank, world):
-    import moe_ep
-
-    buf = moe_ep.Buffer(None, backend="torch", timeout_s=2.0)
-    inp = make_rank_inputs(rank, 4, 128, 9, 2, seed=5, world_size=world)
-    recv_x, _, _, _, handle, _ = buf.dispatch(inp.x, **_layout_args(buf, inp, 9))
-    if rank == world - 1:
-        os._exit(7)  # dies between the dispatch and the combine: its arrival mark is of the older call
-    t0 = time.monotonic()
-    try:
-        buf.combine(recv_x, handle)
-    except moe_ep.RankTimeoutError as exc:
-        assert exc.missing_ranks == [world - 1], str(exc)
-        assert time.monotonic() - t0 < 6
-        return True
-    raise AssertionError(f"rank {rank} did not notice that rank {world - 1} died")
-
-
-def test_a_rank_dead_since_the_last_call_is_named():
-    with pytest.raises(RankFailure) as info:
-        launch(_dead_after_dispatch, 3, timeout_s=60)
-    # only the dead rank is reported: the survivors named it (their asserts passed)
-    assert info.value.failed_ranks == [2], str(info.value)
-    assert "exit code 7" in str(info.value)
-
-
-def _dead_between_header_and_rows(rank, world):
+def _dead_rank(rank, world, when):
+    """The last rank dies ``"after_dispatch"`` (before the combine: its arrival mark is of the older call) or
+    ``"before_rows"`` (it passed the dispatch's arrival check, then dies before its rows move); the survivors name
+    it within the timeout, in the combine's check or in the dispatch's payload exchange."""
     import moe_ep
     from moe_ep.backends.torch_a2a import TorchBackend
 
     buf = moe_ep.Buffer(None, backend="torch", timeout_s=2.0)
-    inp = make_rank_inputs(rank, 4, 128, 8, 2, seed=6, world_size=world)
-    if rank == world - 1:  # passes the call's arrival check, then dies before its rows move
-        TorchBackend._a2a = lambda *a, **k: os._exit(7)
+    E = 3 * world
+    inp = make_rank_inputs(rank, 4, 128, E, 2, seed=5, world_size=world)
+    dies = rank == world - 1
+    if when == "after_dispatch":
+        recv_x, _, _, _, handle, _ = buf.dispatch(inp.x, **_layout_args(buf, inp, E))
+        if dies:
+            os._exit(7)
+        call = lambda: buf.combine(recv_x, handle)  # noqa: E731
+    else:
+        if dies:
+            TorchBackend._a2a = lambda *a, **k: os._exit(7)
+        call = lambda: buf.dispatch(inp.x, **_layout_args(buf, inp, E))  # noqa: E731
     t0 = time.monotonic()
     try:
-        buf.dispatch(inp.x, **_layout_args(buf, inp, 8))
+        call()
     except moe_ep.RankTimeoutError as exc:
-        assert "rows" in str(exc) and str(world - 1) in str(exc), str(exc)
-        assert time.monotonic() - t0 < 6, time.monotonic() - t0
+        assert exc.missing_ranks == [world - 1] if when == "after_dispatch" else "rows" in str(exc), str(exc)
+        assert str(world - 1) in str(exc) and time.monotonic() - t0 < 6, (str(exc), time.monotonic() - t0)
         return True
     raise AssertionError(f"rank {rank} did not notice that rank {world - 1} died")
 
 
-def test_a_rank_dead_between_the_arrival_check_and_the_rows_is_named_within_the_timeout():
-    """The payload exchange is bounded by timeout_s too, not only the arrival check."""
+@pytest.mark.parametrize("when,world", [("after_dispatch", 3), ("before_rows", 2)])
+def test_a_dead_rank_is_named_within_the_timeout(when, world):
+    """A rank dead since the last call is named by the next call's check; one that dies between a call's check and
+    its rows is named by the payload exchange, which is bounded by timeout_s too."""
     with pytest.raises(RankFailure) as info:
-        launch(_dead_between_header_and_rows, 2, timeout_s=60)
-    assert info.value.failed_ranks == [1], str(info.value)
+        launch(_dead_rank, world, when, timeout_s=60)
+    # only the dead rank is reported: the survivors named it (their asserts passed)
+    assert info.value.failed_ranks == [world - 1], str(info.value)
     assert "exit code 7" in str(info.value)
 
 
