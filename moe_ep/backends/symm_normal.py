@@ -308,6 +308,10 @@ class SymmNormal(RefusalMixin):
         area = self.symm.nbytes if shared else self.symm.nbytes // 2
         return area // (self.symm.world_size * 4 * max(words, 1))
 
+    def _dispatch_cap(self, hidden: int, num_topk: int, words: int, shared: bool) -> int:
+        """Tokens per source of a dispatch of ``words``-wide rows: its combine's 16-bit rows must fit too."""
+        return min(self._cap(words, shared), self._cap(_pad16(hidden // 2 + num_topk), shared))
+
     def recv_view_fits(self, hidden: int, elem_size: int, scale_cols: int, num_topk: int, with_topk: bool,
                        num_tokens: int, num_worst_tokens: int = 0) -> bool:
         """Whether a receive view of a dispatch of up to ``num_tokens`` tokens per rank fits this buffer (rows of
@@ -316,8 +320,7 @@ class SymmNormal(RefusalMixin):
         s1 = hidden * elem_size // 4
         bounds = (s1, s1 + scale_cols, s1 + scale_cols + (2 * num_topk if with_topk and num_topk > 0 else 0))
         words = _pad16(bounds[2] + (num_topk if with_topk and num_topk > 0 else 0))
-        cap = min(self._cap(words), self._cap(_pad16(hidden // 2 + num_topk)))
-        cap, rows, _ = self._view_layout(cap, bounds, words)
+        cap, rows, _ = self._view_layout(self._dispatch_cap(hidden, num_topk, words, False), bounds, words)
         return 1 <= cap and num_tokens <= cap and num_worst_tokens <= rows
 
     def _blocks(self, words: int) -> tuple[int, int]:
@@ -381,7 +384,7 @@ class SymmNormal(RefusalMixin):
             parts += [_words(topk_idx), _words(topk_weights)]
         rows = _rows(parts)
         words = rows.shape[1]
-        cap = min(self._cap(words, not recv_view), self._cap(_pad16(hidden // 2 + k), not recv_view))
+        cap = self._dispatch_cap(hidden, k, words, not recv_view)
         scale_cols = x_scales.shape[1] if x_scales is not None else 0
         s1 = parts[0].shape[1]
         bounds = (s1, s1 + scale_cols, s1 + scale_cols + (2 * k if handle is None and k > 0 else 0))
