@@ -183,14 +183,13 @@ class ArrivalCheck:
 
     # ------------------------------------------------------------------ collective path
     def _post(self, text: str, counts, deadline: bool = True):
-        """Take the next call number, mark the arrival in the store (one-way ``set``) and start the all-to-all of
-        this rank's header (host memory, over the CPU group ``exchange_group``). Returns ``(seq, arrival ns,
-        (gathered [R * (HEADER_WORDS + R)] int64, header), work)``."""
+        """Take the next call number, start the all-to-all of this rank's header (host memory, over the CPU group
+        ``exchange_group``) and mark the arrival in the store (one-way ``set``, while the headers travel).
+        Returns ``(seq, arrival ns, (gathered [R * (HEADER_WORDS + R)] int64, header), work)``."""
         self._inflight = [(w, t) for w, t in self._inflight if not w.is_completed()]
         seq = self.seq
         self.seq += 1
         now = time.time_ns()
-        self.store.set(f"{self.prefix}/at/{self.rank}", f"{seq}:{now}")
         if self._sig_cache[0] != text:  # a step repeats the same calls: encode each signature once
             raw = text.encode()[:_SIG_BYTES]
             self._sig_cache = (text, len(raw), raw.ljust(_SIG_BYTES, b"\0"))
@@ -202,6 +201,8 @@ class ArrivalCheck:
         head = torch.frombuffer(head * R, dtype=torch.int64)  # one copy per rank: an all-to-all (on gloo a
         out = torch.empty(R * (HEADER_WORDS + R), dtype=torch.int64)  # small one is cheaper than an all-gather)
         work = dist.all_to_all_single(out, head, group=self.exchange_group, async_op=True)
+        # the arrival mark, read only after a timed-out exchange (_missing); set while the headers travel
+        self.store.set(f"{self.prefix}/at/{self.rank}", f"{seq}:{now}")
         return seq, now, (out, head), work
 
     def exchange(self, what: str, fields: Optional[dict], counts=None, wait_ns: Optional[list] = None) -> list:

@@ -42,3 +42,37 @@ def test_dispatch_combine_gpu(world, n, hidden, E, k, routing, extra):
         pytest.skip(f"needs {world} GPUs")
     case = dict(seed=11, n=n, hidden=hidden, E=E, k=k, routing=routing, device="cuda", **extra)
     assert launch(check_buffer_case, world, case, "torch", timeout_s=600, backend="nccl") == [True] * world
+
+
+@pytest.mark.parametrize("n,E,R,k", [(0, 16, 2, 4), (1, 4, 4, 1), (37, 64, 8, 8), (16, 16, 2, 4), (9, 256, 8, 8)])
+def test_host_routing_math_equals_the_device_ops(n, E, R, k):
+    """Host tensors take numpy for the layout and the top-k value flags; the torch ops (the GPU path) give the
+    same values, -1 holes, duplicates and out-of-range ids included."""
+    import torch
+
+    from moe_ep import validate as V
+    from moe_ep.backends import torch_a2a as TA
+
+    g = torch.Generator().manual_seed(n * 1000 + E)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n else torch.empty(0, k).long()
+    if n:
+        idx[torch.rand(n, k, generator=g) < 0.3] = -1
+        idx[0] = -1
+    for got, want in zip(TA._layout_host(idx, E, R), TA._layout_torch(idx, E, R)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    if not n:
+        return
+    cases = [idx]
+    for bad in (E, E + 5, -2):
+        c = idx.clone()
+        c[n // 2, k - 1] = bad
+        cases.append(c)
+    if k > 1:
+        c = idx.clone()
+        c[n - 1, 0] = c[n - 1, 1] = E - 1
+        cases.append(c)
+        c = idx.clone()
+        c[n - 1, 0] = c[n - 1, 1] = -1  # two holes are not a duplicate
+        cases.append(c)
+    for c in cases:
+        assert V._topk_flags_host(c, E).tolist() == V._topk_flags_torch(c, E).tolist(), c
