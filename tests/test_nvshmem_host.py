@@ -1,5 +1,6 @@
-"""Host side of the nvshmem backend (moe_ep/nvshmem.py): bitcode finder, availability checks, module-init hook;
-and the sm90 evidence: a tiny kernel calling NVSHMEM compiled for sm90 and its PTX scanned."""
+"""Host side of the nvshmem backend (moe_ep/nvshmem.py, re-exporting moe_ep/nvshmem_{bitcode,checks,heap}.py): bitcode
+finder, availability checks, module-init hook; and the sm90 evidence: a tiny kernel calling NVSHMEM compiled for sm90
+and its PTX scanned."""
 
 import os
 import types
@@ -8,6 +9,9 @@ import pytest
 import torch
 
 from moe_ep import nvshmem
+from moe_ep import nvshmem_bitcode as bitcode
+from moe_ep import nvshmem_checks as checks
+from moe_ep import nvshmem_heap as heap
 from moe_ep.nvshmem import NvshmemUnavailableError
 from moe_ep.testing.sm90 import REPORT_PROLOGUE
 
@@ -26,7 +30,7 @@ def no_dirs(monkeypatch):
     """No environment variable, no wheel: search_dirs() is empty until a test adds a directory."""
     monkeypatch.delenv("NVSHMEM_LIB_DIR", raising=False)
     monkeypatch.delenv("NVSHMEM_HOME", raising=False)
-    monkeypatch.setattr(nvshmem, "_wheel_lib_dir", lambda: None)
+    monkeypatch.setattr(bitcode, "_wheel_lib_dir", lambda: None)
 
 
 def _lib(tmp_path, name, files):
@@ -61,8 +65,8 @@ def test_backend_launches_nvshmem_kernels_with_the_bitcode(tmp_path, no_dirs, mo
 
     d = _lib(tmp_path, "lib", ["libnvshmem_device_sm_80.bc", "libnvshmem_device_sm_90.bc"])
     monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
-    monkeypatch.setattr(nvshmem, "check_triton_link", lambda arch=90, trial=None: None)
-    nvshmem._launch_options.cache_clear()
+    monkeypatch.setattr(bitcode, "check_triton_link", lambda arch=90, trial=None: None)
+    bitcode._launch_options.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     ll = symm_ll.SymmLowLatency.__new__(symm_ll.SymmLowLatency)
     monkeypatch.setattr(symm_ll.SymmLowLatency, "_interpreted", lambda self, device: False)
@@ -74,7 +78,7 @@ def test_backend_launches_nvshmem_kernels_with_the_bitcode(tmp_path, no_dirs, mo
     assert ll._nvshmem_launch(torch.device("cuda", 0))["extern_libs"]["libnvshmem_device"].endswith("sm_80.bc")
     ll.transport = 0
     assert ll._nvshmem_launch(torch.device("cuda", 0)) == {}
-    nvshmem._launch_options.cache_clear()
+    bitcode._launch_options.cache_clear()
 
 
 def test_finder_generic_only_install(tmp_path, no_dirs, monkeypatch):
@@ -91,7 +95,7 @@ def test_finder_order_first_usable_directory_wins(tmp_path, no_dirs, monkeypatch
     home = tmp_path / "home"
     _lib(home, "lib", ["libnvshmem_device_sm_90.bc"])
     monkeypatch.setenv("NVSHMEM_LIB_DIR", str(env))
-    monkeypatch.setattr(nvshmem, "_wheel_lib_dir", lambda: str(wheel))
+    monkeypatch.setattr(bitcode, "_wheel_lib_dir", lambda: str(wheel))
     monkeypatch.setenv("NVSHMEM_HOME", str(home))
     assert [w for w, _ in nvshmem.search_dirs()] == ["$NVSHMEM_LIB_DIR", "the nvidia.nvshmem package", "$NVSHMEM_HOME/lib"]
     # the wheel's sm_80 file beats $NVSHMEM_HOME's exact sm_90: directories are never mixed, earlier wins
@@ -122,7 +126,7 @@ def test_finder_rejects_bad_arch():
 
 def test_installed_wheel_has_sm90_bitcode():
     """The pinned wheel (when installed) gives the sm_90 file; skips in one line without it."""
-    lib = nvshmem._wheel_lib_dir()
+    lib = bitcode._wheel_lib_dir()
     if lib is None:
         pytest.skip("nvidia-nvshmem-cu12 is not installed (pip install 'moe-ep[nvshmem]')")
     path = nvshmem.find_device_bitcode(90)
@@ -136,13 +140,13 @@ def all_ok(monkeypatch, tmp_path):
     """Every check passes (a fake bitcode, a fake GPU); each test breaks one."""
     d = _lib(tmp_path, "ok", ["libnvshmem_device_sm_90.bc"])
     monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
-    monkeypatch.setattr(nvshmem, "check_cuda_device", lambda device=None: None)
-    monkeypatch.setattr(nvshmem, "check_driver", lambda arch=90: None)
-    monkeypatch.setattr(nvshmem, "check_torch_nvshmem", lambda: None)
-    monkeypatch.setattr(nvshmem, "check_host_library", lambda arch=90: None)
-    monkeypatch.setattr(nvshmem, "check_ibgda", lambda: None)
-    monkeypatch.setattr(nvshmem, "check_triton_link", lambda arch=90, trial=None: None)
-    monkeypatch.setattr(nvshmem, "check_ibgda_bitcode", lambda arch=90: None)
+    monkeypatch.setattr(checks, "check_cuda_device", lambda device=None: None)
+    monkeypatch.setattr(checks, "check_driver", lambda arch=90: None)
+    monkeypatch.setattr(checks, "check_torch_nvshmem", lambda: None)
+    monkeypatch.setattr(checks, "check_host_library", lambda arch=90: None)
+    monkeypatch.setattr(checks, "check_ibgda", lambda: None)
+    monkeypatch.setattr(checks, "check_triton_link", lambda arch=90, trial=None: None)
+    monkeypatch.setattr(checks, "check_ibgda_bitcode", lambda arch=90: None)
     import torch
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     return d
@@ -166,16 +170,16 @@ def triton36_nvshmem38(monkeypatch, tmp_path):
     Triton and moe-ep[nvshmem]; the trial link fails as Triton 3.6's does."""
     d = _lib(tmp_path, "lib", ["libnvshmem_device_sm_90.bc"])
     monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
-    monkeypatch.setattr(nvshmem, "triton_version", lambda: "3.6.0")
-    monkeypatch.setattr(nvshmem, "triton_llvm_version", lambda: "22.0.0git")
-    monkeypatch.setattr(nvshmem, "bitcode_llvm_version", lambda path: "22.1.8")
-    monkeypatch.setattr(nvshmem, "bitcode_nvshmem_version", lambda path: "3.8.0")
+    monkeypatch.setattr(bitcode, "triton_version", lambda: "3.6.0")
+    monkeypatch.setattr(bitcode, "triton_llvm_version", lambda: "22.0.0git")
+    monkeypatch.setattr(bitcode, "bitcode_llvm_version", lambda path: "22.1.8")
+    monkeypatch.setattr(bitcode, "bitcode_nvshmem_version", lambda path: "3.8.0")
     trials = []
 
     def fake_trial(key, path, size, mtime):
         trials.append(path)
         return f"ValueError: Failed to parse library at {path}"
-    monkeypatch.setattr(nvshmem, "_trial_link", fake_trial)
+    monkeypatch.setattr(bitcode, "_trial_link", fake_trial)
     return trials
 
 
@@ -195,7 +199,7 @@ def test_triton_cannot_link_names_both_versions_and_the_fix(triton36_nvshmem38):
 
 
 def test_triton_link_in_check_available(all_ok, triton36_nvshmem38, monkeypatch):
-    monkeypatch.setattr(nvshmem, "check_triton_link", _real_check_triton_link)
+    monkeypatch.setattr(checks, "check_triton_link", _real_check_triton_link)
     with pytest.raises(NvshmemUnavailableError) as ei:
         nvshmem.check_available(internode=False)
     assert ei.value.missing == ["triton"] and "triton>=3.8" in str(ei.value)
@@ -203,15 +207,15 @@ def test_triton_link_in_check_available(all_ok, triton36_nvshmem38, monkeypatch)
 
 def test_older_bitcode_links_without_a_trial(triton36_nvshmem38, monkeypatch):
     """Bitcode from an older LLVM release than Triton's is read (LLVM reads older bitcode): no trial link."""
-    monkeypatch.setattr(nvshmem, "bitcode_llvm_version", lambda path: "18.1.1")
+    monkeypatch.setattr(bitcode, "bitcode_llvm_version", lambda path: "18.1.1")
     assert nvshmem.check_triton_link(90) is None and not triton36_nvshmem38
-    monkeypatch.setattr(nvshmem, "bitcode_llvm_version", lambda path: None)  # unknown: tried once
+    monkeypatch.setattr(bitcode, "bitcode_llvm_version", lambda path: None)  # unknown: tried once
     assert "LLVM ?" in nvshmem.check_triton_link(90) and len(triton36_nvshmem38) == 1
 
 
 def test_ibgda_bitcode_check(all_ok, monkeypatch):
-    monkeypatch.setattr(nvshmem, "check_ibgda_bitcode", _real_check_ibgda_bitcode)
-    monkeypatch.setattr(nvshmem, "bitcode_nvshmem_version", lambda path: "3.4.5")
+    monkeypatch.setattr(checks, "check_ibgda_bitcode", _real_check_ibgda_bitcode)
+    monkeypatch.setattr(bitcode, "bitcode_nvshmem_version", lambda path: "3.4.5")
     assert nvshmem.check_available(internode=False)  # a fake file without the symbol: fine inside a node
     with pytest.raises(NvshmemUnavailableError) as ei:
         nvshmem.check_available(internode=True)
@@ -241,8 +245,8 @@ def test_version_readers_on_this_machine():
     if t_llvm is None:
         return
     msg = nvshmem.check_triton_link(90)
-    older = nvshmem._vt(b_llvm) < nvshmem._vt(t_llvm)
-    assert (msg is None) == older or nvshmem._vt(b_llvm) == nvshmem._vt(t_llvm), msg
+    older = bitcode._vt(b_llvm) < bitcode._vt(t_llvm)
+    assert (msg is None) == older or bitcode._vt(b_llvm) == bitcode._vt(t_llvm), msg
     if msg is not None:
         assert f"Triton {triton.__version__}" in msg and f"LLVM {b_llvm}" in msg
 
@@ -257,13 +261,13 @@ def test_no_cuda_device_cpu_torch(monkeypatch, tmp_path):
 def test_no_cuda_device_none_visible(monkeypatch):
     import torch
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(nvshmem, "_cuda_available", lambda: False)
+    monkeypatch.setattr(checks, "_cuda_available", lambda: False)
     assert "CUDA_VISIBLE_DEVICES" in nvshmem.check_cuda_device()
 
 
 def test_no_cuda_device_in_check_available(all_ok, monkeypatch):
-    monkeypatch.setattr(nvshmem, "check_cuda_device", lambda device=None: "no CUDA device: test")
-    monkeypatch.setattr(nvshmem, "check_driver", lambda arch=90: pytest.fail("driver checked without a device"))
+    monkeypatch.setattr(checks, "check_cuda_device", lambda device=None: "no CUDA device: test")
+    monkeypatch.setattr(checks, "check_driver", lambda arch=90: pytest.fail("driver checked without a device"))
     with pytest.raises(NvshmemUnavailableError) as ei:
         nvshmem.check_available(internode=False)
     assert ei.value.missing == ["cuda"] and "no CUDA device: test" in str(ei.value)
@@ -277,8 +281,8 @@ def test_no_cuda_device_in_check_available(all_ok, monkeypatch):
     (12040, 12000, None),
 ])
 def test_driver_check(monkeypatch, have, need, expect):
-    monkeypatch.setattr(nvshmem, "driver_cuda_version", lambda: have)
-    monkeypatch.setattr(nvshmem, "required_driver_cuda_version", lambda arch=90: need)
+    monkeypatch.setattr(checks, "driver_cuda_version", lambda: have)
+    monkeypatch.setattr(checks, "required_driver_cuda_version", lambda arch=90: need)
     msg = nvshmem.check_driver()
     if expect is None:
         assert msg is None
@@ -289,16 +293,16 @@ def test_driver_check(monkeypatch, have, need, expect):
 
 
 def test_required_driver_follows_tritons_ptxas(monkeypatch):
-    monkeypatch.setattr(nvshmem, "_ptxas_cuda_major", lambda arch: {90: 13, 80: 12}.get(arch))
+    monkeypatch.setattr(checks, "_ptxas_cuda_major", lambda arch: {90: 13, 80: 12}.get(arch))
     assert nvshmem.required_driver_cuda_version(90) == 13000
     assert nvshmem.required_driver_cuda_version("sm_80") == 12000
     assert nvshmem.required_driver_cuda_version(75) == 13000  # unknown: assume CUDA 13
 
 
 def test_driver_in_check_available(all_ok, monkeypatch):
-    monkeypatch.setattr(nvshmem, "driver_cuda_version", lambda: 12040)
-    monkeypatch.setattr(nvshmem, "required_driver_cuda_version", lambda arch=90: 13000)
-    monkeypatch.setattr(nvshmem, "check_driver", _real_check_driver)
+    monkeypatch.setattr(checks, "driver_cuda_version", lambda: 12040)
+    monkeypatch.setattr(checks, "required_driver_cuda_version", lambda arch=90: 13000)
+    monkeypatch.setattr(checks, "check_driver", _real_check_driver)
     with pytest.raises(NvshmemUnavailableError) as ei:
         nvshmem.check_available(internode=False)
     assert ei.value.missing == ["driver"] and "upgrade the driver" in str(ei.value)
@@ -307,7 +311,7 @@ def test_driver_in_check_available(all_ok, monkeypatch):
 def test_torch_without_nvshmem(all_ok, monkeypatch):
     from torch.distributed import _symmetric_memory as symm_mem
     monkeypatch.setattr(symm_mem, "is_nvshmem_available", lambda: False)
-    monkeypatch.setattr(nvshmem, "check_torch_nvshmem", _real_check_torch)
+    monkeypatch.setattr(checks, "check_torch_nvshmem", _real_check_torch)
     with pytest.raises(NvshmemUnavailableError) as ei:
         nvshmem.check_available(internode=False)
     assert ei.value.missing == ["torch"]
@@ -316,8 +320,8 @@ def test_torch_without_nvshmem(all_ok, monkeypatch):
 
 def test_ibgda_env_missing(all_ok, monkeypatch, tmp_path):
     monkeypatch.delenv("NVSHMEM_IB_ENABLE_IBGDA", raising=False)
-    monkeypatch.setattr(nvshmem, "DRIVER_PARAMS", str(tmp_path / "no-params"))
-    monkeypatch.setattr(nvshmem, "check_ibgda", _real_check_ibgda)
+    monkeypatch.setattr(checks, "DRIVER_PARAMS", str(tmp_path / "no-params"))
+    monkeypatch.setattr(checks, "check_ibgda", _real_check_ibgda)
     assert nvshmem.check_available(internode=False)  # intranode only: IBGDA not needed
     with pytest.raises(NvshmemUnavailableError) as ei:
         nvshmem.check_available(internode=True)
@@ -337,11 +341,11 @@ def test_ibgda_driver_options(monkeypatch, tmp_path, params, gdrdrv, ok):
     monkeypatch.setenv("NVSHMEM_IB_ENABLE_IBGDA", "1")
     p = tmp_path / "params"
     p.write_text(params)
-    monkeypatch.setattr(nvshmem, "DRIVER_PARAMS", str(p))
+    monkeypatch.setattr(checks, "DRIVER_PARAMS", str(p))
     g = tmp_path / "gdrdrv"
     if gdrdrv:
         g.write_text("")
-    monkeypatch.setattr(nvshmem, "GDRDRV", str(g))
+    monkeypatch.setattr(checks, "GDRDRV", str(g))
     msg = nvshmem.check_ibgda()
     if ok:
         assert msg is None
@@ -351,9 +355,9 @@ def test_ibgda_driver_options(monkeypatch, tmp_path, params, gdrdrv, ok):
 
 
 def test_all_problems_in_one_error(all_ok, monkeypatch, no_dirs):
-    monkeypatch.setattr(nvshmem, "check_driver", lambda arch=90: "CUDA driver too old: x")
-    monkeypatch.setattr(nvshmem, "check_torch_nvshmem", lambda: "torch was built without NVSHMEM: y")
-    monkeypatch.setattr(nvshmem, "check_ibgda", lambda: "IBGDA ... is not enabled: z")
+    monkeypatch.setattr(checks, "check_driver", lambda arch=90: "CUDA driver too old: x")
+    monkeypatch.setattr(checks, "check_torch_nvshmem", lambda: "torch was built without NVSHMEM: y")
+    monkeypatch.setattr(checks, "check_ibgda", lambda: "IBGDA ... is not enabled: z")
     with pytest.raises(NvshmemUnavailableError) as ei:
         nvshmem.check_available()
     assert ei.value.missing == ["wheel", "driver", "torch", "ibgda"]
@@ -365,22 +369,22 @@ def test_host_library_release_mismatch(monkeypatch, tmp_path, no_dirs):
     d = _lib(tmp_path, "lib", ["libnvshmem_device_sm_90.bc"])
     (d / "libnvshmem_host.so.3").write_bytes(b"\0ELF junk NVSHMEM v3.4.5\0 more")
     monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
-    assert nvshmem._version_in_file(str(d / "libnvshmem_host.so.3")) == "3.4.5"
-    monkeypatch.setattr(nvshmem, "_owner_versions", lambda path: [("nvidia-nvshmem-cu12", "3.8.0")])
+    assert bitcode._version_in_file(str(d / "libnvshmem_host.so.3")) == "3.4.5"
+    monkeypatch.setattr(checks, "_owner_versions", lambda path: [("nvidia-nvshmem-cu12", "3.8.0")])
     msg = _real_check_host(90)
     assert "mixed NVSHMEM releases" in msg and "3.8.0" in msg and "3.4.5" in msg and "--force-reinstall" in msg
-    monkeypatch.setattr(nvshmem, "_owner_versions", lambda path: [("nvidia-nvshmem-cu13", "3.4.5")])
+    monkeypatch.setattr(checks, "_owner_versions", lambda path: [("nvidia-nvshmem-cu13", "3.4.5")])
     assert _real_check_host(90) is None
-    monkeypatch.setattr(nvshmem, "_owner_versions", lambda path: [])      # not from a wheel: nothing to compare
+    monkeypatch.setattr(checks, "_owner_versions", lambda path: [])      # not from a wheel: nothing to compare
     assert _real_check_host(90) is None
 
 
 def test_installed_wheel_host_library_matches():
-    if nvshmem._wheel_lib_dir() is None:
+    if bitcode._wheel_lib_dir() is None:
         pytest.skip("nvidia-nvshmem-cu12 is not installed (pip install 'moe-ep[nvshmem]')")
     host = os.path.join(os.path.dirname(nvshmem.find_device_bitcode(90)), "libnvshmem_host.so.3")
     if os.path.exists(host):
-        assert nvshmem._version_in_file(host) is not None
+        assert bitcode._version_in_file(host) is not None
     assert _real_check_host(90) is None
 
 
@@ -417,12 +421,12 @@ def hook_env(monkeypatch):
     from triton.runtime.jit import JITFunction  # noqa: F401
     saved = triton.knobs.runtime.jit_post_compile_hook
     inits = []
-    monkeypatch.setattr(nvshmem, "_cumodule_init", inits.append)
-    monkeypatch.setitem(nvshmem._STATE, "installed", None)
-    nvshmem._reset_for_tests()
+    monkeypatch.setattr(heap, "_cumodule_init", inits.append)
+    monkeypatch.setitem(heap._STATE, "installed", None)
+    heap._reset_for_tests()
     yield triton, inits
     triton.knobs.runtime.jit_post_compile_hook = saved
-    nvshmem._reset_for_tests()
+    heap._reset_for_tests()
 
 
 def _jit(name):
@@ -451,10 +455,10 @@ def test_register_kernels_chains_and_inits_each_module_once(hook_env):
     seen = []
     triton.knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["key"])
     f, g = _jit("f_nvshmem"), _jit("g_plain")
-    nvshmem._STATE["ready"] = True
+    heap._STATE["ready"] = True
     nvshmem.register_kernels(f)
     nvshmem.register_kernels(f)                     # idempotent: one hook, one registration
-    assert isinstance(triton.knobs.runtime.jit_post_compile_hook, nvshmem._PostCompileHook)
+    assert isinstance(triton.knobs.runtime.jit_post_compile_hook, heap._PostCompileHook)
     assert nvshmem.registered_kernels() == [f]
     k1, k2, k3 = _FakeKernel(101), _FakeKernel(102), _FakeKernel(103)
     _fire(triton, f, "spec1", k1)
@@ -474,7 +478,7 @@ def test_register_kernels_covers_earlier_compiles_and_defers_until_heap(hook_env
     nvshmem.register_kernels(f)                     # NVSHMEM not initialised yet: deferred
     _fire(triton, f, "later", _FakeKernel(202))
     assert inits == [] and early.loads == 0
-    nvshmem._heap_ready()                           # what create_nvshmem_heap calls after the rendezvous
+    heap._heap_ready()                           # what create_nvshmem_heap calls after the rendezvous
     assert inits == [201, 202]
     _fire(triton, f, "after", _FakeKernel(203))
     assert inits == [201, 202, 203]
@@ -509,7 +513,7 @@ def test_create_heap_validates_before_anything(monkeypatch):
 def test_create_heap_raises_unavailable_before_allocating(monkeypatch):
     import torch.distributed as dist
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(nvshmem, "check_cuda_device", lambda device=None: "no CUDA device: test")
+    monkeypatch.setattr(checks, "check_cuda_device", lambda device=None: "no CUDA device: test")
     from torch.distributed import _symmetric_memory as symm_mem
     monkeypatch.setattr(symm_mem, "empty", lambda *a, **k: pytest.fail("allocated before the checks"))
     with pytest.raises(NvshmemUnavailableError, match="no CUDA device: test"):
@@ -727,7 +731,7 @@ def test_sm90_block_put_signal_rings_the_ibgda_doorbell(tiny):
     for r in (scan_nvshmem_ptx(ptx, ttir), scan_nvshmem_ptx(ptx)):
         assert r["ibgda_doorbell"] and r["doorbell_stores"] > 0, "no st.mmio doorbell: not the IBGDA path"
         assert r["ibgda_state"]
-    assert scan_nvshmem_ptx(ptx)["device_lib_version"] == nvshmem.WHEEL_VERSION or nvshmem._wheel_lib_dir() is None \
+    assert scan_nvshmem_ptx(ptx)["device_lib_version"] == nvshmem.WHEEL_VERSION or bitcode._wheel_lib_dir() is None \
         or os.environ.get("NVSHMEM_LIB_DIR")
 
 
