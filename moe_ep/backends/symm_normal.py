@@ -73,6 +73,7 @@ capturable: size the buffer so that ``num_worst_tokens <= C``, e.g. ``get_normal
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import triton
@@ -142,6 +143,23 @@ class SymmNormal(NormalDispatchMixin, RefusalMixin):
         return max(SymmNormal.MIN_CHUNK, SymmNormal.ROUND_ROWS // max(world_size, 1))
 
     @staticmethod
+    def chunk(world_size: int, num_max_tokens=None, chunk_tokens=None) -> int:
+        """Tokens per source per round of a fixed size: ``chunk_tokens`` (default :meth:`default_chunk`), at most
+        ``num_max_tokens`` when given (a batch that small takes one round), at least 1. The one check of
+        ``chunk_tokens`` (:meth:`size_hint` and :mod:`moe_ep.elastic_memory` both call this): None or a positive
+        int (a bool, float or string is refused, not rounded)."""
+        if chunk_tokens is None:
+            c = SymmNormal.default_chunk(world_size)
+        else:
+            try:
+                c = 0 if isinstance(chunk_tokens, bool) else operator.index(chunk_tokens)
+            except TypeError:
+                c = 0
+            if c < 1:
+                raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+        return max(1, c if num_max_tokens is None else min(num_max_tokens, c))
+
+    @staticmethod
     def size_hint(num_max_tokens, hidden: int, num_topk: int, world_size: int, *, chunk_tokens=None) -> int:
         """``num_nvl_bytes`` for normal-mode calls (BF16 or FP8, with top-k).
 
@@ -154,12 +172,9 @@ class SymmNormal(NormalDispatchMixin, RefusalMixin):
         worst-case rows."""
         w = max(SymmNormal._dispatch_words(hidden, num_topk, False), _pad16(hidden // 2 + num_topk))
         if num_max_tokens is None or chunk_tokens is not None:
-            c = SymmNormal.default_chunk(world_size) if chunk_tokens is None else int(chunk_tokens)
-            if c < 1:
-                raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-            c = c if num_max_tokens is None else min(num_max_tokens, c)
+            c = SymmNormal.chunk(world_size, num_max_tokens, chunk_tokens)
             # copying calls time-share the whole buffer: one [R][C] block area serves dispatch, then combine
-            return (world_size * max(c, 1) * 4 * w + 255) // 256 * 256
+            return (world_size * c * 4 * w + 255) // 256 * 256
         return (2 * (world_size * max(num_max_tokens, 1) * 4 * w + 3 * 64) + 255) // 256 * 256
 
     @staticmethod
