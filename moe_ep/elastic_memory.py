@@ -35,8 +35,7 @@ def chunk_for(num_ranks: int, num_max_tokens_per_rank: int, chunk_tokens: int | 
     at most ``num_max_tokens_per_rank`` (a batch that small takes one round)."""
     from .backends.symm_normal import SymmNormal
 
-    c = SymmNormal.default_chunk(num_ranks) if chunk_tokens is None else chunk_tokens
-    return max(1, min(c, num_max_tokens_per_rank) if num_max_tokens_per_rank else c)
+    return SymmNormal.chunk(num_ranks, num_max_tokens_per_rank or None, chunk_tokens)  # (checks chunk_tokens)
 
 
 def elastic_num_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0, *,
@@ -55,14 +54,11 @@ def elastic_num_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
                 num_topk=num_topk)
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
-    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool)
-                                     or chunk_tokens < 1):
-        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+    chunk = chunk_for(num_ranks, num_max_tokens_per_rank, chunk_tokens)  # (refuses a bad one, whole_batch too)
     if whole_batch:
         hint = SymmBackend.get_normal_size_hint(num_max_tokens_per_rank, hidden, num_topk or 32, num_ranks)
     else:
-        hint = SymmBackend.get_normal_size_hint(None, hidden, num_topk or 32, num_ranks,
-                                                chunk_tokens=chunk_for(num_ranks, num_max_tokens_per_rank, chunk_tokens))
+        hint = SymmBackend.get_normal_size_hint(None, hidden, num_topk or 32, num_ranks, chunk_tokens=chunk)
     return align(hint, ALIGN_2MB)
 
 

@@ -65,6 +65,46 @@ def test_memory_helpers_refuse_bad_input_and_match_deepep_hand_counts():
                                           14400 * (8 * 2 * T + 2 * T + 2 * (T + 1280))) // MB2) * MB2
 
 
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, 4.0, True, "4"])
+def test_chunk_tokens_is_checked_once_the_same_way_by_every_sizing_entry_point(bad):
+    """``chunk_tokens`` has one check (SymmNormal.chunk): the Buffer's size hint, ElasticBuffer's sizing (whole_batch
+    too) and chunk_for refuse the same values with the same message; none rounds a float or takes a bool as 1."""
+    from moe_ep.backends.symm import SymmBackend
+    from moe_ep.backends.symm_normal import SymmNormal
+    from moe_ep.elastic_memory import chunk_for, elastic_num_bytes
+
+    calls = (lambda: SymmNormal.size_hint(None, 256, 8, 4, chunk_tokens=bad),
+             lambda: SymmBackend.get_normal_size_hint(4096, 256, 8, 4, chunk_tokens=bad),
+             lambda: elastic_num_bytes(4, 4096, 256, 8, chunk_tokens=bad),
+             lambda: elastic_num_bytes(4, 4096, 256, 8, chunk_tokens=bad, whole_batch=True),
+             lambda: chunk_for(4, 4096, bad))
+    for call in calls:
+        with pytest.raises(ValueError) as exc:
+            call()
+        assert str(exc.value) == f"chunk_tokens must be a positive int or None, got {bad!r}"
+
+
+def test_chunk_tokens_clamp_is_the_same_for_both_sizings():
+    """The chunk (tokens per source per round): chunk_tokens or the default, at most the batch, at least 1; the
+    ElasticBuffer size is the Buffer's size hint of that chunk, rounded up to 2 MB."""
+    import numpy as np
+
+    from moe_ep.backends.symm_normal import SymmNormal
+    from moe_ep.elastic_memory import ALIGN_2MB, align, chunk_for, elastic_num_bytes
+
+    assert chunk_for(4, 4096) == 1024 and chunk_for(64, 4096) == 64  # max(64, 4096 // R)
+    assert chunk_for(4, 3) == 3 and chunk_for(4, 3, 7) == 3 and chunk_for(4, 4096, 7) == 7
+    assert chunk_for(4, 0) == 1024 and chunk_for(4, 0, 7) == 7  # no batch size: not clamped
+    assert chunk_for(4, 4096, np.int64(7)) == 7  # an integer type other than int is an int
+    for T in (1, 3, 100, 5000):
+        for ct in (None, 1, 7, 512):
+            assert elastic_num_bytes(4, T, 256, 8, chunk_tokens=ct) == align(
+                SymmNormal.size_hint(T, 256, 8, 4, chunk_tokens=chunk_for(4, T, ct)), ALIGN_2MB)
+            if ct is not None:  # size_hint clamps to the batch itself
+                assert SymmNormal.size_hint(T, 256, 8, 4, chunk_tokens=ct) == SymmNormal.size_hint(
+                    None, 256, 8, 4, chunk_tokens=chunk_for(4, T, ct))
+
 def test_readme_prefill_memory_table_is_the_computed_one():
     """Every row of the README's prefill memory table is what moe_ep.elastic_memory computes (ours fixed, one round,
     whole batch; DeepEP V1 and V2 hints), and the fixed size stays within DeepEP V2's hint at the README's shapes."""
