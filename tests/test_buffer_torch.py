@@ -76,3 +76,40 @@ def test_host_routing_math_equals_the_device_ops(n, E, R, k):
         cases.append(c)
     for c in cases:
         assert V._topk_flags_host(c, E).tolist() == V._topk_flags_torch(c, E).tolist(), c
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 37])
+def test_host_row_packing_equals_the_device_ops(m, monkeypatch):
+    """The dispatch's packing and unpacking helpers give the same tensors on the numpy (host) path and on the torch
+    ops a device runs (forced on CPU tensors here): byte fields, one-row and empty receives included."""
+    import torch
+
+    from moe_ep.backends import torch_a2a as TA
+
+    g = torch.Generator().manual_seed(m)
+    k, L, rank = 4, 8, 1
+    recv = torch.randint(0, 256, (m, 7 + 4 + 12 * k), dtype=torch.uint8, generator=g)
+    ids = torch.randint(-1, 3 * L, (m, k), generator=g)
+    recv[:, 11:11 + 8 * k] = ids.view(torch.uint8).view(m, 8 * k) if m else recv[:, 11:11 + 8 * k]
+    recv[:, 11 + 8 * k:] = torch.rand(m, k, generator=g).view(torch.uint8).view(m, 4 * k) if m else recv[:, 11 + 8 * k:]
+    in_rank = torch.rand(m, 4, generator=g) < 0.5
+    cols = [recv[:, :7].contiguous(), recv[:, 7:].contiguous()]
+    idx = torch.randint(0, max(m, 1), (3 * m,), generator=g)
+
+    def run():
+        local, w = TA.localize_topk(recv, 11, k, rank, L)
+        return (TA._from_bytes(recv[:, 7:11], torch.int32, 1), TA._from_bytes(recv[:, 3:7], torch.float16, 2),
+                local, w, torch.tensor(TA._count_local(local, L)), TA._rows_by_rank(in_rank),
+                TA._gather_rows(cols, idx) if m else None)
+
+    host = run()
+    monkeypatch.setattr(TA, "_on_host", lambda t: False)
+    device = run()
+    for got, want in zip(host, device):
+        if want is None:
+            continue
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8) if got.dtype.is_floating_point else got,
+                           want.view(torch.uint8) if want.dtype.is_floating_point else want)
+    if m:
+        assert (host[2] == -1).any() and (host[2] >= 0).any()  # ids both here and elsewhere were exercised

@@ -44,6 +44,16 @@ from .base import Backend, DispatchHandle, DispatchResult, LowLatencyDispatchRes
 __all__ = ["TorchBackend", "layout_from_topk", "localize_topk", "pad_to_worst", "unpack_rows"]
 
 
+# Routing bookkeeping of host tensors takes numpy: a torch op costs ~5 us at routing sizes, a numpy one ~1 (same
+# values: tests hold the two paths equal). moe_ep.testing.traps turns it off while host reads are trapped: there CPU
+# tensors stand in for device memory, and the path checked must be the device's.
+host_numpy = True
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    return host_numpy and t.device.type == "cpu"
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """Rows of ``t`` (`[M, ...]`) as `[M, nbytes]` uint8 (a view when ``t`` is contiguous)."""
     if t.numel() == 0:  # views of empty tensors can carry strides that .view(uint8) refuses
@@ -54,14 +64,37 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """Byte rows `[M, cols * itemsize]` (a column slice of received rows) as `[M, cols]` ``dtype`` (a copy
-    unless the slice is contiguous and aligned)."""
+    """Byte rows `[M, cols * itemsize]` (a column slice of received rows) as `[M, cols]` ``dtype``: always a new
+    tensor on the host (numpy copies it), on a device a copy unless the slice is contiguous and aligned."""
     if b.shape[0] == 0:
         return torch.empty(0, cols, dtype=dtype, device=b.device)
+    if _on_host(b):
+        return torch.from_numpy(np.array(b.numpy(), order="C")).view(dtype)
     b = b.contiguous().reshape(-1)  # a one-row slice is already "contiguous" but may start misaligned
     if b.storage_offset() % dtype.itemsize:
         b = b.clone()
     return b.view(dtype).view(-1, cols)
+
+
+def _gather_rows(cols: list, idx: torch.Tensor) -> torch.Tensor:
+    """Byte columns ``cols`` (`[N, w_i]` uint8) side by side, rows ``idx``: `[len(idx), sum w_i]` (host: numpy)."""
+    if _on_host(idx):
+        return torch.from_numpy(np.concatenate([c.numpy() for c in cols], axis=1)[idx.numpy()])
+    return (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).index_select(0, idx)
+
+
+def _rows_by_rank(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """Token index of each row a dispatch sends, ordered by destination rank, then token (host: numpy)."""
+    if _on_host(is_token_in_rank):
+        return torch.from_numpy(np.nonzero(is_token_in_rank.numpy().T)[1])
+    return is_token_in_rank.t().nonzero()[:, 1]
+
+
+def _count_local(local_idx: torch.Tensor, num_local: int) -> list:
+    """Selections of each local expert among received local ids (-1 elsewhere), as a list (host: numpy)."""
+    if _on_host(local_idx):
+        return np.bincount(local_idx.numpy().ravel() + 1, minlength=num_local + 1)[1:].tolist()
+    return torch.bincount(local_idx.view(-1) + 1, minlength=num_local + 1)[1:].tolist()
 
 
 # torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one.
@@ -82,6 +115,14 @@ def unpack_rows(recv: torch.Tensor, x_dtype: torch.dtype, hidden: int, x_scales)
 def localize_topk(recv: torch.Tensor, off: int, k: int, rank: int, num_local: int) -> tuple:
     """Received global top-k (int64 ids, float32 weights, from byte ``off``) as this rank's local ids (-1 for
     experts elsewhere) and weights (0 there)."""
+    if _on_host(recv):
+        rn = recv.numpy()
+        local = np.array(rn[:, off:off + 8 * k]).view(np.int64) - rank * num_local
+        w = np.array(rn[:, off + 8 * k:off + 12 * k]).view(np.float32)
+        elsewhere = (local < 0) | (local >= num_local)
+        np.putmask(local, elsewhere, -1)
+        np.putmask(w, elsewhere, 0.0)
+        return torch.from_numpy(local), torch.from_numpy(w)
     local = _from_bytes(recv[:, off:off + 8 * k], torch.int64, k) - rank * num_local  # a new tensor
     w = _from_bytes(recv[:, off + 8 * k:off + 12 * k], torch.float32, k)
     elsewhere = (local < 0) | (local >= num_local)
@@ -107,9 +148,8 @@ def pad_to_worst(rank: int, num_recv: int, num_worst_tokens: int, recv_x, recv_s
 
 def layout_from_topk(topk_idx: torch.Tensor, num_experts: int, world_size: int):
     """Device-side layout: ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
-    is_token_in_rank [N, R] bool)``; no host synchronisation. Host tensors take numpy (a torch op costs ~5 us at
-    routing sizes, a numpy one ~1), with the same values."""
-    if topk_idx.device.type == "cpu":
+    is_token_in_rank [N, R] bool)``; no host synchronisation (host tensors: numpy, :func:`_on_host`)."""
+    if _on_host(topk_idx):
         return _layout_host(topk_idx, num_experts, world_size)
     return _layout_torch(topk_idx, num_experts, world_size)
 
@@ -301,7 +341,7 @@ class TorchBackend(Backend):
                 _all_gather(all_local, local_counts, group=self.group)
                 per_expert = all_local.view(R, R, num_local)[:, self.rank].sum(0).tolist()
             # Rows ordered by destination rank, then token index.
-            send_idx = is_token_in_rank.t().nonzero()[:, 1]
+            send_idx = _rows_by_rank(is_token_in_rank)
         # Step 2: pack the payload rows: each token's fields side by side as one byte row, then one gather of the
         # rows each destination gets.
         cols = [_bytes(x)]
@@ -309,11 +349,12 @@ class TorchBackend(Backend):
             cols.append(_bytes(x_scales))
         with_topk = handle is None and topk_idx is not None
         if handle is None:  # source token index (DeepEP's recv_src_idx), 4 bytes per row
-            cols.append(_bytes(torch.arange(n, dtype=torch.int32, device=x.device).view(n, 1)))
+            cols.append(torch.from_numpy(np.arange(n, dtype=np.int32).view(np.uint8).reshape(n, 4)) if _on_host(x)
+                        else _bytes(torch.arange(n, dtype=torch.int32, device=x.device).view(n, 1)))
         if with_topk:
             k = topk_idx.shape[1]
             cols += [_bytes(topk_idx), _bytes(topk_weights)]
-        send = (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).index_select(0, send_idx)
+        send = _gather_rows(cols, send_idx)
         row_bytes = send.shape[1]
         # Step 3: move them.
         recv, _ = self._a2a(send, recv_counts, send_counts, row_bytes)
@@ -328,7 +369,7 @@ class TorchBackend(Backend):
         if with_topk:
             recv_topk_idx, recv_topk_weights = localize_topk(recv, off, k, self.rank, num_local)
             if num_worst_tokens <= 0:  # selections of each local expert among the received rows
-                per_expert = torch.bincount(recv_topk_idx.view(-1) + 1, minlength=num_local + 1)[1:].tolist()
+                per_expert = _count_local(recv_topk_idx, num_local)
         if handle is None:
             if num_worst_tokens > 0:
                 per_expert_list = []  # as DeepEP and the symm backend: outputs sized without the counts

@@ -11,6 +11,9 @@ Two exemptions, both work that on a GPU involves no host read of device memory:
 - the symm backend's status-word poll (``check_status``) and its normal mode's refusal-word poll
   (``_check_refused`` / ``poll_refused``): on a CPU they read the words directly, on a GPU a pinned host copy
   queued earlier (and they queue nothing while a graph is being captured).
+
+The ``torch`` backend's numpy bookkeeping of host tensors is off inside the block (CPU tensors stand in for device
+memory there), so the torch ops a device runs are the path checked.
 """
 
 from __future__ import annotations
@@ -95,15 +98,20 @@ def host_reads_trapped():
         saved.append((executor, "__call__", executor.__call__))
     except ImportError:  # pragma: no cover - Triton without an interpreter
         pass
+    from ..backends import torch_a2a
     from ..backends.symm_refusal import RefusalMixin
     from ..symm import SymmBuffer
+
+    saved.append((torch_a2a, "host_numpy", torch_a2a.host_numpy))
 
     polls = (SymmBuffer, RefusalMixin)
     saved.append((SymmBuffer, "check_status", SymmBuffer.check_status))
     saved += [(RefusalMixin, n, getattr(RefusalMixin, n)) for n in ("_check_refused", "poll_refused")]
     try:
         for owner, name, original in saved:
-            if owner is executor or owner in polls:
+            if owner is torch_a2a:
+                setattr(owner, name, False)
+            elif owner is executor or owner in polls:
                 setattr(owner, name, _kernel_scope(original))
             elif name == "to":
                 setattr(owner, name, _trapping_to(original))
