@@ -127,7 +127,7 @@ def check_dispatch_values(topk_idx: torch.Tensor, num_experts: int, world_size: 
     """The values of a dispatch's routing, in one read of the device on the host: ``topk_idx`` as in
     :func:`check_topk_idx`, and the layout tensors equal to what ``topk_idx`` implies (a layout that
     disagrees with the top-k would make ranks disagree on how many rows move)."""
-    from .backends.torch_a2a import layout_from_topk
+    from .backends.torch_rows import layout_from_topk
 
     flags = topk_value_flags(topk_idx, num_experts)
     safe = topk_idx.clamp(-1, num_experts - 1)  # out-of-range entries are reported by the flags above

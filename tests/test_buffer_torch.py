@@ -51,7 +51,7 @@ def test_host_routing_math_equals_the_device_ops(n, E, R, k):
     import torch
 
     from moe_ep import validate as V
-    from moe_ep.backends import torch_a2a as TA
+    from moe_ep.backends import torch_rows as TA
 
     g = torch.Generator().manual_seed(n * 1000 + E)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n else torch.empty(0, k).long()
@@ -84,7 +84,7 @@ def test_host_row_packing_equals_the_device_ops(m, monkeypatch):
     ops a device runs (forced on CPU tensors here): byte fields, one-row and empty receives included."""
     import torch
 
-    from moe_ep.backends import torch_a2a as TA
+    from moe_ep.backends import torch_rows as TA
 
     g = torch.Generator().manual_seed(m)
     k, L, rank = 4, 8, 1

@@ -33,16 +33,8 @@ from ..collectives import node_topology
 from .base import DispatchResult
 from ..kernels.logfmt import decode_rows, encode_rows
 from ..kernels.logfmt import row_bytes as wire_row_bytes
-from .torch_a2a import (
-    TorchBackend,
-    TorchDispatchHandle,
-    _bytes,
-    _from_bytes,
-    layout_from_topk,
-    localize_topk,
-    pad_to_worst,
-    unpack_rows,
-)
+from .torch_a2a import TorchBackend, TorchDispatchHandle
+from .torch_rows import _bytes, _from_bytes, layout_from_topk, localize_topk, pad_to_worst, unpack_rows
 
 __all__ = ["TorchHierBackend"]
 

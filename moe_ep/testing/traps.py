@@ -98,18 +98,18 @@ def host_reads_trapped():
         saved.append((executor, "__call__", executor.__call__))
     except ImportError:  # pragma: no cover - Triton without an interpreter
         pass
-    from ..backends import torch_a2a
+    from ..backends import torch_rows
     from ..backends.symm_refusal import RefusalMixin
     from ..symm import SymmBuffer
 
-    saved.append((torch_a2a, "host_numpy", torch_a2a.host_numpy))
+    saved.append((torch_rows, "host_numpy", torch_rows.host_numpy))
 
     polls = (SymmBuffer, RefusalMixin)
     saved.append((SymmBuffer, "check_status", SymmBuffer.check_status))
     saved += [(RefusalMixin, n, getattr(RefusalMixin, n)) for n in ("_check_refused", "poll_refused")]
     try:
         for owner, name, original in saved:
-            if owner is torch_a2a:
+            if owner is torch_rows:
                 setattr(owner, name, False)
             elif owner is executor or owner in polls:
                 setattr(owner, name, _kernel_scope(original))
