@@ -24,7 +24,7 @@ def __getattr__(name):
     if name == "MoELayer":
         from .moe import MoELayer
         return MoELayer
-    if name in ("ElasticBuffer", "EPHandle"):  # DeepEP V2's face (moe_ep/elastic.py)
+    if name in ("ElasticBuffer", "EPHandle"):  # DeepEP V2's face (moe_ep/elastic.py, dispatch in elastic_dispatch.py)
         from . import elastic
         return getattr(elastic, name)
     raise AttributeError(f"module 'moe_ep' has no attribute {name!r}")

@@ -23,7 +23,7 @@ permute, reads the rows straight from where the senders wrote them, before the l
 the whole receive of ``num_max_dispatch_tokens_per_rank`` tokens per rank (the ElasticBuffer's
 ``num_max_tokens_per_rank`` on the expanded path) fits the buffer's view area; otherwise (a fixed, chunk-sized
 buffer, or no token bound given to the permute path) they take the copying receive, which streams any batch
-through the buffer in rounds: the same results (:func:`moe_ep.elastic.recv_view_fits`, the same decision on every
+through the buffer in rounds: the same results (:func:`moe_ep.elastic_dispatch.recv_view_fits`, the same decision on every
 rank).
 
 The same object plugs into the two-microbatch schedules: pass ``layer.experts`` as the ``experts=``

@@ -229,7 +229,7 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
     import torch.distributed as dist
 
     import moe_ep
-    import moe_ep.elastic as el
+    import moe_ep.elastic_dispatch as ed  # its _masks_to_me is the face's one all_to_all_single
     import moe_ep.experts as ex
     import moe_ep.moe as mo
     from moe_ep.fp8 import FP8_DTYPE
@@ -301,7 +301,7 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
                    (moe_ep.Buffer, "dispatch", c.paused_call(moe_ep.Buffer.dispatch, "comm")),
                    (moe_ep.Buffer, "combine", c.paused_call(moe_ep.Buffer.combine, "comm")),
                    (moe_ep.Buffer, "get_dispatch_layout", c.paused_call(moe_ep.Buffer.get_dispatch_layout, "comm")),
-                   (el.dist, "all_to_all_single", c.paused_call(el.dist.all_to_all_single, "comm"))]
+                   (ed.dist, "all_to_all_single", c.paused_call(ed.dist.all_to_all_single, "comm"))]
         if path == "expanded+kernels":  # what runs on CUDA tensors: moe_ep.kernels.expand
             patches += [(ee, "USE_KERNELS", True), (ke, "expand_rows", c.paused_call(expand_kernel(c), "kernels")),
                         (ke, "sum_rows", c.paused_call(sum_kernel(c), "kernels"))]
