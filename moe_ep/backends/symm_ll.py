@@ -17,9 +17,13 @@ call, baked into a captured graph), so two dispatches (or two combines) may be i
 e.g. two micro-batches with ``return_recv_hook``; a third one in flight waits for the first to be
 received (and times out if that never happens on this stream).
 
-NOTES: the carving below depends on ``(T, hidden, R, E, num_topk)``. Changing those shapes between
-calls is safe once every rank has finished the previous step (e.g. after a host barrier); changing
-them while a peer may still be inside the previous step's combine is not.
+NOTES: the carving (:func:`~moe_ep.backends.symm_ll_layout._carve`) depends on ``(T, hidden, R, E, num_topk)``.
+Changing those shapes between calls is safe once every rank has finished the previous step (e.g. after a host
+barrier); changing them while a peer may still be inside the previous step's combine is not.
+
+Layout and sizes live in :mod:`moe_ep.backends.symm_ll_layout`; the host side of the signal words (signatures, the
+status check, the rank mask, slot geometry and launch options) in :mod:`moe_ep.backends.symm_ll_control`; this
+module holds the handle and the four phases.
 """
 
 from __future__ import annotations
@@ -34,121 +38,21 @@ from ..fp8 import FP8_DTYPE, tma_aligned_size
 from ..kernels.fp8_cast import native_e4m3_supported
 from ..kernels.logfmt import FMT_BF16, FMT_FP16, check_hidden, row_bytes
 from ..kernels.low_latency import (
-    SIG_WORDS,
     _ll_combine_recv_fmt_kernel,
     _ll_combine_send_fmt_kernel,
     _ll_dispatch_recv_kernel,
     _ll_dispatch_send_kernel,
-    _ll_release_kernel,
     signal_layout,
 )
-from ..kernels.low_latency_common import sig_stride
-from ..kernels.pdl import INTERPRET
-from .. import events
-from ..kernels.signals import MASK_API, MASK_TIMEOUT
 from ..symm import SymmBuffer
-from ..sync import CallMismatchError, RankTimeoutError
 from .base import LowLatencyDispatchResult, LowLatencyHandle
+from .symm_ll_control import _LowLatencyControl
+from .symm_ll_layout import GROUP, _hdr, _Layout, _pow2, deepep_ll_buffer_bytes, ll_buffer_bytes
+# names this module defined before its layout moved out (imported from here by perf/ and tests/)
+from .symm_ll_layout import _ALIGN as _ALIGN, NUM_SLOTS as NUM_SLOTS, _align as _align, _carve as _carve
+from .symm_ll_layout import comb_row_bytes as comb_row_bytes
 
 __all__ = ["SymmLowLatency", "SymmLowLatencyHandle", "ll_buffer_bytes", "deepep_ll_buffer_bytes", "virtual_low_latency_step"]
-
-NUM_SLOTS = 2
-GROUP = 128
-_ALIGN = 256
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Byte offsets inside one double-buffer slot of a rank's data region (see :func:`_carve`)."""
-
-    msg: int  # bytes per message (one token for one destination rank; the header offset is _hdr(hidden, fp8))
-    cnt_off: int
-    msg_off: int
-    comb_off: int
-    slot_bytes: int
-    stage_bytes: int = 0  # nvshmem transport: staging area of ONE slot (NUM_SLOTS of them at the END of the region)
-    comb_stage: int = 0  # offset of the combine staging inside a slot's staging area
-    cnt_stage: int = 0  # offset of the count staging inside it (the signature copies are at 0)
-
-
-def _carve(T: int, hidden: int, R: int, E: int, K: int, transport: int = 0) -> _Layout:
-    # One slot of a rank's data region (NUM_SLOTS of them, each at ``slot * _slot_span``: the data region less the
-    # nvshmem staging area, halved):
-    #
-    #   cnt_off   [R, L] int32                  count[s][e]: tokens of source s for local expert e   4 * E
-    #   msg_off   [R, T, msg] uint8             message of source s's token t (slot fixed by t)       R * T * msg
-    #             msg = payload | header, payload = BF16 2H, or FP8 H + scales 4 * H/128 (carved for BF16),
-    #             header (at align16(payload): _hdr) = top-k experts + 1 (0 = none) K int32 | positions K int32,
-    #             msg 16-aligned; payload and header are contiguous (one put per message on the nvshmem transport)
-    #   comb_off  [T, K, CS] uint8              combine: expert output for (own token t, selection k)  T * K * CS
-    #             CS = 16 + align16(2H): a 16-byte stamp header (int32 stamp_s << 16 | writer + 1) then the row
-    #             (BF16 / FP16 2H bytes, or the FP8 / LogFMT wire bytes); docs/protocols.md "combine isolation"
-    #
-    # Regions start 256-byte aligned. DeepSeek-V3 decode (T=128, H=7168, E=256, K=8) at EP8:
-    # msg = 14400 B, 14.7 MB of messages + 14.7 MB combine (16 KB of it stamp headers) = 29.4 MB per slot,
-    # 58.9 MB per rank.
-    L = E // R
-    hdr = _align(2 * hidden, 16)
-    msg = _align(hdr + 8 * K, 16)
-    cnt_off = 0
-    msg_off = _align(4 * R * L, _ALIGN)
-    comb_off = _align(msg_off + R * T * msg, _ALIGN)
-    slot_bytes = _align(comb_off + T * K * comb_row_bytes(hidden), _ALIGN)
-    if not transport:
-        return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes)
-    # nvshmem transport: a sender writes into its own symmetric memory before a put. A put source may be rewritten
-    # only once the peer's BUSY release proved it read the put (no quiet on the hot path, docs/protocols.md), and
-    # only the release of the SAME slot is waited for, so each slot has its own staging area (as DeepEP's two
-    # buffers); NUM_SLOTS of them follow the slots:
-    #   [1 + R, 4 sig_stride(R) B] signature copies (dispatch; combine per source: the signature and the mask bits)
-    #   | [E] int32 count staging
-    #   | [L * R*T, CS] combine staging (stamp header + the expert rows' wire bytes)
-    # DeepSeek-V3 decode (T=128, H=7168, E=256): 470 MB per slot whatever the EP size.
-    cnt_stage = _align(4 * sig_stride(R) * (1 + R), _ALIGN)
-    comb_stage = _align(cnt_stage + 4 * E, _ALIGN)
-    stage_bytes = _align(comb_stage + L * R * T * comb_row_bytes(hidden), _ALIGN)
-    return _Layout(msg, cnt_off, msg_off, comb_off, slot_bytes, stage_bytes, comb_stage, cnt_stage)
-
-
-def comb_row_bytes(hidden: int) -> int:
-    """Bytes of one combine slot ``(t, k)`` (and of one NVSHMEM combine staging row): the 16-byte stamp header, then
-    ``2 * hidden`` bytes (16-aligned) for the row (the kernels' ``_cs(H)``)."""
-    return _align(2 * hidden, 16) + 16
-
-
-def _hdr(hidden: int, use_fp8: bool) -> int:
-    """Header offset inside a message: right after the payload (FP8: H bytes + H/128 float32 scales; BF16: 2H)."""
-    return _align(hidden + 4 * (hidden // GROUP) if use_fp8 else 2 * hidden, 16)
-
-
-def ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
-                    num_topk: int = 8, transport: int = 0) -> int:
-    """Data bytes per rank of this path (both slots, plus the staging area of the nvshmem transport,
-    ``transport=1``): what :meth:`SymmLowLatency.size_hint` returns."""
-    lay = _carve(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk, transport)
-    return NUM_SLOTS * (lay.slot_bytes + lay.stage_bytes)
-
-
-def deepep_ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                           num_experts: int) -> int:
-    """DeepEP's ``get_low_latency_rdma_size_hint`` for the same shapes (its published layout: two
-    slots of send + receive + signal buffers, ``E * T`` messages each), for comparison."""
-    T, E = num_max_dispatch_tokens_per_rank, num_experts
-    scales = hidden // 128
-    msg_d = 16 + max(2 * hidden, hidden + 4 * scales)
-    msg_c = 4 * scales + 2 * hidden
-    send = max(T * msg_d, E * T * msg_c)
-    recv = E * T * max(msg_d, msg_c)
-    signal = 4 * E
-    return _align(2 * (send + recv + signal), 128)
 
 
 @dataclasses.dataclass
@@ -195,7 +99,7 @@ class _CombineState:
     fmt: int = FMT_BF16
 
 
-class SymmLowLatency:
+class SymmLowLatency(_LowLatencyControl):
     """Low-latency dispatch / combine of one rank over one :class:`~moe_ep.symm.SymmBuffer`.
 
     Arguments:
@@ -230,177 +134,6 @@ class SymmLowLatency:
     def shrink(self, on: bool) -> None:
         self._shrink = bool(on)
         self.symm.status[1] = int(self._shrink)  # STATUS_SHRINK, read by the kernels at run time
-
-    # ------------------------------------------------------------------ sizes
-    @staticmethod
-    def num_signals(world_size: int, num_experts_max: int = 1024) -> int:
-        """Signal words per rank (independent of the number of experts: counts travel as data)."""
-        return NUM_SLOTS * signal_layout(world_size)["SLOT_WORDS"]
-
-    @staticmethod
-    def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
-                  num_topk: int = 8, transport: int = 0) -> int:
-        """Data bytes per rank (``num_rdma_bytes``) for calls up to these shapes (BF16 or FP8)."""
-        return ll_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk, transport)
-
-    _SIG_FIELDS = ("hidden", "T (num_max_dispatch_tokens_per_rank)", "num_experts * 256 + top-k", "kind/format flags")
-
-    def _write_signature(self, slot: int, which: str, values: tuple) -> None:
-        """This rank's call signature into its own entry of the slot (device writes, no host read; the
-        send kernel copies it to every peer before it releases FULL, the receive kernel compares)."""
-        rank = self.symm.rank
-        at = slot * self.sig["SLOT_WORDS"] + self.sig[which] + self.sig["SIG_STRIDE"] * rank
-        for w, v in enumerate(values):
-            self.symm.signals[at + w].fill_(int(v))
-
-    def _check_status_naming_fields(self, what: str, slot: int, which: str) -> None:
-        """``check_status``; a call-signature mismatch is re-raised naming the fields that differ (error path
-        only: reads the signature words on the host)."""
-        try:
-            self.symm.check_status(what)
-        except RankTimeoutError as exc:
-            self._other_operation(exc.missing_ranks, which, what, exc)
-            raise
-        except CallMismatchError as exc:
-            peer = exc.peer
-            base = slot * self.sig["SLOT_WORDS"] + self.sig[which]
-            at, me = base + self.sig["SIG_STRIDE"] * peer, base + self.sig["SIG_STRIDE"] * self.symm.rank
-            theirs = self.symm.signals[at:at + SIG_WORDS].tolist()
-            mine = self.symm.signals[me:me + SIG_WORDS].tolist()
-            diffs = "; ".join(f"{name}: rank {peer}={a}, rank {self.symm.rank}={b}"
-                              for name, a, b in zip(self._SIG_FIELDS, theirs, mine) if a != b)
-            raise CallMismatchError(f"moe_ep {what}: ranks disagree on {diffs} (nothing was read from rank {peer}; "
-                                    "the Buffer is unusable: destroy it)", [n for n, a, b in
-                                                                           zip(self._SIG_FIELDS, theirs, mine)
-                                                                           if a != b]) from None
-        if self._shrink and not events.uses_streams(self.symm.device):  # CPU: a host read of the mask is free
-            # only peers this very receive masked: a masked rank still running may publish any word later
-            timed = {p for p, v in enumerate(self.mask.tolist()) if v == MASK_TIMEOUT}
-            new, self._timed_seen = sorted(timed - self._timed_seen), timed
-            self._other_operation(new, which, what)
-
-    def _other_operation(self, peers: list, which: str, what: str, exc: Optional[Exception] = None) -> None:
-        """Error path: a peer whose wait timed out (or that a wait masked) published the *other* operation's FULL
-        word here while this rank has no call of that kind open: it called that operation. Raise
-        :class:`CallMismatchError` naming it and both operations (host reads of a few signal words)."""
-        mine, other = ("DISP", "COMB") if which.startswith("DISP") else ("COMB", "DISP")
-        if self._open[other]:  # (this rank's own call of that kind is still open: its FULL words are expected)
-            return
-        names = {"DISP": "low_latency_dispatch", "COMB": "low_latency_combine"}
-        sw, at = self.sig["SLOT_WORDS"], self.sig[f"{other}_FULL"]
-        for p in peers:
-            if any(int(self.symm.signals[slot * sw + at + 2 * p]) for slot in range(NUM_SLOTS)):
-                err = CallMismatchError(
-                    f"moe_ep {what}: ranks called different operations (rank {p}: {names[other]}, rank "
-                    f"{self.symm.rank}: {names[mine]}); this rank found rank {p}'s {names[other]} where it waited for "
-                    f"its {names[mine]} ({'it was masked' if self._shrink else 'the Buffer is unusable: destroy it'})",
-                    ["call"])
-                err.peer = p
-                raise err from exc
-
-    def _slot_span(self, lay: _Layout) -> int:
-        """Bytes of one slot: the data region less the staging areas (nvshmem), halved."""
-        return (self.symm.nbytes - NUM_SLOTS * lay.stage_bytes) // NUM_SLOTS // _ALIGN * _ALIGN
-
-    def _slot_base(self, slot: int, lay: _Layout) -> int:
-        return slot * self._slot_span(lay)
-
-    def _stage_base(self, lay: _Layout, slot: int) -> int:
-        """Offset of slot ``slot``'s staging area (nvshmem transport): the last ``NUM_SLOTS * stage_bytes`` of the
-        data region hold one per slot."""
-        return (self.symm.nbytes - NUM_SLOTS * lay.stage_bytes) // _ALIGN * _ALIGN + slot * lay.stage_bytes
-
-    def _check_capacity(self, T: int, hidden: int, E: int, K: int, what: str) -> _Layout:
-        R = self.symm.world_size
-        if E % R != 0:
-            raise ValueError(f"{what}: num_experts={E} must be divisible by the number of ranks {R}")
-        if K > 32:  # the combine receive keeps one bit per selection in an int32
-            raise ValueError(f"{what}: num_topk={K} exceeds 32")
-        lay = _carve(T, hidden, R, E, K, self.transport)
-        have = self._slot_span(lay) if self.symm.nbytes >= NUM_SLOTS * lay.stage_bytes else 0
-        if lay.slot_bytes > have:
-            need = self.size_hint(T, hidden, R, E, K, self.transport)
-            raise ValueError(
-                f"{what}: T={T}, hidden={hidden}, num_topk={K}, num_experts={E} on {R} ranks need "
-                f"{lay.slot_bytes} bytes per buffer slot (plus {lay.stage_bytes} bytes of staging per slot) but the "
-                f"low-latency buffer has {have} per slot "
-                f"(num_rdma_bytes={self.symm.nbytes}); use num_rdma_bytes >= {need} "
-                f"({'NvshmemBackend' if self.transport else 'SymmBackend'}.get_low_latency_size_hint)")
-        need_sig = self.num_signals(R)
-        if self.symm.num_signals < need_sig:
-            raise ValueError(f"{what}: the symmetric buffer has {self.symm.num_signals} signal words, needs {need_sig}")
-        return lay
-
-    def _interpreted(self, device: torch.device) -> bool:
-        return INTERPRET or device.type != "cuda"
-
-    def _release(self, slot: int, word: str, device: torch.device) -> None:
-        """nvshmem transport: free this rank's area on every live peer after a receive (``_ll_release_kernel``)."""
-        if self.transport:
-            symm = self.symm
-            _ll_release_kernel[(1,)](symm.signal_ptrs, symm.status, symm.rank, symm.world_size,
-                                     slot * self.sig["SLOT_WORDS"], WORD=self.sig[word], **self._nvshmem_launch(device))
-
-    def _nvshmem_launch(self, device: torch.device) -> dict:
-        """Launch options of kernels that call NVSHMEM on a GPU (:func:`moe_ep.nvshmem.launch_options`: the device
-        bitcode to link, and the register cap lifted); none in the interpreter or with peer pointers."""
-        if self._interpreted(device) or not self.transport:
-            return {}
-        from .. import nvshmem
-
-        return nvshmem.launch_options(torch.cuda.get_device_capability(device))
-
-    def _copy_chunk(self, device: torch.device) -> int:
-        """int32 words per step of the nvshmem transport's block copies to mapped peers."""
-        return 4096 if self._interpreted(device) else 1024
-
-    # ------------------------------------------------------------------ rank mask (enable_shrink)
-    def update_mask(self, rank: int, masked: bool) -> None:
-        """Mask (``MASK_API``) or unmask ``rank`` on this rank: device writes, no host read (graph-safe). The words
-        are the effective mask the kernels read: masking THIS rank sets every other rank's word (it then
-        exchanges with nobody else); unmasking it restores the other API masks (and drops timeout masks)."""
-        me = self.symm.rank
-        self._api[rank] = int(bool(masked))
-        if rank != me:
-            if not self._api[me]:
-                self.mask[rank] = MASK_API if masked else 0
-            return
-        if masked:
-            others = torch.ones_like(self.mask, dtype=torch.bool)
-            others[me] = False
-            self.mask.copy_(torch.where(others & (self.mask == 0), torch.full_like(self.mask, MASK_API), self.mask))
-        else:
-            self.mask.copy_(torch.tensor([MASK_API if (a and r != me) else 0 for r, a in enumerate(self._api)],
-                                         dtype=torch.int32))
-
-    def reported_mask(self) -> Optional[list]:
-        """The API's view for a self-masked rank (``None`` otherwise: the device words are the view)."""
-        return list(self._api) if self._api[self.symm.rank] else None
-
-    def clean_mask(self) -> None:
-        """Unmask every rank and zero this rank's signal words of the ranks that were masked (a masked rank's
-        busy / full words may be left set by the steps it missed). Call it on every rank between steps, once
-        every rank has finished the previous step and before a returning rank's first call (e.g. after a host
-        barrier that includes it). Every rank resumes on slot 0 of both double buffers (a CUDA graph captured
-        before must be re-captured: its slots are baked in). Device ops only."""
-        R, sig = self.symm.world_size, self.sig
-        keep = (self.mask == 0).to(torch.int32)
-        words = self.symm.signals[:NUM_SLOTS * sig["SLOT_WORDS"]].view(NUM_SLOTS, sig["SLOT_WORDS"])
-        # Under the precondition (every rank done with its last call) a live rank's words are all 0 already, so every
-        # FULL / BUSY word and signature entry of both slots is zeroed, and every rank restarts on slot 0 of both
-        # double buffers: a rank that was out for an odd number of calls is back in step with the others.
-        for name in ("DISP_FULL", "DISP_BUSY", "COMB_FULL", "COMB_BUSY"):
-            words[:, sig[name]:sig[name] + 2 * R] = 0
-        words[:, sig["DISP_SIG"]:sig["COMB_SIG"] + sig["SIG_STRIDE"] * R] = 0
-        self._dispatch_slot = 0
-        self._combine_slot = 0
-        # A masked source's messages may sit unread here (headers a receive never cleared): zero its rows, so a later
-        # call never reads a stale header as a token that came.
-        for off, T, msg in self._msg_areas.values():
-            self.symm.buffer[off:off + R * T * msg].view(R, T * msg).mul_(keep.to(torch.uint8)[:, None])
-        self.mask.zero_()
-        self._api = [0] * R
-        self._timed_seen = set()
 
     # ------------------------------------------------------------------ dispatch
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
