@@ -23,7 +23,7 @@ from .backends.base import Backend, DispatchHandle
 from . import events
 from .buffer_checks import _CheckedLayout, _reports_refusal
 from .buffer_config import Config
-from .buffer_ll import Buffer as _LowLatencyBuffer
+from .buffer_ll import LowLatencyCalls
 from .events import EventOverlap, run_on_comm_stream
 
 __all__ = ["Buffer", "Config"]
@@ -35,7 +35,7 @@ def _capturing(device: torch.device) -> bool:
     return events.uses_streams(device) and events.is_capturing(device)
 
 
-class Buffer(_LowLatencyBuffer):
+class Buffer(LowLatencyCalls):
     """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer`` API).
 
     Arguments:

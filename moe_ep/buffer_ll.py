@@ -1,9 +1,8 @@
 """Low-latency mode of :class:`moe_ep.Buffer`: the decode calls and DeepEP's rank-mask API.
 
-:class:`Buffer` here is a base class of :class:`moe_ep.buffer.Buffer` (which holds the constructor, the stream
-and handle helpers it uses, and normal mode); it is not for use on its own. It carries the public class's name so
-that the names Python gives its methods and their closures (``Buffer.low_latency_dispatch``: what tracebacks and
-the stream checker's reports show) are those of the public class.
+:class:`LowLatencyCalls` is a base class of :class:`moe_ep.buffer.Buffer` (which holds the constructor, the stream
+and handle helpers it uses, and normal mode); it is not for use on its own. The stream checker's reports name its
+calls after the public class (``Buffer.low_latency_dispatch``).
 
 Calls here: ``low_latency_dispatch`` / ``low_latency_combine`` (and their zero-copy buffer and clean calls), the
 low-latency size hint, and with ``enable_shrink`` the mask API (``low_latency_update_mask_buffer``, ...) and the
@@ -25,7 +24,7 @@ from .buffer_checks import _reports_refusal
 __all__: list = []
 
 
-class Buffer:
+class LowLatencyCalls:
     """The low-latency calls and mask API of :class:`moe_ep.Buffer` (a base class of it; see the module doc)."""
 
     def _check_shrink(self) -> None:

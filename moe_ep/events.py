@@ -169,9 +169,13 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _call_name(fn: Callable) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "communication")
-    return name.split(".<locals>")[0]
+def _call_name(fn: Callable, owner: Any = None) -> str:
+    """``Class.method`` of the call that made ``fn``, with ``owner``'s class (the object the call was made on, not
+    the base class that defines the method)."""
+    name = (getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "communication")).split(".<locals>")[0]
+    if owner is not None and "." in name:
+        name = f"{type(owner).__name__}.{name.rsplit('.', 1)[1]}"
+    return name
 
 
 def run_on_comm_stream(fn: Callable[[], Any], device: torch.device, comm_stream, *,
@@ -206,7 +210,7 @@ def run_on_comm_stream(fn: Callable[[], Any], device: torch.device, comm_stream,
         if s.reports_launches:  # a checker: reads = inputs, writes = outputs that are not inputs
             in_keys = {_storage_key(t) for t in in_tensors}
             s.launch(comm_stream, in_tensors, [t for t in outputs if _storage_key(t) not in in_keys],
-                     _call_name(fn), alloc_stream=compute_stream)
+                     _call_name(fn, owner), alloc_stream=compute_stream)
         event = s.Event()
         s.record(event, comm_stream)
     # Tensors made on the comm stream are used on the compute stream: keep the caching allocator
