@@ -181,3 +181,26 @@ def test_emulated_quiet_reports_a_dead_pe():
             _put_then_signal[(1,)](table, 0, 1, QUIET=True)
     finally:
         nv.set_dead_pes([])
+
+
+@pytest.mark.parametrize("dead", [False, True])
+def test_freeing_a_heap_settles_its_pending_puts(dead):
+    """Freeing an emulated heap (``unregister_heap``, a Buffer's destroy) delivers the puts still pending into it first,
+    as ``nvshmem_free`` quiets (a put to a dead PE is dropped): none is left for the deferred order's NIC thread to
+    copy into memory unmapped afterwards (that copy crashed the process with a segfault)."""
+    mem = torch.zeros(2, 64, dtype=torch.uint8)  # row 0: this rank's region, row 1: the peer's copy, mapped here
+    base, peer = mem[0].data_ptr(), mem[1].data_ptr()
+    nv.set_emulation_order("manual")  # nothing delivers on its own
+    nv.set_dead_pes([1] if dead else [])
+    try:
+        nv.register_heap(base, 64, [base, peer])
+        mem[0, :8] = torch.arange(1, 9, dtype=torch.uint8)
+        nv._issue(base + 16, base, 8, 1, base + 32, 7, nv.SIGNAL_SET)
+        assert len(nv._PENDING) == 1
+        nv.unregister_heap(base)
+        assert nv._PENDING == []
+        want = [0] * 8 if dead else list(range(1, 9))
+        assert mem[1, 16:24].tolist() == want and int(mem[1, 32]) == (0 if dead else 7)
+    finally:
+        nv.set_dead_pes([])
+        nv.set_emulation_order("eager")

@@ -72,12 +72,44 @@ def register_heap(local_base: int, nbytes: int, peer_bases: list) -> None:
     offset ``o`` of every rank's region, and ``peer_bases[r] + o`` is where rank ``r``'s copy is mapped here. A heap
     registered earlier over any of these addresses is dropped (its memory was freed and reused)."""
     lo, hi = int(local_base), int(local_base) + int(nbytes)
-    _HEAPS[:] = [h for h in _HEAPS if h[0] + h[1] <= lo or h[0] >= hi]
-    _HEAPS.append((lo, int(nbytes), [int(b) for b in peer_bases]))
+    with _LOCK:
+        freed = [h for h in _HEAPS if not (h[0] + h[1] <= lo or h[0] >= hi)]
+        _HEAPS[:] = [h for h in _HEAPS if h[0] + h[1] <= lo or h[0] >= hi]
+        _settle(freed, deliver_them=False)  # their memory is gone: a pending put into it is dropped
+        _HEAPS.append((lo, int(nbytes), [int(b) for b in peer_bases]))
 
 
 def unregister_heap(local_base: int) -> None:
-    _HEAPS[:] = [h for h in _HEAPS if h[0] != int(local_base)]
+    """Drop the heap at ``local_base`` (its buffer is being freed): pending puts that touch it are delivered first, as
+    ``nvshmem_free`` quiets (puts to a dead PE are dropped), so none lands in memory unmapped after this returns."""
+    with _LOCK:
+        gone = [h for h in _HEAPS if h[0] == int(local_base)]
+        _HEAPS[:] = [h for h in _HEAPS if h[0] != int(local_base)]
+        _settle(gone, deliver_them=True)
+
+
+def _settle(heaps: list, deliver_them: bool) -> None:
+    """(Under ``_LOCK``) take the pending puts whose source, target or signal lies in ``heaps`` off the queue and
+    deliver them (in reverse order of issue, as :func:`deliver`) or drop them."""
+    def touches(op) -> bool:
+        _, target, source, nbytes, _, sig, _, _ = op
+        for base, size, peers in heaps:
+            if nbytes and base <= source < base + size:
+                return True
+            if any(p <= a < p + size for p in peers for a in (target if nbytes else None, sig) if a is not None):
+                return True
+        return False
+
+    if not heaps or not _PENDING:
+        return
+    keep, done = [], []
+    for op in _PENDING:
+        (done if touches(op) else keep).append(op)
+    _PENDING[:] = keep
+    if deliver_them:
+        for op in reversed(done):
+            if op[0] not in _DEAD:
+                _deliver_op(*op)
 
 
 def set_emulation_order(order: str) -> None:
