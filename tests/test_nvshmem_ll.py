@@ -204,3 +204,27 @@ def test_freeing_a_heap_settles_its_pending_puts(dead):
     finally:
         nv.set_dead_pes([])
         nv.set_emulation_order("eager")
+
+
+def test_a_heap_freed_without_destroy_settles_its_pending_puts():
+    """An emulated heap whose buffer is garbage-collected without a destroy (a rank function that returns) is
+    unregistered before its memory goes: its pending puts are delivered while the memory is still there, and a heap
+    registered later at another address is not touched (test_processes_silent_rank_is_named's forked ranks died
+    with a segfault in the NIC thread, which copied a pending put into a freed mapping)."""
+    import gc
+
+    nv.set_emulation_order("manual")
+    other = torch.zeros(64, dtype=torch.uint8)
+    kept = nv.register_heap(other.data_ptr(), 64, [other.data_ptr()])
+    try:
+        a, b = _virtual_pair(5.0)
+        base = a.symm._nvshmem_heap_base
+        nv._issue(base + 16, base, 8, 1)  # a pending put from rank 0's heap to rank 1's
+        assert len(nv._PENDING) == 1
+        del a, b
+        gc.collect()
+        assert nv._PENDING == []
+        assert not any(h[0] == base for h in nv._HEAPS) and any(h is kept for h in nv._HEAPS)
+    finally:
+        nv.unregister_heap(other.data_ptr(), kept)
+        nv.set_emulation_order("eager")

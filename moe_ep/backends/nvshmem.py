@@ -24,6 +24,7 @@ Normal (prefill) mode is not part of this backend: use ``backend="symm"`` inside
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -54,7 +55,9 @@ def _emulate_on(buf, ranks_per_node: int):
 
     peers = [int(a) for a in buf.buffer_ptrs.tolist()]
     span = int(buf.signal_ptrs[buf.rank].item()) - peers[buf.rank] + 4 * buf.num_signals
-    nvshmem_device.register_heap(peers[buf.rank], span, peers)
+    entry = nvshmem_device.register_heap(peers[buf.rank], span, peers)
+    # Unregistered (its pending puts settled) when the Buffer is destroyed, or else before its mapping is freed with it.
+    buf._nvshmem_unregister = weakref.finalize(buf, nvshmem_device.unregister_heap, peers[buf.rank], entry)
     keep = torch.tensor([r // ranks_per_node == buf.rank // ranks_per_node for r in range(buf.world_size)])
     buf.buffer_ptrs = torch.where(keep, buf.buffer_ptrs, torch.zeros_like(buf.buffer_ptrs))
     buf.signal_ptrs = torch.where(keep, buf.signal_ptrs, torch.zeros_like(buf.signal_ptrs))
@@ -142,12 +145,10 @@ class NvshmemBackend(SymmBackend):
         return nvshmem_ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
 
     def destroy(self) -> None:
-        from ..kernels import nvshmem_device
-
         for b in self._buffers:
-            base = getattr(b, "_nvshmem_heap_base", None)
-            if base is not None:
-                nvshmem_device.unregister_heap(base)
+            unregister = getattr(b, "_nvshmem_unregister", None)
+            if unregister is not None:
+                unregister()
         super().destroy()
 
 

@@ -67,24 +67,28 @@ _LOCK = threading.RLock()
 _NIC: list = []  # the deferred order's delivery thread, started on its first put
 
 
-def register_heap(local_base: int, nbytes: int, peer_bases: list) -> None:
+def register_heap(local_base: int, nbytes: int, peer_bases: list) -> tuple:
     """Make ``[local_base, local_base + nbytes)`` a symmetric heap for the emulation: address ``local_base + o`` names
     offset ``o`` of every rank's region, and ``peer_bases[r] + o`` is where rank ``r``'s copy is mapped here. A heap
-    registered earlier over any of these addresses is dropped (its memory was freed and reused)."""
+    registered earlier over any of these addresses is dropped (its memory was freed and reused). Returns the entry
+    (for :func:`unregister_heap`)."""
     lo, hi = int(local_base), int(local_base) + int(nbytes)
+    entry = (lo, int(nbytes), [int(b) for b in peer_bases])
     with _LOCK:
         freed = [h for h in _HEAPS if not (h[0] + h[1] <= lo or h[0] >= hi)]
         _HEAPS[:] = [h for h in _HEAPS if h[0] + h[1] <= lo or h[0] >= hi]
         _settle(freed, deliver_them=False)  # their memory is gone: a pending put into it is dropped
-        _HEAPS.append((lo, int(nbytes), [int(b) for b in peer_bases]))
+        _HEAPS.append(entry)
+    return entry
 
 
-def unregister_heap(local_base: int) -> None:
-    """Drop the heap at ``local_base`` (its buffer is being freed): pending puts that touch it are delivered first, as
+def unregister_heap(local_base: int, entry: tuple = None) -> None:
+    """Drop the heap at ``local_base`` (only ``entry``, :func:`register_heap`'s result, when given: a later heap at
+    the same address stays) before its memory is unmapped: pending puts that touch it are delivered first, as
     ``nvshmem_free`` quiets (puts to a dead PE are dropped), so none lands in memory unmapped after this returns."""
     with _LOCK:
-        gone = [h for h in _HEAPS if h[0] == int(local_base)]
-        _HEAPS[:] = [h for h in _HEAPS if h[0] != int(local_base)]
+        gone = [h for h in _HEAPS if h[0] == int(local_base) and (entry is None or h is entry)]
+        _HEAPS[:] = [h for h in _HEAPS if not any(h is g for g in gone)]
         _settle(gone, deliver_them=True)
 
 
