@@ -159,7 +159,7 @@ def _intranode_cases() -> list[Case]:
 def _low_latency_cases() -> list[Case]:
     """Low-latency (decode) kernels, launched as ``SymmLowLatency`` does on a GPU; DeepSeek-V3 decode:
     128 tokens per rank, H=7168, 256 experts, top-8, EP8; message offsets from the backend's own carving."""
-    from moe_ep.backends.symm_ll import _carve, _hdr
+    from moe_ep.backends.symm_ll import _carve, _hdr, combine_recv_columns
     from moe_ep.fp8 import tma_aligned_size
     from moe_ep.kernels import low_latency as k
 
@@ -227,7 +227,7 @@ def _low_latency_cases() -> list[Case]:
             {"buf_ptr": "*u8", "topk_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*i16", "signal_ptrs": "*i64",
              "status_ptr": "*i32", "wait_stats_ptr": "*i64", "stamp_ptr": "*i32"},
             {"rank": _RANK, "N": T, "R": R, "E": E, "timeout_ns": _TIMEOUT_NS, **comb},
-            {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "HAS_WAIT_STATS": True,
+            {"H": H, "K": KT, "BLOCK_T": 2, "HC": combine_recv_columns(H, fmt), "HAS_WAIT_STATS": True,
              "COMB_BUSY": sig["COMB_BUSY"], "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"],
              "FMT": fmt, "OUT_F16": f16},
             options={"enable_fp_fusion": False}))

@@ -23,7 +23,8 @@ fi
 export PYTHONPATH="$DIR:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import triton; print('compile_oldest_triton: triton', triton.__version__, 'from', triton.__file__)" >&2
 # (-o addopts: these files are `slow`-marked, which the default run leaves out)
+# test_sm90_report: every shipped configuration (the whole report) compiles without spills under this Triton too
 exec "$PY" -m pytest -q -p no:cacheprovider -o "addopts=-ra --strict-markers" \
-  tests/test_gemm_compile.py tests/test_quant_compile.py tests/test_mega_moe_compile.py \
+  tests/test_gemm_compile.py tests/test_quant_compile.py tests/test_mega_moe_compile.py tests/test_sm90_report.py \
   "tests/test_nvshmem_host.py::test_version_readers_on_this_machine" \
   tests/test_nvshmem_host.py::test_sm90_block_put_signal_rings_the_ibgda_doorbell "$@"

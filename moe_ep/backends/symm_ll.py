@@ -47,7 +47,7 @@ from ..kernels.low_latency import (
 from ..symm import SymmBuffer
 from .base import LowLatencyDispatchResult, LowLatencyHandle
 from .symm_ll_control import _LowLatencyControl
-from .symm_ll_layout import GROUP, _hdr, _Layout, _pow2, deepep_ll_buffer_bytes, ll_buffer_bytes
+from .symm_ll_layout import GROUP, _hdr, _Layout, _pow2, combine_recv_columns, deepep_ll_buffer_bytes, ll_buffer_bytes
 # names this module defined before its layout moved out (imported from here by perf/ and tests/)
 from .symm_ll_layout import _ALIGN as _ALIGN, NUM_SLOTS as NUM_SLOTS, _align as _align, _carve as _carve
 from .symm_ll_layout import comb_row_bytes as comb_row_bytes
@@ -356,7 +356,7 @@ class SymmLowLatency(_LowLatencyControl):
         if self._interpreted(dev):
             block_t, hc, warps = min(_pow2(n), 64), _pow2(hidden), 4
         else:
-            block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
+            block_t, hc, warps = 2, combine_recv_columns(hidden, state.fmt), 4
         grid = (triton.cdiv(max(n, 1), block_t), triton.cdiv(hidden, hc))
         base = self._slot_base(state.slot, lay)
         # Selections of experts on masked ranks (masked before or during this launch), with ids outside [0, E), or

@@ -12,6 +12,7 @@ import dataclasses
 
 import triton
 
+from ..kernels.logfmt import FMT_FP8, FMT_LOGFMT
 from ..kernels.low_latency_common import sig_stride
 
 NUM_SLOTS = 2
@@ -25,6 +26,13 @@ def _align(n: int, a: int) -> int:
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def combine_recv_columns(hidden: int, fmt: int) -> int:
+    """Hidden columns per program of the compiled low-latency combine receive (4 warps, 2 tokens): 1024, and 512 for
+    the FP8 and LogFMT-10 wire formats, whose decode keeps more live per column (at 1024 columns ptxas spilled 104 and
+    64 bytes with Triton 3.6, the GPU machines' version; perf/RESULTS.md)."""
+    return min(_pow2(hidden), 512 if fmt in (FMT_FP8, FMT_LOGFMT) else 1024)
 
 
 @dataclasses.dataclass(frozen=True)
