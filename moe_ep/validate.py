@@ -7,6 +7,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from .backends.torch_rows import _on_host, layout_from_topk
 from .fp8 import FP8_DTYPE, ceil_div
 
 __all__ = ["split_x", "check_topk_idx", "check_dispatch_values", "check_topk_weights", "check_num_experts", "check_low_latency_x",
@@ -86,10 +87,10 @@ def check_topk_shape(topk_idx, num_tokens: int, device: torch.device) -> None:
 
 def topk_value_flags(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """`[2]` bool on the device: (an entry outside ``[-1, num_experts)``, an expert twice in a row). Host tensors
-    take numpy (a torch op costs ~5 us at routing sizes, a numpy one ~1; a test holds the two paths equal)."""
+    take numpy (:func:`moe_ep.backends.torch_rows._on_host`; a test holds the two paths equal)."""
     if topk_idx.numel() == 0:
         return torch.zeros(2, dtype=torch.bool, device=topk_idx.device)
-    if topk_idx.device.type == "cpu":
+    if _on_host(topk_idx):
         return _topk_flags_host(topk_idx, num_experts)
     return _topk_flags_torch(topk_idx, num_experts)
 
@@ -127,8 +128,6 @@ def check_dispatch_values(topk_idx: torch.Tensor, num_experts: int, world_size: 
     """The values of a dispatch's routing, in one read of the device on the host: ``topk_idx`` as in
     :func:`check_topk_idx`, and the layout tensors equal to what ``topk_idx`` implies (a layout that
     disagrees with the top-k would make ranks disagree on how many rows move)."""
-    from .backends.torch_rows import layout_from_topk
-
     flags = topk_value_flags(topk_idx, num_experts)
     safe = topk_idx.clamp(-1, num_experts - 1)  # out-of-range entries are reported by the flags above
     per_rank, per_expert, in_rank = layout_from_topk(safe, num_experts, world_size)

@@ -225,7 +225,7 @@ class TorchBackend(Backend):
             cols.append(_bytes(x_scales))
         with_topk = handle is None and topk_idx is not None
         if handle is None:  # source token index (DeepEP's recv_src_idx), 4 bytes per row
-            cols.append(_token_index_bytes(n, x.device))
+            cols.append(_token_index_bytes(x))
         if with_topk:
             k = topk_idx.shape[1]
             cols += [_bytes(topk_idx), _bytes(topk_weights)]

@@ -97,12 +97,9 @@ def _settle(heaps: list, deliver_them: bool) -> None:
     deliver them (in reverse order of issue, as :func:`deliver`) or drop them."""
     def touches(op) -> bool:
         _, target, source, nbytes, _, sig, _, _ = op
-        for base, size, peers in heaps:
-            if nbytes and base <= source < base + size:
-                return True
-            if any(p <= a < p + size for p in peers for a in (target if nbytes else None, sig) if a is not None):
-                return True
-        return False
+        written = ([target] if nbytes else []) + ([sig] if sig is not None else [])
+        return any((nbytes and base <= source < base + size) or any(p <= a < p + size for p in peers for a in written)
+                   for base, size, peers in heaps)
 
     if not heaps or not _PENDING:
         return
