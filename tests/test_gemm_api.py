@@ -225,6 +225,37 @@ def test_num_sms_caps_the_grid_same_result():
         gemm.set_num_sms(-1)
 
 
+@pytest.mark.parametrize("m", [5, 130])  # swap-AB tile, 128-row tiles with a partial last one
+def test_fp8_gemm_wgrad_recipe_as_deepgemm_tests_call_it(m):
+    """DeepGEMM 2.6.1 ``tests/test_fp8_fp4.py::test_gemm``'s wgrad rows on sm90: both operands cast per token
+    (1x128 float32 scales, row-major), ``c = d`` float32, ``recipe=(1, 1, 128)``, ``disable_ue8m0_cast=True``,
+    through ``fp8_fp4_gemm_nt`` and the ``nt`` alias; checked against the FP32 reference with ``calc_diff``."""
+    n, k = 200, 384  # N not a multiple of 128: per-row weight scales need no block padding
+    gen = torch.Generator().manual_seed(21)
+    a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    for name in ("fp8_fp4_gemm_nt", "fp8_gemm_nt"):
+        d = torch.randn(m, n, generator=gen) * 32
+        ref = a.float() @ b.float().t() + d
+        aq, bq = per_token_group_quant_fp8(a), per_token_group_quant_fp8(b)
+        getattr(gemm, name)(aq, bq, d, c=d, disable_ue8m0_cast=True, recipe=(1, 1, 128), recipe_a=None,
+                            recipe_b=None)
+        assert calc_diff(d, ref) < FP8_MAX_DIFF, name
+    # the exact per-element bound: dequantized operands in float64
+    d = torch.zeros(m, n)
+    gemm.fp8_gemm_nt(aq, bq, d, recipe_a=(1, 128), recipe_b=(1, 128))
+    ref = dequant_fp8(*aq).double() @ dequant_fp8(*bq).double().T
+    bound = dequant_fp8(*aq).double().abs() @ dequant_fp8(*bq).double().abs().T
+    assert bool(((d.double() - ref).abs() <= bound * 1e-5 + 1e-30).all())
+    # nn: B given as [K, N] with its scales [K/128, N]
+    dn = torch.zeros(m, n)
+    gemm.fp8_gemm_nn(aq, (bq[0].T.contiguous(), bq[1].T.contiguous()), dn, recipe=(1, 1, 128))
+    assert torch.equal(dn, d)
+    # the grouped layouts keep the one recipe; the dense one checks the wgrad scale shape
+    with pytest.raises(ValueError, match="b\\[1\\] must have shape"):
+        gemm.fp8_gemm_nt(aq, (bq[0], bq[1][:2]), d, recipe=(1, 1, 128))
+
+
 @pytest.mark.parametrize("m", [5, 70])  # swap-AB tile, 128-row tile
 def test_fp8_gemm_nt_and_transposes(m):
     n, k = 200, 256  # N not a multiple of 128: the last scale row covers a partial block

@@ -7,7 +7,7 @@ import torch
 
 from ..fp8 import FP8_DTYPE, ceil_div
 from ..kernels.pdl import INTERPRET
-from .tiles import BLOCK_K, RECIPE
+from .tiles import BLOCK_K, RECIPE, WGRAD_RECIPE
 
 def _pair(v, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(v, (tuple, list)) or len(v) != 2 or not all(isinstance(t, torch.Tensor) for t in v):
@@ -15,9 +15,11 @@ def _pair(v, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return v[0], v[1]
 
 
-def _check_operands(a, b, d, lead: tuple[int, ...], *, bf16: bool = False, dense: bool = False):
+def _check_operands(a, b, d, lead: tuple[int, ...], *, bf16: bool = False, dense: bool = False,
+                    sfb_gran_n: int = BLOCK_K):
     """Validate a, b, d for a `[*lead, M, K]` A and a `[G, N, K]` (dense: `[N, K]`) B; return
-    ``(x, sfa, w3, sfb3, ue8m0)`` with B and its scales as `[G, ...]` (scales ``None`` for BF16)."""
+    ``(x, sfa, w3, sfb3, ue8m0)`` with B and its scales as `[G, ...]` (scales ``None`` for BF16).
+    ``sfb_gran_n``: rows of B per weight scale (128: 128x128 block scales; 1: 1x128 scales, the wgrad recipe)."""
     if bf16:
         for t, name in ((a, "a"), (b, "b")):
             if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16:
@@ -46,7 +48,7 @@ def _check_operands(a, b, d, lead: tuple[int, ...], *, bf16: bool = False, dense
     if not bf16:
         if k % BLOCK_K:
             raise ValueError(f"K={k} must be a multiple of {BLOCK_K} (1x128 / 128x128 FP8 scales)")
-        kb, nb = k // BLOCK_K, ceil_div(n, BLOCK_K)
+        kb, nb = k // BLOCK_K, ceil_div(n, sfb_gran_n)
         if sfa.dtype == torch.float32:
             want_sfa = (*lead, m, kb)
         elif sfa.dtype == torch.int32:
@@ -57,7 +59,8 @@ def _check_operands(a, b, d, lead: tuple[int, ...], *, bf16: bool = False, dense
             raise ValueError(f"a[1] must have shape {list(want_sfa)} for a[0] of shape {list(x.shape)}, "
                              f"got {list(sfa.shape)}")
         if sfb.dtype != torch.float32:
-            raise TypeError(f"b[1] (weight scales) must be float32 128x128 block scales, got {sfb.dtype}")
+            kind = "128x128 block" if sfb_gran_n == BLOCK_K else "1x128"
+            raise TypeError(f"b[1] (weight scales) must be float32 {kind} scales, got {sfb.dtype}")
         if tuple(sfb.shape) != (num_groups, nb, kb):
             want = [nb, kb] if dense else [num_groups, nb, kb]
             raise ValueError(f"b[1] must have shape {want}, got {list(sfb.shape[1:] if dense else sfb.shape)}")
@@ -95,21 +98,35 @@ def _as_tuple(v, name: str) -> tuple:
         raise TypeError(f"{name} must be a tuple of ints, got {v!r}") from None
 
 
-def _check_recipe(recipe, recipe_a, recipe_b, compiled_dims) -> None:
-    """DeepGEMM's sm90 FP8 recipe only: ``recipe=(1, 128, 128)`` or ``recipe_a=(1, 128), recipe_b=(128, 128)``
-    (or none: the default, which is that recipe)."""
+def _check_recipe(recipe, recipe_a, recipe_b, compiled_dims, *, allow_wgrad: bool = False) -> int:
+    """DeepGEMM's sm90 FP8 recipe: ``recipe=(1, 128, 128)`` or ``recipe_a=(1, 128), recipe_b=(128, 128)`` (or
+    none: the default, which is that recipe); with ``allow_wgrad`` (the dense GEMMs) also its wgrad recipe
+    ``recipe=(1, 1, 128)`` / ``recipe_a=(1, 128), recipe_b=(1, 128)`` (1x128 scales on both operands).
+    Returns the rows of B per weight scale: 128, or 1 for the wgrad recipe."""
     supported = ("only recipe=(1, 128, 128) is supported (1x128 activation scales x 128x128 weight scales, "
                  "DeepGEMM's sm90 FP8 recipe; equivalently recipe_a=(1, 128), recipe_b=(128, 128))")
+    if allow_wgrad:
+        supported += "; the dense GEMMs also take recipe=(1, 1, 128) (recipe_a=(1, 128), recipe_b=(1, 128))"
     if recipe is not None and (recipe_a is not None or recipe_b is not None):
         raise ValueError(f"pass either recipe or recipe_a + recipe_b, not both; {supported}")
     if (recipe_a is None) != (recipe_b is None):
         raise ValueError(f"recipe_a and recipe_b go together; {supported}")
-    if recipe is not None and _as_tuple(recipe, "recipe") != RECIPE:
-        raise ValueError(f"recipe={tuple(recipe)}: {supported}")
-    if recipe_a is not None and (_as_tuple(recipe_a, "recipe_a") != RECIPE[:2] or
-                                 _as_tuple(recipe_b, "recipe_b") != RECIPE[1:]):
-        raise ValueError(f"recipe_a={tuple(recipe_a)}, recipe_b={tuple(recipe_b)}: {supported}")
     _check_compiled_dims(compiled_dims)
+    if recipe is not None:
+        rec = _as_tuple(recipe, "recipe")
+        if rec == RECIPE:
+            return BLOCK_K
+        if allow_wgrad and rec == WGRAD_RECIPE:
+            return 1
+        raise ValueError(f"recipe={tuple(recipe)}: {supported}")
+    if recipe_a is not None:
+        ra, rb = _as_tuple(recipe_a, "recipe_a"), _as_tuple(recipe_b, "recipe_b")
+        if ra == RECIPE[:2] and rb == RECIPE[1:]:
+            return BLOCK_K
+        if allow_wgrad and ra == WGRAD_RECIPE[::2] and rb == WGRAD_RECIPE[1:]:
+            return 1
+        raise ValueError(f"recipe_a={tuple(recipe_a)}, recipe_b={tuple(recipe_b)}: {supported}")
+    return BLOCK_K
 
 
 def _check_compiled_dims(compiled_dims) -> None:

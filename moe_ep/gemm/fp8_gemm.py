@@ -18,16 +18,18 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: Optional[torch.Tensor] = None, recipe=
 
     Arguments:
         a: ``(x_fp8 [M, K], sfa)``: float32 `[M, K/128]` 1x128 scales (any strides) or packed UE8M0 int32.
-        b: ``(w_fp8 [N, K], sfb)``: float32 `[ceil(N/128), K/128]` 128x128 block scales.
+        b: ``(w_fp8 [N, K], sfb)``: float32 `[ceil(N/128), K/128]` 128x128 block scales, or with the wgrad recipe
+            ``(1, 1, 128)`` float32 `[N, K/128]` 1x128 scales (any strides).
         d: `[M, N]` bfloat16 or float32, N-major.
         c: optional float32 `[M, N]` (``d`` then float32 too; may be ``d`` itself): accumulated in FP32.
-        recipe, recipe_a, recipe_b: DeepGEMM's; only its sm90 FP8 recipe (1, 128, 128) exists here.
+        recipe, recipe_a, recipe_b: DeepGEMM's: its sm90 FP8 recipe (1, 128, 128) (the default) or its wgrad
+            recipe (1, 1, 128) (``recipe_a=(1, 128), recipe_b=(1, 128)``): 1x128 scales on B too.
         compiled_dims, disable_ue8m0_cast: DeepGEMM's; they change nothing here (float32 scales are never cast).
         use_pdl, config: keyword-only extensions (:func:`m_grouped_fp8_gemm_nt_contiguous`).
     """
     del disable_ue8m0_cast
-    _check_recipe(recipe, recipe_a, recipe_b, compiled_dims)
-    _dense(a, b, d, c, bf16=False, use_pdl=use_pdl, config=config)
+    gran_n = _check_recipe(recipe, recipe_a, recipe_b, compiled_dims, allow_wgrad=True)
+    _dense(a, b, d, c, bf16=False, use_pdl=use_pdl, config=config, sfb_gran_n=gran_n)
 
 
 def fp8_gemm_nn(a, b, d: torch.Tensor, c: Optional[torch.Tensor] = None, recipe=None, recipe_a=None, recipe_b=None,

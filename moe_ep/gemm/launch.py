@@ -24,7 +24,7 @@ def _out_mode(d: torch.Tensor) -> int:
 
 
 def _launch(x3, sfa3, w, sfb, d3, layout, mode: int, cfg: GemmConfig, *, ue8m0: bool = False, bf16: bool = False,
-            use_pdl: bool = False, zero_pad: bool = True, accumulate: bool = False) -> None:
+            use_pdl: bool = False, zero_pad: bool = True, accumulate: bool = False, sfb_gran_n: int = BLOCK_K) -> None:
     num_batches, rows, k = x3.shape
     n = w.shape[1]
     tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(n, cfg.block_n) * (num_batches if mode == MASKED.value else 1)
@@ -46,13 +46,13 @@ def _launch(x3, sfa3, w, sfb, d3, layout, mode: int, cfg: GemmConfig, *, ue8m0: 
         LAYOUT=mode, SWAP_AB=cfg.swap_ab, SFA_UE8M0=ue8m0, OUT_MODE=out_mode,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         PREFETCH_K=min(4, triton.cdiv(k, block_k)),
-        AB_BF16=bf16, EVEN_K=k % block_k == 0, ZERO_PAD=zero_pad, ACCUMULATE=accumulate,
+        AB_BF16=bf16, EVEN_K=k % block_k == 0, ZERO_PAD=zero_pad, ACCUMULATE=accumulate, SFB_GRAN_N=sfb_gran_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(use_pdl, x3.device),
     )
 
 
-def _dense(a, b, d, c, *, bf16: bool, use_pdl: bool, config: Optional[GemmConfig]) -> None:
-    x, sfa, w, sfb, ue8m0 = _check_operands(a, b, d, (), bf16=bf16, dense=True)
+def _dense(a, b, d, c, *, bf16: bool, use_pdl: bool, config: Optional[GemmConfig], sfb_gran_n: int = BLOCK_K) -> None:
+    x, sfa, w, sfb, ue8m0 = _check_operands(a, b, d, (), bf16=bf16, dense=True, sfb_gran_n=sfb_gran_n)
     accumulate = _check_c(c, d)
     m, n = d.shape
     if m == 0 or n == 0:
@@ -61,7 +61,7 @@ def _dense(a, b, d, c, *, bf16: bool, use_pdl: bool, config: Optional[GemmConfig
         d.copy_(c)
     cfg = config or _dense_config(m)
     _launch(x.unsqueeze(0), None if bf16 else sfa.unsqueeze(0), w, sfb, d.unsqueeze(0), None, DENSE.value, cfg,
-            ue8m0=ue8m0, bf16=bf16, use_pdl=use_pdl, accumulate=accumulate)
+            ue8m0=ue8m0, bf16=bf16, use_pdl=use_pdl, accumulate=accumulate, sfb_gran_n=sfb_gran_n)
 
 
 def _contiguous(a, b, d, grouped_layout, *, bf16: bool, use_psum_layout: bool, ensure_zero_padding: bool,

@@ -12,6 +12,8 @@ BLOCK_K_BF16 = 64
 M_ALIGNMENT = THEORETICAL_MK_ALIGNMENT  # the default contiguous-layout alignment (kept for older imports)
 #: The only FP8 recipe (DeepGEMM's sm90 one): 1x128 activation scales, 128x128 weight scales.
 RECIPE = (1, 128, 128)
+#: DeepGEMM's wgrad recipe (dense GEMMs only): 1x128 scales on both operands.
+WGRAD_RECIPE = (1, 1, 128)
 
 
 @dataclass(frozen=True)

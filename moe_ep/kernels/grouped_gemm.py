@@ -20,7 +20,8 @@ Persistent grid: program ``p`` of ``P`` takes tiles ``p, p + P, ...`` (``P`` = t
 the host at the SM count the GEMMs may use); with one program per tile the loop runs once.
 
 Numerics (FP8): per 128-wide K block, the FP8 dot product is accumulated in float32 by the MMA, then scaled
-by ``sfa[row, kb] * sfb[g, n // 128, kb]`` and added to a float32 accumulator (DeepGEMM's "promotion"
+by ``sfa[row, kb] * sfb[g, n // SFB_GRAN_N, kb]`` (``SFB_GRAN_N`` 128: 128x128 weight scales; 1: DeepGEMM's
+wgrad recipe ``(1, 1, 128)``, 1x128 scales on both operands) and added to a float32 accumulator (DeepGEMM's "promotion"
 every 128 K: Hopper's FP8 MMA accumulates with fewer bits than float32, so long K chains are never
 left inside the MMA). BF16 (``AB_BF16``): the MMA accumulates into the float32 accumulator directly. The
 output is cast once, at the end. Operand strides along K are arguments (1 for the K-major layouts the
@@ -107,13 +108,13 @@ def grouped_fp8_gemm_kernel(
     stride_ag, stride_am, stride_ak,  # a: [G?, M, K]
     stride_sag, stride_sam, stride_sak,  # sfa: [G?, M, K/128] float32 or [G?, M, ceil(K/512)] int32
     stride_bg, stride_bn, stride_bk,  # b: [G, N, K]
-    stride_sbg, stride_sbn, stride_sbk,  # sfb: [G, ceil(N/128), K/128] float32
+    stride_sbg, stride_sbn, stride_sbk,  # sfb: [G, ceil(N/SFB_GRAN_N), K/128] float32
     stride_dg, stride_dm,  # d: [G?, M, N], N contiguous
     LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr, SFA_UE8M0: tl.constexpr, OUT_MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
     AB_BF16: tl.constexpr = False, EVEN_K: tl.constexpr = True, ZERO_PAD: tl.constexpr = True,
-    ACCUMULATE: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False, SFB_GRAN_N: tl.constexpr = 128,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -193,7 +194,7 @@ def grouped_fp8_gemm_kernel(
         a_rows = a_ptr + batch * stride_ag + offs_m.to(tl.int64) * stride_am
         b_rows = b_ptr + g64 * stride_bg + offs_n.to(tl.int64) * stride_bn
         sfa_rows = batch * stride_sag + offs_m.to(tl.int64) * stride_sam
-        sfb_rows = sfb_ptr + g64 * stride_sbg + (offs_n // 128) * stride_sbn
+        sfb_rows = sfb_ptr + g64 * stride_sbg + (offs_n // SFB_GRAN_N) * stride_sbn
         if SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
