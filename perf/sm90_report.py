@@ -231,9 +231,12 @@ def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, nu
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from moe_ep.kernels.gluon_compat import GluonASTSource, is_gluon_kernel
+
+    source = GluonASTSource if is_gluon_kernel(kernel) else ASTSource  # @gluon.jit kernels have their own
     opts = {"num_warps": num_warps, "num_stages": num_stages, **(options or {})}
     t0 = time.perf_counter()
-    ck, ptxas_log = _compile_with_ptxas_log(ASTSource(kernel, signature, constexprs, attrs or {}),
+    ck, ptxas_log = _compile_with_ptxas_log(source(kernel, signature, constexprs, attrs or {}),
                                             GPUTarget("cuda", TARGET_CC, 32), opts)
     compile_s = time.perf_counter() - t0
     ptx = ck.asm["ptx"]
@@ -258,6 +261,11 @@ def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, nu
         "mma_shape": _mma_shape(ptx), "tma": "cp.async.bulk.tensor" in ptx, "ld_bytes": _widest(ptx, "ld"),
         "st_bytes": _widest(ptx, "st"), "pdl": _pdl(ptx), "sys_acquire": _sys_sync(ptx, "acquire"),
         "sys_release": _sys_sync(ptx, "release"), "globaltimer": "%globaltimer" in ptx, "compile_s": round(compile_s, 2),
+        # warp specialisation: the wgmma.wait_group pendings (1: an MMA stays in flight while the previous
+        # block is consumed) and the setmaxnreg register moves between partitions ("dec 40" / "inc 232")
+        "wgmma_wait": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+        "setmaxnreg": sorted({f"{op} {n}" for op, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)",
+                                                                    ptx)}),
     }
     if "libnvshmem_device" in dict(opts.get("extern_libs") or {}):
         from moe_ep.testing.nvshmem_ptx import scan_nvshmem_ptx
@@ -273,7 +281,8 @@ CASES: list[Case] = _all_cases()
 # ---------------------------------------------------------------------------------------------- output
 COLUMNS = [("kernel", "kernel"), ("config", "config"), ("num_warps", "warps"), ("regs", "regs/thread"),
            ("spills", "spill st+ld (B)"), ("shared", "smem dyn+static (B)"), ("resident_warps", "warps/SM"),
-           ("resident_blocks", "blocks/SM"), ("mma", "MMA"), ("tma", "TMA"), ("ld", "widest ld"), ("st", "widest st"),
+           ("resident_blocks", "blocks/SM"), ("mma", "MMA"), ("wgmma_wait", "wgmma wait"), ("setmaxnreg", "setmaxnreg"),
+           ("tma", "TMA"), ("ld", "widest ld"), ("st", "widest st"),
            ("pdl", "PDL"), ("sys_acquire", "acquire .sys (waits)"), ("sys_release", "release .sys (signals)")]
 # added when a row links NVSHMEM (--nvshmem)
 NVSHMEM_COLUMNS = [("ibgda", "IBGDA doorbell"), ("nvshmem", "NVSHMEM calls (scope)")]
@@ -290,6 +299,8 @@ def _cell(row: dict, key: str) -> str:
         return f"{row['shared_dynamic']}+{row['shared_static']}"
     if key == "tma":
         return "yes" if row["tma"] else "-"
+    if key in ("wgmma_wait", "setmaxnreg"):
+        return ", ".join(str(v) for v in row[key]) or "-"
     if key == "resident_warps":
         return f"{row['resident_warps']}/{H100['max_warps_per_sm']}"
     if key in ("ibgda", "nvshmem"):
