@@ -231,7 +231,9 @@ def _consumer(a_bufs, b_bufs, sfa_bufs, sfb_bufs, ready, empty, c_smem, d_desc, 
                     fence_async_shared()
                     mbarrier.arrive(empty.index(prev), count=1)
 
-            # Epilogue: which rows this tile writes, and with what.
+            # Epilogue: which rows this tile writes, and with what. NOTES: ``full`` stays a runtime value in every
+            # layout: Triton 3.6's lowering to LLVM asserts (SmallVector index) on a TMA store that is not under an
+            # scf.if in a warp-specialised partition.
             offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_l)
             offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_l)
             in_range = offs_m < rows_g
@@ -245,7 +247,7 @@ def _consumer(a_bufs, b_bufs, sfa_bufs, sfb_bufs, ready, empty, c_smem, d_desc, 
                 out = gl.where(ok[:, None], out, 0.0)
                 out = gl.where(bad[:, None], float("nan"), out)
                 write = True
-                full = True  # rows past M are clipped by the TMA store
+                full = pid_m * BLOCK_M < rows_g  # every walked tile (rows past M are clipped by the TMA store)
                 row_ok = in_range
             elif LAYOUT == PSUM:
                 end = gl.load(layout_ptr + gl.minimum(g, G - 1))
@@ -254,14 +256,14 @@ def _consumer(a_bufs, b_bufs, sfa_bufs, sfb_bufs, ready, empty, c_smem, d_desc, 
                 if ZERO_PAD:
                     write = True
                     row_ok = in_range
-                    full = True
+                    full = pid_m * BLOCK_M < rows_g
                 else:
                     full = False
             elif LAYOUT == MASKED:
                 row_ok = in_range
             else:
                 row_ok = in_range
-                full = True
+                full = pid_m * BLOCK_M < rows_g
             if write:
                 batch = gi if LAYOUT == MASKED else 0
                 if OUT_FP32 or ACCUMULATE:
