@@ -12,6 +12,7 @@ import triton
 from ..kernels.grouped_gemm import CONTIG, DENSE, MASKED, OUT_BF16, OUT_BF16_BITS, OUT_FP32, PSUM, grouped_gemm_kernel
 from ..kernels.pdl import INTERPRET, pdl_launch_kwargs
 from .checks import _check_c, _check_expected_m, _check_index, _check_operands
+from .gluon import launch_gluon
 from .runtime import _grid_size
 from .tiles import BLOCK_K, BLOCK_K_BF16, GemmConfig, _contiguous_config, _dense_config, choose_gemm_config
 from .utils.layout import get_mk_alignment_for_contiguous_layout
@@ -24,7 +25,14 @@ def _out_mode(d: torch.Tensor) -> int:
 
 
 def _launch(x3, sfa3, w, sfb, d3, layout, mode: int, cfg: GemmConfig, *, ue8m0: bool = False, bf16: bool = False,
-            use_pdl: bool = False, zero_pad: bool = True, accumulate: bool = False, sfb_gran_n: int = BLOCK_K) -> None:
+            use_pdl: bool = False, zero_pad: bool = True, accumulate: bool = False, sfb_gran_n: int = BLOCK_K,
+            expected_m: int = 0, forced: bool = False) -> None:
+    # FP8 on sm90 with MOE_EP_GEMM_KERNEL=gluon|auto: the warp-specialised Gluon kernel (it has no PDL wait, so
+    # it launches without PDL); a forced tile (``config``) keeps the tl kernel.
+    if not bf16 and not forced and launch_gluon(
+            x3, sfa3, w, sfb, d3, layout, mode, expected_m=expected_m or x3.shape[1], ue8m0=ue8m0, zero_pad=zero_pad,
+            accumulate=accumulate, sfb_gran_n=sfb_gran_n, align=get_mk_alignment_for_contiguous_layout()):
+        return
     num_batches, rows, k = x3.shape
     n = w.shape[1]
     tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(n, cfg.block_n) * (num_batches if mode == MASKED.value else 1)
@@ -61,7 +69,8 @@ def _dense(a, b, d, c, *, bf16: bool, use_pdl: bool, config: Optional[GemmConfig
         d.copy_(c)
     cfg = config or _dense_config(m)
     _launch(x.unsqueeze(0), None if bf16 else sfa.unsqueeze(0), w, sfb, d.unsqueeze(0), None, DENSE.value, cfg,
-            ue8m0=ue8m0, bf16=bf16, use_pdl=use_pdl, accumulate=accumulate, sfb_gran_n=sfb_gran_n)
+            ue8m0=ue8m0, bf16=bf16, use_pdl=use_pdl, accumulate=accumulate, sfb_gran_n=sfb_gran_n, expected_m=m,
+            forced=config is not None)
 
 
 def _contiguous(a, b, d, grouped_layout, *, bf16: bool, use_psum_layout: bool, ensure_zero_padding: bool,
@@ -83,7 +92,7 @@ def _contiguous(a, b, d, grouped_layout, *, bf16: bool, use_psum_layout: bool, e
         return
     _launch(x.unsqueeze(0), None if bf16 else sfa.unsqueeze(0), w, sfb, d.unsqueeze(0), grouped_layout,
             PSUM.value if use_psum_layout else CONTIG.value, cfg, ue8m0=ue8m0, bf16=bf16, use_pdl=use_pdl,
-            zero_pad=bool(ensure_zero_padding))
+            zero_pad=bool(ensure_zero_padding), expected_m=alignment, forced=config is not None)
 
 
 def _masked(a, b, d, masked_m, expected_m, *, bf16: bool, use_pdl: bool, config: Optional[GemmConfig]) -> None:
@@ -97,7 +106,8 @@ def _masked(a, b, d, masked_m, expected_m, *, bf16: bool, use_pdl: bool, config:
     cfg = config or choose_gemm_config(True, expected_m)
     if x.numel() == 0 or w.shape[1] == 0:
         return
-    _launch(x, sfa, w, sfb, d, masked_m, MASKED.value, cfg, ue8m0=ue8m0, bf16=bf16, use_pdl=use_pdl)
+    _launch(x, sfa, w, sfb, d, masked_m, MASKED.value, cfg, ue8m0=ue8m0, bf16=bf16, use_pdl=use_pdl,
+            expected_m=max(expected_m, 1), forced=config is not None)
 
 
 def _t(pair_or_tensor, dims=(-2, -1)):
