@@ -29,8 +29,8 @@ for c in sm90_cases():
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"]})
     ptx = ck.asm["ptx"]
     row.update(config=c["config"], triton=triton.__version__,
-               tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)),
-               tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)),
+               tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx)),
+               tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::\w+", ptx)),
                ffma=len(re.findall(r"\bfma\.rn\.f32", ptx)))
     out.append(row)
 print(json.dumps(out))
