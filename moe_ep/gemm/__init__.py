@@ -33,8 +33,14 @@ count) every tile gets its own program.
 Limits: FP8: K a multiple of 128 (N any: the last weight-scale row covers a partial block); e4m3 operands;
 activation scales float32 (any strides; M-major TMA-aligned as :func:`moe_ep.quant.per_token_group_quant_fp8`
 writes is the fast one) or packed UE8M0 int32; weight scales float32 `[G, ceil(N/128), K/128]`; output BF16 (or
-float32; float32 required with ``c``). No TMA: loads go through ``cp.async`` pipelining, so the grouped GEMMs
-are expected below DeepGEMM's speed (see perf/RESULTS.md for what has been measured).
+float32; float32 required with ``c``). The dense GEMMs also take DeepGEMM's wgrad recipe ``(1, 1, 128)`` (1x128
+float32 scales on B too, `[N, K/128]`). The default ``tl`` kernel has no TMA: loads go through ``cp.async``
+pipelining, so the grouped GEMMs are expected below DeepGEMM's speed (see perf/RESULTS.md for what has been measured).
+
+``MOE_EP_GEMM_KERNEL=gluon`` (or ``auto``) runs the FP8 GEMMs on sm90 through a warp-specialised Gluon kernel (TMA
+producer warp, two consumer warpgroups keeping one ``wgmma`` in flight, persistent masked-aware scheduler, TMA-store
+epilogue; :mod:`moe_ep.gemm.gluon`). It compiles for sm90 under Triton 3.6 and 3.9 but no GPU has checked it yet,
+so it is opt-in until one has.
 """
 
 from __future__ import annotations
