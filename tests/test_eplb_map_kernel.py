@@ -93,14 +93,13 @@ def test_kernel_many_chunks_uneven_bitwise(policy, seed, N, K):
     grids = grid_sizes(policy, N, K, 24, log2phy.shape[1])
     assert grids[0] == (max(1, -(-N * K // CHUNK)) if policy in ("round_robin", "balanced") else grids[0])
     assert len(grids) == (3 if policy in ("round_robin", "balanced") else 1)
-    for m in (None, mask):
-        for rank in (0, 3):
-            kw = dict(seed=seed, num_gpus=G, num_slots=P, slot_mask=m, rank=rank)
-            la, lb = torch.zeros((), dtype=torch.int64), torch.full((), 77, dtype=torch.int64)
-            a = eplb.map_topk(topk, log2phy, logcnt, policy, lost_out=la, impl="torch", **kw)
-            b = eplb.map_topk(topk, log2phy, logcnt, policy, lost_out=lb, impl="triton", **kw)
-            assert torch.equal(a, b), (policy, seed, m is not None, rank)
-            assert int(la) == int(lb)
+    for m, rank in ((None, 0), (mask, 3)):
+        kw = dict(seed=seed, num_gpus=G, num_slots=P, slot_mask=m, rank=rank)
+        la, lb = torch.zeros((), dtype=torch.int64), torch.full((), 77, dtype=torch.int64)
+        a = eplb.map_topk(topk, log2phy, logcnt, policy, lost_out=la, impl="torch", **kw)
+        b = eplb.map_topk(topk, log2phy, logcnt, policy, lost_out=lb, impl="triton", **kw)
+        assert torch.equal(a, b), (policy, seed, m is not None, rank)
+        assert int(la) == int(lb)
 
 
 def test_kernel_empty_and_all_none():
@@ -127,3 +126,13 @@ def test_kernel_even_split_fallback_bitwise(case, iters, monkeypatch):
     assert seen[0] > seen[1], "the case must take the even split"
     b = eplb.map_topk(topk, log2phy, logcnt, "balanced", impl="triton", **kw)
     assert torch.equal(a, b)
+
+
+def test_grids_spread_over_many_programs():
+    """DeepSeek-V3 prefill-sized 4096 x 8 selections, 16 replica columns: static / random is one launch of 256
+    programs; the ranked policies are 128 histogram programs, one planning program, 512 assignment programs.
+    The per-rank decode call (32 x 8) keeps the three launches, each on fixed shapes."""
+    from eplb.kernels import grid_sizes
+    assert grid_sizes("static", 4096, 8, 256, 16) == grid_sizes("random", 4096, 8, 256, 16) == [256]
+    assert grid_sizes("round_robin", 4096, 8, 256, 16) == grid_sizes("balanced", 4096, 8, 256, 16) == [128, 1, 512]
+    assert grid_sizes("balanced", 32, 8, 256, 16) == [1, 1, 4]
