@@ -12,11 +12,12 @@
 Importing eplb never touches CUDA.
 """
 
+from ._checks import EplbInputError
 from .dispatch import map_topk
 from .failover import replan_on_survivors
 from .metrics import balancedness, gpu_loads, same_gpu_duplicates, slots_moved
 from .placement import rebalance_experts
 from .recorder import LoadRecorder
 
-__all__ = ["rebalance_experts", "map_topk", "replan_on_survivors", "LoadRecorder", "balancedness", "gpu_loads",
+__all__ = ["EplbInputError", "rebalance_experts", "map_topk", "replan_on_survivors", "LoadRecorder", "balancedness", "gpu_loads",
            "same_gpu_duplicates", "slots_moved"]

@@ -185,6 +185,11 @@ def cmd_plan(a) -> int:
     if before is None:
         label = f"after; no baseline: {E} experts do not divide over {a.gpus} GPUs"
     lines = _report_lines(phy2log, stats, a.gpus, before, previous, label)
+    if a.nodes > 1:  # the node-locality cost beside the balancedness
+        tg = a.topk_groups if a.topk_groups is not None else max(1, a.groups // 2)
+        x = metrics.cross_node_per_token(phy2log, stats, a.gpus, a.nodes, a.groups, a.topk, tg)
+        lines.insert(1, f"cross-node selections per token: {x:.2f} (remote nodes a token is sent to; top-{a.topk} "
+                        f"in {min(tg, a.groups)} of {a.groups} groups)")
     atomic_write_all(outputs)  # all files or none, after everything that can fail on the input
     written = ", ".join(p for p, _ in outputs)
     print(f"eplb plan: {L} layers x {E} experts -> {a.replicas} slots on {a.gpus} GPUs ({a.nodes} nodes, "
@@ -284,6 +289,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--groups", type=POSITIVE, default=1, help="expert groups (hierarchical policy)")
     pl.add_argument("--policy", choices=POLICIES, default="auto")
     pl.add_argument("--max-replicas-per-expert", type=POSITIVE, default=None)
+    pl.add_argument("--topk", type=POSITIVE, default=8, help="experts per token, for the cross-node line")
+    pl.add_argument("--topk-groups", type=POSITIVE, default=None, help="groups per token (default: half)")
     pl.add_argument("--hedge", type=_float_nonneg, default=DEFAULT_HEDGE, help="robustness weight for [S, L, E] input")
     pl.add_argument("--previous", default=None, help="placement in force now (.json/.pt): keep experts in place")
     pl.add_argument("--stickiness", type=_float_nonneg, default=0.03,

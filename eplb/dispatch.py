@@ -2,7 +2,8 @@
 
 Every policy is a fixed sequence of ops on fixed shapes (no ``.item()``, no ``nonzero``, no
 data-dependent output size), so it runs on CPU and GPU and can be captured in a CUDA graph. On CUDA
-the whole mapping is one Triton launch (`eplb.kernels.map_topk_triton`); the torch path here is the
+the mapping runs on many CTAs in Triton (`eplb.kernels.map_topk_triton`: one gather launch for ``static`` /
+``random``, three launches for the ranked policies); the torch path here is the
 reference and the CPU implementation, and the two agree bitwise (all arithmetic is integer).
 
 Failover: ``slot_mask`` (`[num_slots]` bool or int, nonzero = live; a device tensor, so it may change

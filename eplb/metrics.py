@@ -1,4 +1,4 @@
-"""Scores of a placement: per-GPU load, balancedness, same-GPU duplicates, slots moved.
+"""Scores of a placement: per-GPU load, balancedness, cross-node traffic, same-GPU duplicates, slots moved.
 
 A placement is ``phy2log`` `[L, P]` (P physical slots, slot p on GPU ``p // (P // num_gpus)``).
 Every expert's tokens are split evenly over its replicas (what a static dispatch achieves on
@@ -7,11 +7,13 @@ average), so slot p carries ``weight[l, phy2log[l, p]] / logcnt[l, phy2log[l, p]
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from ._checks import as_numpy
 
-__all__ = ["gpu_loads", "balancedness", "same_gpu_duplicates", "slots_moved"]
+__all__ = ["gpu_loads", "balancedness", "cross_node_per_token", "same_gpu_duplicates", "slots_moved"]
 
 
 def _phy(phy2log) -> np.ndarray:
@@ -88,3 +90,52 @@ def slots_moved(phy2log, previous, num_gpus: int) -> int:
     np.add.at(ca, (li, gi, a), 1)
     np.add.at(cb, (li, gi, b), 1)
     return int(np.maximum(ca - cb, 0).sum())
+
+
+def cross_node_per_token(phy2log, weight, num_gpus: int, num_nodes: int, num_groups: int = 1, topk: int = 8,
+                         topk_groups: Optional[int] = None, num_tokens: int = 1024, seed: int = 0) -> float:
+    """Node-locality cost: cross-node selections per token under group-limited routing, i.e. the remote nodes a
+    token is sent to (a dispatch sends a token once per destination node, as DeepEP does), layer average.
+
+    Tokens are drawn per layer from ``weight`` (an expert's share of the layer's load is its routing
+    popularity, Gumbel top-``topk``), each limited to the ``topk_groups`` groups of highest top-2 score
+    (DeepSeek-V3's group-limited routing; default half the groups, 4 of 8 as DeepSeek-V3). A selection goes to
+    each replica of its expert with equal probability and a token starts on a uniformly drawn node: the
+    expectation over both is exact, over the ``num_tokens`` tokens per layer a fixed-seed sample. When every
+    group sits on one node (the hierarchical policy), a token reaches at most ``topk_groups`` nodes.
+
+    Returns:
+        a float in [0, min(topk, num_nodes - 1)]; 0.0 with one node.
+    """
+    import torch
+
+    from .synthetic import _route
+
+    p = _phy(phy2log)
+    w = as_numpy(weight, "weight").astype(np.float64)
+    if w.ndim == 3:
+        w = w.sum(0)
+    L, P = p.shape
+    E = w.shape[-1]
+    if w.ndim != 2 or w.shape[0] != L:
+        raise ValueError(f"weight must be [L={L}, E] (or [S, L, E]), got shape {w.shape}")
+    if P % num_gpus != 0 or num_gpus % num_nodes != 0:
+        raise ValueError(f"slots={P} must divide over num_gpus={num_gpus}, and the GPUs over num_nodes={num_nodes}")
+    if num_nodes == 1:
+        return 0.0
+    groups = num_groups if num_groups >= 1 and E % num_groups == 0 else 1
+    tg = max(1, groups // 2) if topk_groups is None else min(max(1, int(topk_groups)), groups)
+    k = min(topk, tg * (E // groups))
+    node = np.arange(P) // (P // num_nodes)
+    gen = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for layer in range(L):
+        on_node = np.zeros((E, num_nodes))
+        np.add.at(on_node, (p[layer], node), 1.0)
+        frac = torch.from_numpy(on_node / np.maximum(on_node.sum(1, keepdims=True), 1.0))  # [E, nodes]
+        pop = torch.from_numpy(np.log(w[layer] / max(w[layer].sum(), 1e-300) + 1e-12))
+        u = torch.rand(num_tokens, E, generator=gen, dtype=torch.float64).clamp_min(1e-12)
+        sel = _route(pop[None, :] - torch.log(-torch.log(u)), k, groups, tg)  # [T, k]
+        reached = 1.0 - torch.prod(1.0 - frac[sel], dim=1)  # [T, nodes]: P(node reached)
+        total += float(reached.sum(1).mean()) * (1.0 - 1.0 / num_nodes)
+    return total / L

@@ -17,11 +17,12 @@ Algorithm (vectorised over layers, numpy):
    It scores a GPU by its *robust* load, mean + ``hedge`` x standard deviation over the scenarios:
    experts whose loads rise and fall together are spread apart, so the plan holds when the traffic
    mix drifts (with `[L, E]` input: the plain load).
-5. Policy: ``hierarchical`` packs expert groups to nodes first (less cross-node traffic), then
-   places each node's experts on its GPUs; ``global`` ignores nodes; ``auto`` plans both where
-   the layout allows hierarchical (groups divide over nodes, as in the reference, experts over groups,
-   GPUs over nodes) and keeps, per layer, hierarchical when it is at least as balanced; elsewhere it
-   falls back to global, as the reference does.
+5. Policy: ``hierarchical`` packs expert groups to nodes first (each group on one node, so group-limited
+   routing stays node-limited), then places each node's experts on its GPUs; ``global`` ignores nodes.
+   ``auto`` (the default) is DeepSeek EPLB's rule: hierarchical when the groups divide over the nodes,
+   else global. ``balance_first`` plans both where the layout allows hierarchical and keeps, per layer,
+   whichever is more balanced (usually global): better balancedness, paid for in cross-node traffic
+   (`eplb.metrics.cross_node_per_token`).
 6. With ``previous`` (see `eplb.sticky`), experts stay on their GPU unless that leaves the robust
    maximum GPU load more than ``stickiness`` above a fresh plan's.
 """
@@ -33,13 +34,13 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from ._checks import check_int, check_layout, check_weight
+from ._checks import EplbInputError, check_int, check_layout, check_weight
 from .search import improve
 from .sticky import stick_to_previous
 
 __all__ = ["rebalance_experts", "planning_weight", "replica_counts", "log2phy_from_phy2log", "POLICIES"]
 
-POLICIES = ("auto", "global", "hierarchical")
+POLICIES = ("auto", "global", "hierarchical", "balance_first")
 DEFAULT_HEDGE = 2.0
 MAX_SCENARIOS = 8
 NUM_PARTNERS = 1 << 30  # swap partners on all GPUs (fewer: faster, measurably less balanced)
@@ -201,6 +202,24 @@ def _hierarchical_blocker(E: int, P: int, num_groups: int, num_nodes: int, num_g
     return ""
 
 
+def _deepseek_choice(E: int, num_groups: int, num_nodes: int, num_gpus: int, why_not: str) -> str:
+    """DeepSeek EPLB's rule: hierarchical when the groups divide over the nodes (with one node that is the
+    global plan), else global. Where DeepSeek's hierarchical policy asserts on the layout, so do we."""
+    if num_groups % num_nodes != 0:
+        return "global"
+    for ok, need in ((E % num_groups == 0, f"num_experts={E} divisible by num_groups={num_groups}"),
+                     (num_gpus % num_nodes == 0, f"num_gpus={num_gpus} divisible by num_nodes={num_nodes}")):
+        if not ok:
+            raise EplbInputError(f"num_groups={num_groups} divides over num_nodes={num_nodes}, so the default "
+                                 f"policy is DeepSeek's hierarchical one, which needs {need}; pass "
+                                 f"policy='global' to ignore the groups")
+    if num_nodes == 1 or why_not:
+        # One node: hierarchical is the global plan. Or a node's GPUs cannot hold its slots with at most one
+        # replica of an expert per GPU (DeepSeek's EPLB then doubles experts up on a GPU): global.
+        return "global"
+    return "hierarchical"
+
+
 def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int, num_groups: int, num_nodes: int,
                       num_gpus: int, *, previous: Optional[Union[torch.Tensor, np.ndarray]] = None,
                       max_replicas_per_expert: Optional[int] = None, policy: str = "auto",
@@ -215,23 +234,27 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
             `[S, L, E]`; torch tensor, numpy array or nested lists, any real dtype, finite and >= 0.
         num_replicas: physical slots P per layer, a multiple of ``num_gpus`` and >= E.
         num_groups: expert groups; used by the hierarchical policy.
-        num_nodes: server nodes. The hierarchical policy needs ``num_groups % num_nodes == 0`` (the
-            reference's condition), E a multiple of ``num_groups`` and ``num_gpus`` of ``num_nodes``;
-            where any fails, ``"auto"`` falls back to the global policy as DeepSeek's EPLB does
-            (it plans as one node with one group).
+        num_nodes: server nodes. With ``num_groups % num_nodes == 0`` the default policy is hierarchical,
+            as in DeepSeek's EPLB, and needs E a multiple of ``num_groups`` and ``num_gpus`` of
+            ``num_nodes`` (else `EplbInputError`, where DeepSeek's EPLB asserts); otherwise it is global.
         num_gpus: GPUs; slot p lives on GPU ``p // (P // num_gpus)``.
         previous: optional `[L, P]` ``phy2log`` in force now: experts stay on their GPU (and slot)
             unless keeping them leaves the maximum GPU load more than ``stickiness`` (relative) above
             a fresh plan's. The sticky plan keeps the fresh plan's replica counts but not the
             hierarchical policy's group-per-node layout.
         max_replicas_per_expert: optional cap on replicas of one expert (always <= GPUs of the scope).
-        policy: ``"auto"`` (hierarchical per layer where the layout allows it and it is at least as
-            balanced, else global), ``"global"`` or ``"hierarchical"`` (raises where the layout does
-            not allow it).
+        policy: ``"auto"`` (DeepSeek EPLB's choice: hierarchical when ``num_groups % num_nodes == 0``,
+            else global; global also where a node's GPUs cannot hold its slots with at most one replica of
+            an expert per GPU), ``"global"``, ``"hierarchical"`` (raises where the layout does not allow
+            it) or ``"balance_first"`` (per layer the more balanced of the two; it drops the group-per-node
+            layout wherever global balances better, so group-limited routing reaches more nodes).
         hedge: with `[S, L, E]` input, the robustness weight: GPUs are scored by mean + hedge * std of
             their load over chunks of steps (0: plan on the mean).
         stickiness: relative maximum-load slack allowed to keep experts in place (with ``previous``).
         improve_iters: swap-search iterations per layer (0 disables it).
+
+    Raises:
+        EplbInputError (a ValueError and an AssertionError) on bad input; TypeError on wrong types.
 
     Returns:
         phy2log: `[L, P]` with `torch.int64`, the logical expert of every slot.
@@ -243,33 +266,34 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
     L, E = w_all.shape[-2:]
     check_layout(E, num_replicas, num_groups, num_nodes, num_gpus)
     if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        raise EplbInputError(f"policy must be one of {POLICIES}, got {policy!r}")
     cap = num_gpus if max_replicas_per_expert is None else check_int(max_replicas_per_expert, "max_replicas_per_expert")
     if E * min(cap, num_gpus) < num_replicas:
-        raise ValueError(f"num_replicas={num_replicas} cannot be filled: {E} experts x at most {min(cap, num_gpus)} "
+        raise EplbInputError(f"num_replicas={num_replicas} cannot be filled: {E} experts x at most {min(cap, num_gpus)} "
                          f"replicas each (one per GPU, max_replicas_per_expert={max_replicas_per_expert})")
     if not np.isfinite(hedge) or hedge < 0:
-        raise ValueError(f"hedge must be a finite number >= 0, got {hedge}")
+        raise EplbInputError(f"hedge must be a finite number >= 0, got {hedge}")
     if not np.isfinite(stickiness) or stickiness < 0:
-        raise ValueError(f"stickiness must be a finite number >= 0, got {stickiness}")
+        raise EplbInputError(f"stickiness must be a finite number >= 0, got {stickiness}")
     prev = None
     if previous is not None:
         prev = np.asarray(torch.as_tensor(previous).cpu().numpy(), dtype=np.int64)
         if prev.shape != (L, num_replicas):
-            raise ValueError(f"previous must be phy2log of shape [{L}, {num_replicas}], got {prev.shape}")
+            raise EplbInputError(f"previous must be phy2log of shape [{L}, {num_replicas}], got {prev.shape}")
         if prev.min() < 0 or prev.max() >= E:
-            raise ValueError(f"previous entries must be expert ids in [0, {E}), got range [{prev.min()}, {prev.max()}]")
+            raise EplbInputError(f"previous entries must be expert ids in [0, {E}), got range [{prev.min()}, {prev.max()}]")
     w, scen, z = planning_weight(w_all, hedge)
 
     why_not = _hierarchical_blocker(E, num_replicas, num_groups, num_nodes, num_gpus, cap)
     if policy == "hierarchical" and why_not:
-        raise ValueError(f"policy='hierarchical' needs {why_not}; use policy='auto' or 'global'")
-    hier_ok = not why_not
+        raise EplbInputError(f"policy='hierarchical' needs {why_not}; use policy='global'")
+    if policy == "auto":
+        policy = _deepseek_choice(E, num_groups, num_nodes, num_gpus, why_not)
     if policy == "hierarchical":
         phy = _plan_hierarchical(w, scen, z, num_replicas, num_groups, num_nodes, num_gpus, cap, improve_iters)
     else:
         phy = _plan_global(w, scen, z, num_replicas, num_gpus, cap, improve_iters)
-        if policy == "auto" and hier_ok and num_nodes > 1:
+        if policy == "balance_first" and not why_not and num_nodes > 1:
             hphy = _plan_hierarchical(w, scen, z, num_replicas, num_groups, num_nodes, num_gpus, cap, improve_iters)
             use_h = _score(hphy, w, num_gpus) >= _score(phy, w, num_gpus) - 1e-12
             phy = np.where(use_h[:, None], hphy, phy)

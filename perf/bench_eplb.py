@@ -7,7 +7,10 @@ drift between windows). Windows w0, w1, w2 follow each other:
 - ``ref``: the reference planned on w1 (`[L, E]` sums; hierarchical iff groups divide over nodes,
   as DeepSeek's ``rebalance_experts`` does);
 - ``ours LE``: eplb on the same `[L, E]` input; ``ours SLE``: eplb on w1's per-step `[S, L, E]`;
-- ``sticky``: ``ours SLE`` with ``previous`` = our plan from w0.
+- ``sticky``: ``ours SLE`` with ``previous`` = our plan from w0;
+- ``BF``: ``ours SLE`` with ``policy="balance_first"`` (per layer the better balanced of hierarchical and
+  global), and ``x-node``: cross-node selections per token under the workload's group-limited routing
+  (`eplb.metrics.cross_node_per_token`, on w2) of ``ours SLE`` (DeepSeek's policy rule) and of ``BF``.
 
 Balancedness (mean / max per-GPU load, each expert's tokens split evenly over its replicas, layer
 average) is measured on the *later* window w2 (``plan`` column: on w1 itself); ``dup`` counts slots
@@ -62,7 +65,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 import eplb  # noqa: E402
-from eplb.metrics import balancedness, same_gpu_duplicates, slots_moved  # noqa: E402
+from eplb.metrics import balancedness, cross_node_per_token, same_gpu_duplicates, slots_moved  # noqa: E402
 from eplb.synthetic import PRESETS, sample_topk, simulate_counts  # noqa: E402
 
 REF_VERSION = "0.5.23"
@@ -276,6 +279,10 @@ def placement_rows(args, ref):
             prev = eplb.rebalance_experts(w0, P, groups, nodes, G)[0]
             st, r["sticky ms"] = timed(lambda: eplb.rebalance_experts(w1, P, groups, nodes, G, previous=prev)[0],
                                        args.repeat)
+            bf = eplb.rebalance_experts(w1, P, groups, nodes, G, policy="balance_first")[0]
+            r["BF"] = balancedness(bf, w2, G)
+            for k, p in (("SLE", o3), ("BF", bf)):  # the node-locality cost on the later window
+                r[k + " xnode"] = cross_node_per_token(p, w2, G, nodes, groups, wl.topk, wl.topk_groups, num_tokens=256)
             plans = (("LE", o2), ("SLE", o3), ("sticky", st))
             if ref is not None:
                 plans = (("ref", rp),) + plans
@@ -402,15 +409,16 @@ def render(args, ref_name, prow, drow):
              "Balancedness on the later window (planned on the window before; `plan`: on the planning window), "
              "same-GPU duplicate slots (summed over layers), share of slots moved vs the previous plan, wall time.",
              "",
-             "| config | layers | ref | ours LE | ours SLE | sticky | ref plan | SLE plan | ref dup | ours dup "
-             "| ref moved | sticky moved | ref ms | ours LE ms | ours SLE ms | sticky ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| config | layers | ref | ours LE | ours SLE | sticky | BF | x-node SLE / BF | ref plan | SLE plan "
+             "| ref dup | ours dup | ref moved | sticky moved | ref ms | ours LE ms | ours SLE ms | sticky ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+             "| --- |"]
     if not prow:  # --map-only
         lines = lines[:1]
     for name, preset, L, r in prow:
         ours_dup = max(r["LE dup"], r["SLE dup"], r["sticky dup"])
         lines.append(f"| {name} | {L} | {r['ref']:.3f} | {r['LE']:.3f} | {r['SLE']:.3f} | {r['sticky']:.3f} | "
-                     f"{r['ref plan']:.3f} | {r['SLE plan']:.3f} | {r['ref dup']:.0f} | {ours_dup:.0f} | "
+                     f"{r['BF']:.3f} | {r['SLE xnode']:.2f} / {r['BF xnode']:.2f} | {r['ref plan']:.3f} | {r['SLE plan']:.3f} | {r['ref dup']:.0f} | {ours_dup:.0f} | "
                      f"{100 * r['ref moved']:.0f}% | {100 * r['sticky moved']:.0f}% | {r['ref ms']:.0f} | "
                      f"{r['LE ms']:.1f} | {r['SLE ms']:.0f} | {r['sticky ms']:.0f} |")
     dec = [r for n, p, L, r in prow if "decode" in p]

@@ -59,7 +59,7 @@ def layouts(draw):
         w = rng.zipf(1.5, size=shape).astype(np.float64)
     else:
         w = rng.random(shape) * 100
-    policy = draw(st.sampled_from(["auto", "global", "hierarchical"]))
+    policy = draw(st.sampled_from(["auto", "global", "hierarchical", "balance_first"]))
     return w, P, num_groups, num_nodes, num_gpus, cap, policy
 
 
@@ -70,7 +70,8 @@ def test_valid_over_generated_shapes(case):
     L, E = w.shape[-2:]
     hier_ok = (groups % nodes == 0 and E % groups == 0 and G % nodes == 0
                and (E // nodes) * min(cap or G, G // nodes) >= P // nodes)
-    if E * min(cap or G, G) < P or (policy == "hierarchical" and not hier_ok):
+    deepseek_asserts = policy == "auto" and groups % nodes == 0 and (E % groups or G % nodes)
+    if E * min(cap or G, G) < P or (policy == "hierarchical" and not hier_ok) or deepseek_asserts:
         with pytest.raises(ValueError):
             eplb.rebalance_experts(w, P, groups, nodes, G, max_replicas_per_expert=cap, policy=policy)
         return
@@ -83,19 +84,26 @@ def test_valid_over_generated_shapes(case):
 
 
 def test_readme_example_golden():
+    # The default is DeepSeek's rule (4 groups divide over 2 nodes: hierarchical): DeepSeek's README placement.
     phy2log, log2phy, logcnt = eplb.rebalance_experts(README_WEIGHT, 16, 4, 2, 8)
     check_valid(phy2log, log2phy, logcnt, 2, 12, 16, 8)
-    ours = balancedness(phy2log, README_WEIGHT, 8, per_layer=True)
-    assert (ours >= np.array(README_REF_BALANCEDNESS) - 1e-4).all(), ours
-    assert ours.mean() >= 0.88  # 0.8845 at the time of writing (the reference: 0.8164)
+    assert phy2log.tolist() == [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+                                [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+    np.testing.assert_allclose(balancedness(phy2log, README_WEIGHT, 8, per_layer=True), README_REF_BALANCEDNESS,
+                               atol=1e-4)
     hier, _, _ = eplb.rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="hierarchical")
-    np.testing.assert_allclose(balancedness(hier, README_WEIGHT, 8, per_layer=True), README_REF_BALANCEDNESS, atol=1e-4)
+    assert torch.equal(hier, phy2log)
     # Hierarchical keeps each group on one node (4 groups of 3 experts, 2 nodes of 8 slots).
     node_of_slot = np.arange(16) // 8
     for layer in range(2):
         for g in range(4):
             nodes = {int(node_of_slot[s]) for s in range(16) if int(hier[layer, s]) // 3 == g}
             assert len(nodes) == 1
+    # balance_first keeps, per layer, the better balanced of hierarchical and global.
+    best, _, _ = eplb.rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="balance_first")
+    ours = balancedness(best, README_WEIGHT, 8, per_layer=True)
+    assert (ours >= np.array(README_REF_BALANCEDNESS) - 1e-4).all(), ours
+    assert ours.mean() >= 0.88  # 0.8845 at the time of writing (the reference: 0.8164)
 
 
 def test_deterministic_and_input_types():
@@ -123,7 +131,7 @@ def test_no_duplicates_where_the_reference_has_them():
 def test_per_step_stats_and_policies():
     rng = np.random.default_rng(2)
     w = rng.poisson(rng.zipf(1.5, size=(1, 3, 32)) * 10, size=(8, 3, 32)).astype(np.float64)
-    for policy in ("auto", "global", "hierarchical"):
+    for policy in ("auto", "global", "hierarchical", "balance_first"):
         out = eplb.rebalance_experts(w, 64, 4, 2, 8, policy=policy)
         check_valid(*out, 3, 32, 64, 8)
     flat = eplb.rebalance_experts(w, 64, 4, 2, 8, hedge=0.0)
@@ -159,7 +167,7 @@ def test_max_replicas_per_expert():
     (np.ones(8), {}, "shape"),
     (np.ones((1, 2, 3, 8)), {}, "shape"),
     (np.ones((2, 8)), {"num_replicas": 17}, "divisible by num_gpus"),
-    # Only the hierarchical policy needs groups / GPUs to divide (auto falls back to global).
+    # The hierarchical policy needs groups / GPUs to divide (the default only where groups divide over nodes).
     (np.ones((2, 8)), {"num_nodes": 3, "num_groups": 3, "policy": "hierarchical"}, "hierarchical. needs"),
     (np.ones((2, 8)), {"num_groups": 3, "num_nodes": 1, "policy": "hierarchical"}, "num_experts=8 divisible by num_groups"),
     (np.ones((2, 8)), {"num_groups": 2, "num_nodes": 2, "num_gpus": 3, "num_replicas": 12, "policy": "hierarchical"},
@@ -183,21 +191,32 @@ def test_errors(bad, kwargs, match):
 
 @pytest.mark.parametrize("weight, P, groups, nodes, G", [
     ([[10, 20, 30, 40]], 8, 3, 2, 4),  # vLLM's case, plain lists: 3 groups do not divide over 2 nodes
-    (np.arange(1, 13, dtype=np.float64)[None], 16, 5, 1, 8),  # 12 experts not divisible by 5 groups
-    (np.arange(1, 13, dtype=np.float64)[None], 12, 4, 4, 6),  # 6 GPUs not divisible by 4 nodes
-    (np.arange(1, 13, dtype=np.float64)[None], 12, 4, 2, 6),  # 12 slots, 2 nodes, but 12 experts / 4 groups ok
+    (np.arange(1, 13, dtype=np.float64)[None], 12, 4, 2, 6),  # 12 slots, 2 nodes, 12 experts / 4 groups: hierarchical
 ])
-def test_falls_back_to_global_where_the_layout_is_not_hierarchical(weight, P, groups, nodes, G):
+def test_global_where_groups_do_not_divide_over_nodes(weight, P, groups, nodes, G):
     out = eplb.rebalance_experts(weight, P, groups, nodes, G)
     E = len(weight[0])
     check_valid(*out, 1, E, P, G)
     ref = eplb.rebalance_experts(torch.as_tensor(np.asarray(weight, np.float64)), P, groups, nodes, G)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))  # a list plans like the tensor
-    if groups % nodes or E % groups or G % nodes:
-        glob = eplb.rebalance_experts(weight, P, groups, nodes, G, policy="global")
-        assert all(torch.equal(a, b) for a, b in zip(out, glob))
+    other = "global" if groups % nodes else "hierarchical"
+    assert all(torch.equal(a, b) for a, b in zip(out, eplb.rebalance_experts(weight, P, groups, nodes, G, policy=other)))
+    if groups % nodes:
         with pytest.raises(ValueError, match="policy='hierarchical' needs"):
             eplb.rebalance_experts(weight, P, groups, nodes, G, policy="hierarchical")
+
+
+@pytest.mark.parametrize("P, groups, nodes, G, match", [
+    (16, 5, 1, 8, "num_experts=12 divisible by num_groups=5"),  # groups divide over nodes, experts not over groups
+    (12, 4, 4, 6, "num_gpus=6 divisible by num_nodes=4"),
+])
+def test_default_asserts_where_deepseek_does(P, groups, nodes, G, match):
+    w = np.arange(1, 13, dtype=np.float64)[None]
+    with pytest.raises(AssertionError, match=match):
+        eplb.rebalance_experts(w, P, groups, nodes, G)
+    with pytest.raises(ValueError, match="policy='global'"):
+        eplb.rebalance_experts(w, P, groups, nodes, G)
+    check_valid(*eplb.rebalance_experts(w, P, groups, nodes, G, policy="global"), 1, 12, P, G)
 
 
 def test_layout_errors_that_remain():
