@@ -395,7 +395,8 @@ def _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep, deep_ep=
         return _common.error(prog, f"--experts {E} is not divisible by the world size {world}", 2)
     backends = ["symm", "torch"] if args.backend == "both" else [args.backend]
     name = torch.cuda.get_device_name(device)
-    rec = _common.Records(prog[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv)
+    rec = _common.Records(prog[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv,
+                          method=_common.EAGER)
     limits = _common.measure_limits(device, peer=world >= 2, fp8=False) if rank == 0 else {}
     dist.barrier()  # the other ranks wait while rank 0 measures the limits
     rec.update_header(limits=limits, launcher="torchrun", world_size=world, backend=args.backend,
@@ -593,11 +594,12 @@ def main(argv=None, op=None) -> int:
         resident = None if device.type != "cuda" else False
         rec.add(case_name, "time", us, "us", p10=t.p10, p90=t.p90, iterations=t.n,
                 baseline=base.median, limit=None, ratio=base.median / us, valid=valid, l2_resident=resident, note=note,
-                rel_err=err, rows=rows, bytes=nbytes, routing=rt, timed_as=how, fits_l2=fits,
+                rel_err=err, rows=rows, bytes=nbytes, routing=rt, timed_as=how, fits_l2=fits, method=_common.how_method(how),
                 baseline_inputs="FP8 (quantized before the timer)" if mode == "normal" and args.op == "dispatch"
                 else "BF16")
         rec.add(case_name, "bandwidth", gbps, "GB/s", iterations=t.n, limit=copy, ratio=gbps / copy, valid=valid,
                 l2_resident=resident, note=note, limit_name="device copy bandwidth (HBM, 1 GiB buffers)",
+                method=_common.how_method(how),
                 routing=rt, fits_l2=fits)
         if device.type == "cuda":
             torch.cuda.empty_cache()

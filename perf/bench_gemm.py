@@ -464,7 +464,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference stays float32
     torch.manual_seed(0)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    rec = _common.Records("bench_gemm", args.json, args.cpu_smoke, device=name, argv=argv)
+    rec = _common.Records("bench_gemm", args.json, args.cpu_smoke, device=name, argv=argv, method=_common.EAGER)
     meta = {"commit": (rec.header["commit"] or "unknown") + ("+dirty" if rec.header["dirty"] else "")}
     dg, dg_line = _deep_gemm(args.no_deepgemm)
     bf16 = Bf16Grouped()
