@@ -190,6 +190,8 @@ def time_single(fn, device, iters: int = 20, flush: "L2Flush | None" = None):
     the events). CPU: eager wall time. Returns ``(Timing, info)``."""
     from _common import quantiles
 
+    if flush is not None and flush.write:
+        raise ValueError("graph-single times after a read-only flush")
     out = []
     if not _cuda(device):
         fn()
@@ -199,8 +201,6 @@ def time_single(fn, device, iters: int = 20, flush: "L2Flush | None" = None):
             out.append((time.perf_counter() - t0) * 1e6)
         return quantiles(out), {"method": CPU_WALL, "flush": None}
     fl = flush if flush is not None else L2Flush(device)
-    if fl.write:
-        raise ValueError("graph-single times after a read-only flush")
     g, _ = capture([fn], device)
     for _ in range(max(1, iters)):
         fl()
