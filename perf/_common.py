@@ -33,7 +33,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 HEADER_KEYS = ("kind", "bench", "commit", "dirty", "date", "device", "python", "torch", "triton", "cuda",
                "driver", "nccl", "cpu-smoke", "argv")
 ROW_KEYS = ("bench", "case", "metric", "value", "unit", "p10", "p90", "iterations", "baseline", "limit", "ratio",
-            "valid", "l2_resident", "note")
+            "valid", "l2_resident", "note", "method")
 # the state of the GPU, queried before the first and after the last measurement (header keys gpu_before / gpu_after)
 GPU_QUERY = ("clocks.sm", "clocks.mem", "power.limit", "temperature.gpu")
 VIRTUAL_NOTE = "virtual ranks: no NVLink, no cross-GPU waits"
