@@ -140,7 +140,7 @@ def stages(out: str, dry: bool) -> list[Stage]:
                   log="pytest.log", parse=_pytest_result),
             Stage("gemm-api", 10, [PY, "-c", "print('perf/_gpu_check_gemm.py needs CUDA')"],
                   parse=lambda rc, t: "skipped: CUDA only (dry run)"),
-            Stage("time", 60, _lease_checks("time", out, "--shapes", "tiny", "--iters", "2"), env=interp,
+            Stage("time", 90, _lease_checks("time", out, "--shapes", "tiny", "--iters", "2"), env=interp,
                   parse=_rows_result(out, "time")),
             Stage("compile", 180, [PY, os.path.join(ROOT, "perf", "gpu_lease.py"), "--compile-times", rec],
                   parse=_rows_result(out, "compile")),
