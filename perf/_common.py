@@ -6,7 +6,8 @@ Conventions every bench follows:
 
 - ``--cpu-smoke`` runs the CPU variant (Triton interpreter, tiny shapes picked by the bench, numbers
   meaningless) and never overrides an option the user gave explicitly;
-- ``--json PATH`` writes JSON lines: first ``header(...)``, then one ``ROW_KEYS`` object per row;
+- ``--json PATH`` writes JSON lines: first ``header(...)``, then one ``ROW_KEYS`` object per row, each naming how
+  it was timed (``method``: one of ``perf/_method.py``'s ``METHODS``, re-exported here; see perf/README.md);
 - after timing, every case is checked against its reference; a mismatch prints ``INVALID`` and the
   bench exits 1; a bench that measured nothing exits 1 with one line on stderr; no GPU (and no
   ``--cpu-smoke``) exits 2 with one line on stderr.
@@ -24,8 +25,8 @@ import subprocess
 import sys
 import time
 
-from _method import (COUNTED, CPU_WALL, EAGER, EAGER_WRITE_FLUSH, GRAPH_N, GRAPH_SINGLE, METHODS, PROFILER,  # noqa: F401
-                     L2Flush, aggregate_kernels, copy_limit, copy_single, describe, kernel_times, measure,
+from _method import (COUNTED, CPU_WALL, EAGER, EAGER_WRITE_FLUSH, GRAPH_N, GRAPH_SINGLE, METHODS,  # noqa: F401
+                     PROFILER, L2Flush, aggregate_kernels, copy_limit, copy_single, describe, kernel_times, measure,
                      rotation_plan, time_graph_n, time_single)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))

@@ -298,5 +298,6 @@ def describe(info: dict) -> str:
                 f"({info['total_bytes'] / 2 ** 20:.0f} MiB > 2x L2 {info['l2_bytes'] / 2 ** 20:.0f} MiB), time / "
                 f"{info['n']}")
     if m == GRAPH_SINGLE:
-        return f"graph of 1 call after a {info.get('flush', 'read')} flush of {info.get('flush_bytes', 0) / 2 ** 20:.0f} MiB"
+        mib = info.get("flush_bytes", 0) / 2 ** 20
+        return f"graph of 1 call after a {info.get('flush', 'read')} flush of {mib:.0f} MiB"
     return METHODS.get(m, str(m))

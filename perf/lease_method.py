@@ -118,13 +118,15 @@ def split(m, k):
         f"(graph-rotating) {meas['us']:.1f} us vs copy {meas['limit_us']:.1f} us ({meas['ratio']:.2f}); profiler "
         f"kernels {kernel_sum:.1f} us; host wrapper {host['us']:.1f} us ({launch}), {host_launch['us']:.1f} us with "
         f"launch"),
-        "method": _common.CPU_WALL if cpu else _common.EAGER_WRITE_FLUSH, "write_flush_us": round(old.median, 3), "eager_us": round(eager.median, 3),
+        "method": _common.CPU_WALL if cpu else _common.EAGER_WRITE_FLUSH, "write_flush_us": round(old.median, 3),
+        "eager_us": round(eager.median, 3),
         "graph_single_us": round(single.median, 3), "graph_rotating_us": round(meas["us"], 3),
         "copy_us": round(meas["limit_us"], 3), "ratio": round(meas["ratio"], 3),
         **{k_: round(v, 3) for k_, v in parts.items()}, "profiler_kernels_us": {k_: round(v, 3) for k_, v in
                                                                                 kernels.items()},
         "host_wrapper_us": round(host["us"], 3), "host_launches_stubbed": host["launches_stubbed"],
-        "host_with_launch_us": round(host_launch["us"], 3), "methods": {k_: _common.CPU_WALL if cpu else v for k_, v in {
+        "host_with_launch_us": round(host_launch["us"], 3),
+        "methods": {k_: _common.CPU_WALL if cpu else v for k_, v in {
             "write_flush_us": _common.EAGER_WRITE_FLUSH, "eager_us": _common.EAGER,
             "graph_single_us": s_info["method"], "graph_rotating_us": meas["method"],
             "profiler_kernels_us": _common.PROFILER}.items()}}

@@ -105,7 +105,8 @@ def test_measure_picks_the_method_and_times_the_limit_the_same_way():
     assert made == [0] and "sets" not in small  # too many sets: one call after a read-only flush instead
     # on a GPU the two branches are graph-rotating / graph-single; the description says which
     assert _method.describe({"method": _method.GRAPH_N, "n": 21, "sets": 3, "total_bytes": 264 * MIB,
-                             "l2_bytes": 60 * MIB}) == "graph of 21 calls over 3 rotating sets (264 MiB > 2x L2 60 MiB), time / 21"
+                             "l2_bytes": 60 * MIB}) == \
+        "graph of 21 calls over 3 rotating sets (264 MiB > 2x L2 60 MiB), time / 21"
     assert _method.describe({"method": _method.GRAPH_SINGLE, "flush": "read", "flush_bytes": 120 * MIB}) == \
         "graph of 1 call after a read flush of 120 MiB"
 
