@@ -6,7 +6,8 @@ Conventions every bench follows:
 
 - ``--cpu-smoke`` runs the CPU variant (Triton interpreter, tiny shapes picked by the bench, numbers
   meaningless) and never overrides an option the user gave explicitly;
-- ``--json PATH`` writes JSON lines: first ``header(...)``, then one ``ROW_KEYS`` object per row;
+- ``--json PATH`` writes JSON lines: first ``header(...)``, then one ``ROW_KEYS`` object per row, each naming how
+  it was timed (``method``: one of ``perf/_method.py``'s ``METHODS``, re-exported here; see perf/README.md);
 - after timing, every case is checked against its reference; a mismatch prints ``INVALID`` and the
   bench exits 1; a bench that measured nothing exits 1 with one line on stderr; no GPU (and no
   ``--cpu-smoke``) exits 2 with one line on stderr.
@@ -24,12 +25,16 @@ import subprocess
 import sys
 import time
 
+from _method import (COUNTED, CPU_WALL, EAGER, EAGER_WRITE_FLUSH, GRAPH_N, GRAPH_SINGLE, METHODS,  # noqa: F401
+                     PROFILER, L2Flush, aggregate_kernels, copy_limit, copy_single, describe, kernel_times, measure,
+                     rotation_plan, time_graph_n, time_single)
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HEADER_KEYS = ("kind", "bench", "commit", "dirty", "date", "device", "python", "torch", "triton", "cuda",
                "driver", "nccl", "cpu-smoke", "argv")
 ROW_KEYS = ("bench", "case", "metric", "value", "unit", "p10", "p90", "iterations", "baseline", "limit", "ratio",
-            "valid", "l2_resident", "note")
+            "valid", "l2_resident", "note", "method")
 # the state of the GPU, queried before the first and after the last measurement (header keys gpu_before / gpu_after)
 GPU_QUERY = ("clocks.sm", "clocks.mem", "power.limit", "temperature.gpu")
 VIRTUAL_NOTE = "virtual ranks: no NVLink, no cross-GPU waits"
@@ -233,8 +238,10 @@ def header(bench: str, smoke: bool, device: str | None = None, argv=None) -> dic
 class Records:
     """Collects the rows of one run; writes JSON lines to ``path`` (header first) when given."""
 
-    def __init__(self, bench: str, path: str | None, smoke: bool, device: str | None = None, argv=None):
+    def __init__(self, bench: str, path: str | None, smoke: bool, device: str | None = None, argv=None,
+                 method: str | None = None):
         self.bench, self.path, self.rows = bench, path, []
+        self.method = method  # a row's method unless it names its own
         self.header = header(bench, smoke, device, argv)
         if path:
             d = os.path.dirname(os.path.abspath(path))
@@ -253,13 +260,20 @@ class Records:
                 f.writelines(lines)
 
     def add(self, case: str, metric: str, value, unit: str, p10=None, p90=None, iterations=None, baseline=None,
-            limit=None, ratio=None, valid=True, l2_resident=None, note=None, **extra) -> dict:
+            limit=None, ratio=None, valid=True, l2_resident=None, note=None, method=None, **extra) -> dict:
         """One row. ``l2_resident``: True when the timed working set stayed in L2 between iterations (no flush, or
         it fits), False when flushed / larger than L2, None when unknown (CPU). ``note``: caveats of the row,
-        e.g. :data:`VIRTUAL_NOTE`."""
+        e.g. :data:`VIRTUAL_NOTE`. ``method``: how it was timed, one of :data:`METHODS` (default: the one given to
+        the constructor; a CPU smoke run's timed rows are ``cpu-wall``); a row without one is refused."""
+        method = method or self.method
+        if self.header.get("cpu-smoke") and method != COUNTED:
+            method = CPU_WALL
+        if method not in METHODS:
+            raise ValueError(f"row {case!r}: method {method!r} is not one of {', '.join(METHODS)}")
         row = {"bench": self.bench, "case": case, "metric": metric, "value": value, "unit": unit, "p10": p10,
                "p90": p90, "iterations": iterations, "baseline": baseline, "limit": limit, "ratio": ratio,
-               "valid": bool(valid), "l2_resident": l2_resident, "note": note, **extra}
+               "valid": bool(valid), "l2_resident": l2_resident, "note": note, "method": method,
+               "method_detail": METHODS[method], **extra}
         self.rows.append(row)
         if self.path:
             with open(self.path, "a") as f:
@@ -314,27 +328,6 @@ def l2_bytes(device=None) -> int:
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
 
 
-class L2Flush:
-    """``flush()`` writes a buffer of twice the L2 size (at least 64 MiB) so the next kernel starts with a cold L2;
-    a no-op on CPU. ``flush.bytes`` is the L2 size it flushes (0: none)."""
-
-    def __init__(self, device=None):
-        import torch
-
-        self.bytes = l2_bytes(device)
-        self.buf = (torch.empty(max(2 * self.bytes, 64 << 20), dtype=torch.uint8, device=device)
-                    if self.bytes else None)
-
-    def __call__(self) -> None:
-        if self.buf is not None:
-            self.buf.zero_()
-
-    def resident(self, working_set_bytes) -> bool | None:
-        """What a row timed with this flusher reports as ``l2_resident``: None on CPU; False otherwise (flushed
-        before every iteration, so the timed kernel reads its inputs from HBM whatever their size)."""
-        return None if not self.bytes else False
-
-
 def fits_l2(nbytes, device=None) -> bool | None:
     """Whether ``nbytes`` fit in the device's L2 (None on CPU / unknown). A row whose bytes fit in L2 and were not
     flushed must not be compared against the HBM copy limit without saying so."""
@@ -343,24 +336,27 @@ def fits_l2(nbytes, device=None) -> bool | None:
 
 
 def time_us(fn, device=None, iters: int = 5, warmup: int = 1, between=None, flush: bool = True,
-            barrier=None) -> Timing:
-    """Median / p10 / p90 microseconds of ``fn()`` over ``iters`` calls after ``warmup`` untimed calls.
+            barrier=None, write_flush: bool = False) -> Timing:
+    """``eager-host`` (a replayed graph's ``replay`` as ``fn``: see :func:`graph_fn`): median / p10 / p90
+    microseconds of ``fn()`` over ``iters`` calls after ``warmup`` untimed calls.
 
-    GPU: CUDA events around each call; before each timed call (outside the events) the L2 is flushed (``flush``,
-    :class:`L2Flush`), ``between()`` runs, then ``barrier()`` (multi-rank cases: every rank starts together).
-    CPU: ``time.perf_counter``. The flush buffer is allocated once per call of this function."""
+    GPU: CUDA events around each call, so the host's Python and launch are inside; before each timed call (outside
+    the events) the L2 is flushed by a read (``flush``, :class:`L2Flush`; ``write_flush``: the earlier ``zero_()``
+    flush, ``eager-write-flush``), ``between()`` runs, then ``barrier()`` (multi-rank cases: every rank starts
+    together). CPU: ``time.perf_counter``. The flush buffer is allocated once per call of this function."""
 
     cuda = device is not None and getattr(device, "type", device) == "cuda"
-    return quantiles(_timed_samples(fn, device, cuda, iters, warmup, between, flush, barrier))
+    return quantiles(_timed_samples(fn, device, cuda, iters, warmup, between, flush, barrier, write_flush))
 
 
-def _timed_samples(fn, device, cuda: bool, iters: int, warmup: int, between, flush: bool, barrier) -> list:
+def _timed_samples(fn, device, cuda: bool, iters: int, warmup: int, between, flush: bool, barrier,
+                   write_flush: bool = False) -> list:
     """Microseconds of each of ``iters`` timed calls of ``fn`` (the loop shared by :func:`time_us` and
     :func:`time_ranks`): warm-up, then per call an L2 flush, ``between()`` and ``barrier()`` outside the timed
     region, CUDA events on a GPU, ``time.perf_counter`` on a CPU."""
     import torch
 
-    fl = L2Flush(device) if (cuda and flush) else None
+    fl = L2Flush(device, write=write_flush) if (cuda and flush) else None
     for _ in range(warmup):
         fn()
     if cuda:
@@ -385,6 +381,18 @@ def _timed_samples(fn, device, cuda: bool, iters: int, warmup: int, between, flu
             fn()
             out.append((time.perf_counter() - t0) * 1e6)
     return out
+
+
+def how_method(how: str | None) -> str:
+    """The ``method`` of a row timed by :func:`time_us` / :func:`time_ranks`, from the bench's ``how`` line: a
+    replayed CUDA graph (events around one replay after a read-only flush) is ``graph-single``; eager launches are
+    ``eager-host``; CPU (or a capture that fell back to eager on CPU) is ``cpu-wall``."""
+    h = (how or "").lower()
+    if h.startswith("cuda graph"):
+        return GRAPH_SINGLE
+    if h.startswith("cpu") or "(cpu)" in h:
+        return CPU_WALL
+    return EAGER
 
 
 def graph_fn(fn, device):

@@ -253,7 +253,7 @@ def main(argv=None):
         print_tables(rows, f"{cluster}: {desc}; {stamp['date']}, {stamp['cpus']} CPUs, torch {stamp['torch']}")
         all_rows += rows
     rec = C.Records("bench_collectives", a.json, a.cpu_smoke, device=f"cpu, {stamp['cpus']} cores (gloo)",
-                    argv=argv)
+                    argv=argv, method=C.CPU_WALL)
     for r in all_rows:
         extra = {k: v for k, v in r.items() if k not in ("us",)}
         if r["kind"] == "all_reduce":

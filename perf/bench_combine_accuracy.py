@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         _common.smoke_defaults(args, p, argv, tokens=8, hidden=512, inter=256, experts=4, topk=2)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    rec = _common.Records("bench_combine_accuracy", args.json, args.cpu_smoke, device="CPU (numerics only)", argv=argv)
+    rec = _common.Records("bench_combine_accuracy", args.json, args.cpu_smoke, device="CPU (numerics only)", argv=argv,
+                          method=_common.COUNTED)
     H, K = args.hidden, args.topk
     sets = {"dsv3-mlp": lambda dt: dsv3_mlp(args.tokens, H, args.inter, args.experts, K, 1),
             "student-t3": lambda dt: synthetic(args.tokens, H, K, 2, "t"),

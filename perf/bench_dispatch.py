@@ -148,16 +148,20 @@ def _inputs(R, n, H, E, K, device, seed=0, routing="uniform"):
 
 
 def _timer(device, graph, iters):
-    """``time_us(fn) -> (Timing, out)`` (``time_us.how``: how the last call was timed): microseconds of ``fn``
-    (median, p10, p90 over ``iters``; on a GPU CUDA
-    events around CUDA-graph replays unless disabled, L2 flushed before each, warm-up outside), the output of the
-    last timed call (a graph's output tensors after its last replay) and how it was timed."""
+    """``time_us(fn) -> (Timing, out)`` (``time_us.how``: how the last call was timed; ``time_us.kernels``: its
+    per-kernel microseconds per replay from ``torch.profiler``, ``profiler-kernels``, when it was a graph, else
+    None): microseconds of ``fn`` (median, p10, p90 over ``iters``; on a GPU CUDA
+    events around CUDA-graph replays unless disabled, L2 flushed by a read before each, warm-up outside), the output
+    of the last timed call (a graph's output tensors after its last replay) and how it was timed."""
     def time_us(fn):
         box = {}
+        time_us.kernels = None
         if device.type == "cuda" and graph:
             replay, out, note = _common.graph_fn(fn, device)
             t = _common.time_us(replay, device, iters=iters, warmup=2)
             time_us.how = note or "CUDA graph replay"
+            if note is None:  # send, receive and fills attributed separately
+                time_us.kernels = _common.kernel_times(replay, device, iters=max(1, iters // 4), warmup=0)
             return t, (out if note is None else fn())
 
         def run():
@@ -166,6 +170,7 @@ def _timer(device, graph, iters):
         time_us.how = "eager launches" if device.type == "cuda" else "CPU"
         return t, box["out"]
     time_us.how = None
+    time_us.kernels = None
     return time_us
 
 
@@ -395,7 +400,8 @@ def _torchrun_body(args, prog, argv, rank, world, device, dist, moe_ep, deep_ep=
         return _common.error(prog, f"--experts {E} is not divisible by the world size {world}", 2)
     backends = ["symm", "torch"] if args.backend == "both" else [args.backend]
     name = torch.cuda.get_device_name(device)
-    rec = _common.Records(prog[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv)
+    rec = _common.Records(prog[:-3], args.json if rank == 0 else None, False, device=f"{world} x {name}", argv=argv,
+                          method=_common.EAGER)
     limits = _common.measure_limits(device, peer=world >= 2, fp8=False) if rank == 0 else {}
     dist.barrier()  # the other ranks wait while rank 0 measures the limits
     rec.update_header(limits=limits, launcher="torchrun", world_size=world, backend=args.backend,
@@ -569,7 +575,7 @@ def main(argv=None, op=None) -> int:
                 prog_bar.step(f"{mode} {rt} EP{R} skipped")
             continue
         t, rows, err = case(args.op, R, args, device, time_us)
-        how = time_us.how
+        how, kernels = time_us.how, time_us.kernels
         us = t.median
         xs, idxs, ws = _inputs(R, n, H, args.experts, args.topk, device, seed=2, routing=rt)
         base, _ = time_us(_torch_baseline(args.op, xs, idxs, ws, args.experts, per_token_rank=mode == "normal"))
@@ -593,11 +599,13 @@ def main(argv=None, op=None) -> int:
         resident = None if device.type != "cuda" else False
         rec.add(case_name, "time", us, "us", p10=t.p10, p90=t.p90, iterations=t.n,
                 baseline=base.median, limit=None, ratio=base.median / us, valid=valid, l2_resident=resident, note=note,
-                rel_err=err, rows=rows, bytes=nbytes, routing=rt, timed_as=how, fits_l2=fits,
+                rel_err=err, rows=rows, bytes=nbytes, routing=rt, timed_as=how, fits_l2=fits, method=_common.how_method(how),
+                kernels_us=kernels, kernels_method=_common.PROFILER if kernels is not None else None,
                 baseline_inputs="FP8 (quantized before the timer)" if mode == "normal" and args.op == "dispatch"
                 else "BF16")
         rec.add(case_name, "bandwidth", gbps, "GB/s", iterations=t.n, limit=copy, ratio=gbps / copy, valid=valid,
                 l2_resident=resident, note=note, limit_name="device copy bandwidth (HBM, 1 GiB buffers)",
+                method=_common.how_method(how),
                 routing=rt, fits_l2=fits)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -443,7 +443,8 @@ def timing_rows(rec, say, results, backend, world, tokens, hidden, experts, topk
         is_base = BASELINES[name] == name
         rec.add(case, name, t.median, "us", p10=t.p10, p90=t.p90, iterations=t.n,
                 baseline=None if is_base else base.median, ratio=None if is_base else t.median / base.median,
-                valid=valid, per_rank_medians=per_rank, note=note)
+                valid=valid, per_rank_medians=per_rank, note=note,
+                method=C.CPU_WALL if rec.method == C.COUNTED else rec.method)
         say(f"| {case} | {name} | {t.median:.0f} | {t.p10:.0f}-{t.p90:.0f} | "
             f"{'-' if is_base else f'{t.median / base.median:.2f}'} | {'' if valid else 'INVALID'} |")
 
@@ -461,7 +462,7 @@ def main_torchrun(args, prog, argv) -> int:
     with C.torchrun_nccl() as (rank, world, device):
         name = torch.cuda.get_device_name(device)
         rec = C.Records("bench_elastic", args.json if rank == 0 else None, False, device=f"{world} x {name}",
-                        argv=argv)
+                        argv=argv, method=C.EAGER)
         say = print if rank == 0 else (lambda *a, **k: None)
         say(C.table_header(["case", "metric", "slowest rank us (median)", "p10-p90 us", "vs Buffer", "check"]))
         for backend in args.time_backends:
@@ -514,7 +515,7 @@ def main(argv=None) -> int:
             any(r < 1 or (r > 8 and r % 8) for r in args.memory_ranks):
         return C.error(prog, "memory-table token counts must be positive and --memory-ranks at most 8 or multiples of "
                              "8 (8 GPUs per NVLink domain)")
-    rec = C.Records("bench_elastic", args.json, args.cpu_smoke, device="cpu (counted)", argv=argv)
+    rec = C.Records("bench_elastic", args.json, args.cpu_smoke, device="cpu (counted)", argv=argv, method=C.COUNTED)
     memory_rows(rec, args.memory_prefill_tokens, args.memory_decode_tokens, args.memory_ranks)
     if args.time_ranks:  # before the counts: those initialise a process group in this process, the ranks fork
         from moe_ep.testing import launch

@@ -472,7 +472,7 @@ def main(argv=None):
         if ref is None:
             print(f"{PROG}: {ref_name}", file=sys.stderr, flush=True)
             ref_name = "no reference"
-    rec = _common.Records("bench_eplb", args.json, args.cpu_smoke, argv=argv)
+    rec = _common.Records("bench_eplb", args.json, args.cpu_smoke, argv=argv, method=_common.COUNTED)
     prow = []
     if not args.map_only:
         print("placement ...", file=sys.stderr, flush=True)

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             f.write(json.dumps(_common.header("bench_failover", args.cpu_smoke, "cpu", argv)) + "\n")
             for row in rows:
-                f.write(json.dumps({k: row.get(k) for k in _common.ROW_KEYS}) + "\n")
+                f.write(json.dumps({**{k: row.get(k) for k in _common.ROW_KEYS}, "method": _common.COUNTED}) + "\n")
     if args.png:
         try:
             import matplotlib

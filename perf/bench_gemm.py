@@ -23,9 +23,10 @@ per rank; 64 ... 4096 rows per expert; both layouts:
 TFLOPS count valid rows only: 2 * G * rows * N * K / t (the contiguous padding is not credited); every
 ``tflops`` row's ``ratio`` is its TFLOPS over the dense FP8 peak measured at the start of the same run
 (recorded in the JSON header as ``limits.fp8_tflops``, with the device copy bandwidth ``limits.copy_gbps``).
-Times (perf/_common.py ``time_us``): CUDA events around each call, warm-up outside, the L2 flushed before
-every timed call (outside the events; rows say ``l2_resident: false``), median with p10/p90 over ``--iters``
-calls. The dense FP8 peak is timed the same way without the flush (it is compute-bound).
+Times (perf/_common.py ``time_us``, rows say ``method: eager-host``): CUDA events around each call, warm-up
+outside, the L2 flushed by a read before every timed call (outside the events; rows say ``l2_resident: false``),
+median with p10/p90 over ``--iters`` calls. The dense FP8 peak is timed the same way without the flush (it is
+compute-bound).
 After timing, every output (ours, PDL, BF16, DeepGEMM) is checked per expert against a float32 matmul
 of the dequantized operands: max |d - ref| < 2e-2 * max |ref| per expert, and the contiguous padding
 rows must be zeros. Rows that fail say FAILED and the script exits 1.
@@ -464,7 +465,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference stays float32
     torch.manual_seed(0)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    rec = _common.Records("bench_gemm", args.json, args.cpu_smoke, device=name, argv=argv)
+    rec = _common.Records("bench_gemm", args.json, args.cpu_smoke, device=name, argv=argv, method=_common.EAGER)
     meta = {"commit": (rec.header["commit"] or "unknown") + ("+dirty" if rec.header["dirty"] else "")}
     dg, dg_line = _deep_gemm(args.no_deepgemm)
     bf16 = Bf16Grouped()

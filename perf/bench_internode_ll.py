@@ -473,6 +473,7 @@ def report(rec, body, args, deepep_line) -> None:
         resident = None if args.cpu_smoke else False
         extra = dict(backend=r["backend"], op=r["op"], world_size=world, nodes=world // gpn, gpus_per_node=gpn,
                      tokens=args.tokens, routing=args.routing, per_rank_us=pr, timed_as=r["how"], rel_err=r["rel_err"],
+                     method=_common.how_method(r["how"]),
                      counts_ok=r["counts_ok"], selections_per_rank=r["selections"],
                      internode_selections_per_rank=r["internode_selections"], bytes_per_rank=r["bytes"],
                      internode_bytes_per_rank=r["internode_bytes"], published_us=p_us,
@@ -485,6 +486,7 @@ def report(rec, body, args, deepep_line) -> None:
         for metric, v, what in (("bandwidth", gbps, "every selection's bytes (DeepEP's count)"),
                                 ("internode bandwidth", inter, "bytes of selections whose expert is on another node")):
             rec.add(case, metric, v, "GB/s", iterations=t.n, limit=nic, ratio=(v / nic) if nic else None,
+                    method=_common.how_method(r["how"]),
                     valid=r["valid"], l2_resident=resident, note=f"per rank (mean), {what}, over the slowest-rank "
                     f"median; limit: --nic-gbps (the NIC's line rate, given, not measured)" + (
                         "; CPU smoke: numbers meaningless" if args.cpu_smoke else ""),

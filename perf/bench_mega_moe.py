@@ -539,6 +539,7 @@ def report(rec, body, args, deep_lines) -> None:
             resident = None if args.cpu_smoke else False
             at_target = mine and case == "fused" and T == TARGET_TOKENS
             extra = dict(op=case, tokens=T, world_size=world, routing=args.routing, per_rank_us=pr, timed_as=r["how"],
+                         method=_common.how_method(r["how"] or ("eager launches" if ctx.cuda else "CPU")),
                          rel_err=r["rel_err"], symm_bytes=r["symm_bytes"], local_bytes=r["local_bytes"],
                          recv_selections_per_rank=r["recv_selections"], tflops=tflops, roofline_us=roof,
                          of_roofline=(roof / t.median) if roof else None,
@@ -556,6 +557,7 @@ def report(rec, body, args, deep_lines) -> None:
             if case == "fused":
                 bmib = base["symm_bytes"] / 2 ** 20 if base else None
                 rec.add(case_name, "symmetric memory", mib, "MiB", baseline=bmib, ratio=(bmib / mib) if bmib else None,
+                        method=_common.COUNTED,
                         valid=r["valid"], note="per rank: the mega buffer (data + signal words) vs the bytes the "
                         "expert-path layer's Buffer is created with (ratio = baseline / ours, >= 1: no larger); "
                         f"local activation ring not included ({loc} MiB)", op=case, tokens=T, world_size=world,

@@ -211,6 +211,7 @@ def main(argv=None) -> int:
             rec.add(f"{mode} {n} tokens", "two-microbatch time", t_two, "ms", p10=t2.p10, p90=t2.p90,
                     iterations=t2.n, baseline=t_one, limit=max(t_comp, t_comm), ratio=t_one / t_two, valid=valid,
                     rel_err=err, compute_ms=t_comp, comm_ms=t_comm, overlap_efficiency=eff, timed_as=how,
+                    method=_common.how_method(how),
                     l2_resident=None if device.type != "cuda" else False,
                     note="one GPU: communication emulated as a side-stream copy; L2 flushed before each timed call")
     return rec.finish(PROG)

@@ -6,18 +6,19 @@ Per (M, K), BF16 input, DeepGEMM's scale layout (float32, column-major, M padded
 - ``eager`` / ``compile``: moe_ep.fp8.per_token_group_quant_fp8_ref in eager torch / torch.compile
   (row-major scales: the wrong layout for the GEMM), and ``eager+T`` / ``compile+T``: the same
   followed by the separate scale transpose the GEMM needs (moe_ep.fp8.to_column_major).
-- ``copy``: the device copy bandwidth (1 GiB device-to-device copy, perf/_common.py's
-  ``measure_limits``), measured at the start of the same run and recorded in the JSON header
-  (``limits.copy_gbps``): the bound every bandwidth row is divided by (``ratio``).
+- ``copy``: the copy limit of each row, measured by the row's own method on the row's bytes (a graph of
+  ``copy_`` calls moving the same bytes read + written): ``% copy`` = copy time / ours.
 
-GB/s counts bytes read plus written (x, FP8 out, scales). Times (perf/_common.py ``time_us``): CUDA
-events around each call, warm-up outside, the L2 flushed before every timed call (outside the events),
-so no input is served from L2 (rows say ``l2_resident: false``); median with p10/p90 over ``--iters``
-calls. Small M is bound by Python launch overhead in that mode (what an eager caller sees);
-``--graph`` times CUDA-graph replays instead (GPU time only; baselines that cannot be captured are
-timed eagerly and say so in the row's ``note``). A second table does the same for silu_and_mul_quant_fp8
-(input `[M, 2K]`); a third runs a chain of two dependent kernels (a BF16 producer writing x, then the quant
-kernel reading it) with and without programmatic dependent launch (PDL).
+``ours`` is timed by perf/_method.py's ``measure`` (the row's ``method``): ``graph-rotating`` (one CUDA
+graph of N back-to-back calls over >= 3 rotating input sets totalling > 2x L2, every call's output its own
+buffer; time / N) when the rotation needs at most 256 sets, else ``graph-single`` (a graph of one call
+replayed after a read-only L2 flush: the decode latency). ``ours eager us`` is the same call eagerly, CUDA
+events around it after a read-only flush, host Python and launch included (``eager-host``: what an engine
+that does not capture pays). The torch baselines are timed ``eager-host`` (``--graph``: graph replays,
+``graph-single``; those that cannot be captured say so in the row's ``note``). GB/s counts bytes read plus
+written (x, FP8 out, scales). A second table does the same for silu_and_mul_quant_fp8 (input `[M, 2K]`); a
+third runs a chain of two dependent kernels (a BF16 producer writing x, then the quant kernel reading it) with
+and without programmatic dependent launch (PDL).
 
     python perf/bench_quant.py                                  # full table (needs a CUDA GPU)
     python perf/bench_quant.py --graph                          # the same, CUDA-graph replays
@@ -68,9 +69,9 @@ def _parse(argv=None):
     p.add_argument("--no-silu", action="store_true", help="skip the fused SiLU-and-mul table")
     p.add_argument("--no-pdl", action="store_true", help="skip the PDL chain table")
     p.add_argument("--iters", type=int, default=50,
-                   help="timed calls per measurement (CUDA events, L2 flushed before each; median, p10, p90)")
+                   help="timed calls per eager / single-call measurement (median, p10, p90)")
     p.add_argument("--graph", action="store_true",
-                   help="time CUDA-graph replays: GPU time without Python launch overhead")
+                   help="time the torch baselines and the PDL chain as CUDA-graph replays (ours is always graph-timed)")
     p.add_argument("--out", default=None, help="append the tables as markdown to this file")
     args = p.parse_args(argv)
     if args.cpu_smoke:
@@ -174,13 +175,13 @@ def _quant_rows(args, op_name, dev, rec):
     # eager op after it
     ref_c_t = _compile(ref_t) if not args.no_compile else None
 
-    copy_gbs = LIMITS.get("copy_gbps")
-    resident = None if dev.type != "cuda" else False  # flushed before every timed call
-    header = ["M", "K", "ours us", "p10-p90 us", "GB/s", "% copy", "eager us", "compile us",
-              "eager+T us", "compile+T us", "x compile+T", "x eager+T", "x best torch", "timed as", "check"]
+    resident = None if dev.type != "cuda" else False  # rotated out of L2 / flushed before every timed call
+    header = ["M", "K", "ours us", "p10-p90 us", "GB/s", "copy us", "% copy", "method", "ours eager us",
+              "eager us", "compile us", "eager+T us", "compile+T us", "x compile+T", "x eager+T", "x best torch",
+              "baselines timed as", "check"]
     what = "silu_and_mul_quant_fp8 (input [M, 2K])" if silu else "per_token_group_quant_fp8"
-    table = Table(f"{what}, BF16 in, TMA-aligned column-major scales; % copy: of the device copy bandwidth "
-                  f"measured in this run ({_fmt(copy_gbs, '.0f')} GB/s)", header)
+    table = Table(f"{what}, BF16 in, TMA-aligned column-major scales; % copy: the copy of the same bytes by the "
+                  f"same method (copy us) / ours", header)
     for k in args.hidden:
         for m in args.tokens:
             width = 2 * k if silu else k
@@ -192,36 +193,48 @@ def _quant_rows(args, op_name, dev, rec):
             def run_ours(x=x):
                 return ours(x, tma_aligned_scales=True)
 
-            timing = _bench(run_ours, args.iters)
-            how = _bench.how
-            t_ours = timing.median
+            def make_set(i, m=m, width=width):
+                xi = torch.randn(m, width, device=dev, dtype=torch.bfloat16)
+                return lambda: ours(xi, tma_aligned_scales=True)
+
+            meas = _common.measure(make_set, total, dev, iters=args.iters, n=3 if SMOKE_RUN else 20,
+                                   replays=1 if SMOKE_RUN else 5)
+            t_ours = meas["us"]
+            t_ours_eager = _common.time_us(run_ours, dev if dev.type == "cuda" else None, iters=args.iters,
+                                           warmup=0 if SMOKE_RUN else 3).median
+            _bench.how = None
             t_eager = _try_bench(lambda x=x: ref(x), args.iters)
             t_eager_t = _try_bench(lambda x=x: ref_t(x), args.iters)
             t_comp = _try_bench(lambda x=x: ref_c(x), args.iters) if ref_c else None
             t_comp_t = _try_bench(lambda x=x: ref_c_t(x), args.iters) if ref_c else None
+            how = _bench.how
             err = _check(lambda x: ours(x, tma_aligned_scales=True), ref,
                          lambda m=m, w=width: torch.randn(m, w, device=dev, dtype=torch.bfloat16))
             valid = err <= TOL
             torch_times = [t for t in (t_eager, t_eager_t, t_comp, t_comp_t) if t is not None]
-            gbs = total / t_ours / 1e3
+            gbs = meas["GBps"]
             best = min(torch_times) if torch_times else None
             fits = _common.fits_l2(total, dev)
-            note = f"timed as {how}" + ("; bytes fit in L2 but L2 was flushed before each call" if fits else "")
-            table.row([str(m), str(k), f"{t_ours:.1f}", f"{timing.p10:.1f}-{timing.p90:.1f}", f"{gbs:.0f}",
-                       f"{100 * gbs / copy_gbs:.0f}%" if copy_gbs else "n/a", _fmt(t_eager), _fmt(t_comp),
+            note = f"{meas['method_detail']}; baselines timed as {how}"
+            table.row([str(m), str(k), f"{t_ours:.1f}", f"{meas['p10']:.1f}-{meas['p90']:.1f}", f"{gbs:.0f}",
+                       f"{meas['limit_us']:.1f}", f"{100 * meas['ratio']:.0f}%", meas["method"],
+                       f"{t_ours_eager:.1f}", _fmt(t_eager), _fmt(t_comp),
                        _fmt(t_eager_t), _fmt(t_comp_t), _fmt(t_comp_t / t_ours if t_comp_t else None, ".2f"),
                        _fmt(t_eager_t / t_ours if t_eager_t else None, ".2f"),
                        _fmt(best / t_ours if best else None, ".2f"), how,
                        f"ok ({err:.1e})" if valid else f"INVALID ({err:.1e} > {TOL})"])
             case = f"{op_name} M={m} K={k}"
-            rec.add(case, "time", t_ours, "us", p10=timing.p10, p90=timing.p90, iterations=timing.n, baseline=best,
-                    ratio=best / t_ours if best else None, valid=valid, l2_resident=resident, note=note, rel_err=err,
-                    eager_us=t_eager, eager_t_us=t_eager_t, compile_us=t_comp, compile_t_us=t_comp_t, bytes=total,
-                    timed_as=how)
-            rec.add(case, "bandwidth", gbs, "GB/s", p10=total / timing.p90 / 1e3, p90=total / timing.p10 / 1e3,
-                    iterations=timing.n, limit=copy_gbs, ratio=gbs / copy_gbs if copy_gbs else None, valid=valid,
-                    l2_resident=resident, note=note, limit_name="device copy bandwidth (header limits.copy_gbps)",
-                    bytes=total, fits_l2=fits)
+            plan = {k: meas.get(k) for k in ("sets", "n", "set_bytes", "total_bytes", "l2_bytes", "flush",
+                                             "flush_bytes") if k in meas}
+            rec.add(case, "time", t_ours, "us", p10=meas["p10"], p90=meas["p90"], iterations=meas["iterations"],
+                    baseline=best, ratio=best / t_ours if best else None, valid=valid, l2_resident=resident, note=note,
+                    rel_err=err, method=meas["method"], ours_eager_us=t_ours_eager, eager_us=t_eager,
+                    eager_t_us=t_eager_t, compile_us=t_comp, compile_t_us=t_comp_t, bytes=total,
+                    baseline_method=_common.how_method(how), timed_as=meas["method_detail"], **plan)
+            rec.add(case, "bandwidth", gbs, "GB/s", p10=total / meas["p90"] / 1e3, p90=total / meas["p10"] / 1e3,
+                    iterations=meas["iterations"], limit=meas["limit_GBps"], ratio=meas["ratio"], valid=valid,
+                    l2_resident=resident, note=note, method=meas["method"], limit_us=meas["limit_us"],
+                    limit_name="copy_ of the same bytes, same method", bytes=total, fits_l2=fits, **plan)
     return table.text
 
 
@@ -267,7 +280,8 @@ def _pdl_rows(args, dev, rec):
             rec.add(f"pdl chain M={m} K={k}", "time", t_row.median, "us", p10=t_row.p10, p90=t_row.p90,
                     iterations=t_row.n, baseline=t_off.median, ratio=t_off.median / t_on if t_on else None,
                     valid=valid, l2_resident=None if dev.type != "cuda" else False,
-                    note=f"timed as {_bench.how}; baseline: the same chain without PDL", rel_err=err, pdl=bool(t_on))
+                    note=f"timed as {_bench.how}; baseline: the same chain without PDL", rel_err=err, pdl=bool(t_on),
+                    method=_common.how_method(_bench.how))
     return table.text
 
 
@@ -289,12 +303,13 @@ def main(argv=None) -> int:
     DEV = dev
     rec = _common.Records("bench_quant", args.json, args.cpu_smoke, device=name, argv=argv)
     LIMITS = _common.measure_limits(dev, peer=False, fp8=False)
-    rec.update_header(limits=LIMITS, timing="CUDA events, L2 flushed before each timed call" +
-                      (", CUDA-graph replays" if GRAPH else "") if dev.type == "cuda" else "CPU perf_counter")
+    rec.update_header(limits=LIMITS, timing="ours: graph-rotating (graph-single for small calls), copy limit by the "
+                      "same method on the same bytes; baselines: " + ("graph-single" if GRAPH else "eager-host")
+                      if dev.type == "cuda" else "CPU perf_counter")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = (f"## bench_quant.py: {name}, {stamp}, commit {rec.header['commit']}, torch {torch.__version__}, "
-            f"triton {triton.__version__}; device copy bandwidth "
-            f"{LIMITS['copy_gbps']:.0f} GB/s (measured now)\n\n"
+            f"triton {triton.__version__}; 1 GiB device copy "
+            f"{LIMITS['copy_gbps']:.0f} GB/s (measured now; each row's limit is its own copy)\n\n"
             f"`python perf/bench_quant.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n")
     print(head, flush=True)
     parts = [head, _quant_rows(args, "quant", dev, rec)]

@@ -322,7 +322,8 @@ def main(argv=None):
     else:
         import platform
         dev_name = f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo"
-    rec = _common.Records("bench_torch_a2a", args.json, args.cpu_smoke, device=dev_name, argv=argv)
+    rec = _common.Records("bench_torch_a2a", args.json, args.cpu_smoke, device=dev_name, argv=argv,
+                          method=_common.EAGER if args.device == "cuda" else _common.CPU_WALL)
     if args.vs_raw:
         print(f"torch backend ({backend}, {args.device}) vs the raw exchange, hidden {args.hidden}, {args.experts} "
               f"experts, top-{args.topk}; interleaved per iteration, slowest rank, median of {args.iters}", flush=True)

@@ -8,21 +8,31 @@ still leaves every earlier answer. Stages (GPU):
 
 1. ``env``: versions (python, torch, CUDA, triton, numpy, NVSHMEM, CuPy, nvcc) and the device (name, SMs, L2,
    memory, driver, clocks);
-2. ``kernels-small``: compiled kernels against their references (``perf/lease_cases.py``): quant and SiLU quant
+2. ``method`` (``perf/lease_method.py``): the first timed stage: the quant 4096x7168 call timed by the earlier
+   method (eager after a ``zero_()`` flush) split into flush write-back, host gap and kernel, then quant (prefill
+   4096x7168, decode 128x7168), SiLU-and-mul quant 4096x2048 (x2) and ``eplb.map_topk`` (4096x8, 272 slots / 8
+   GPUs, static and balanced; the per-rank decode call, 32 tokens) by the method of ``perf/_method.py``, each
+   with its copy limit measured by the same method on the same bytes;
+3. ``kernels-small``: compiled kernels against their references (``perf/lease_cases.py``): quant and SiLU quant
    (bitwise), grouped GEMMs contiguous and masked, low-latency and normal dispatch / combine and the combine
    formats on virtual ranks (bitwise), the expand gather, ``map_topk``, mega-MoE on a one-rank group;
-3. ``graphs``: the CUDA-graph tests (``pytest -m gpu -k graph``: decode MoELayer, two-microbatch decode,
+4. ``graphs``: the CUDA-graph tests (``pytest -m gpu -k graph``: decode MoELayer, two-microbatch decode,
    symm low-latency virtual ranks, ``map_topk``), every replay equal to eager;
-4. ``gemm-api``: DeepGEMM's dense / grouped / BF16 / psum surface (``perf/_gpu_check_gemm.py``);
-5. ``time`` (``perf/lease_timings.py``): the headline numbers at short iteration counts, each with its limit measured
+5. ``gemm-api``: DeepGEMM's dense / grouped / BF16 / psum surface (``perf/_gpu_check_gemm.py``);
+6. ``time`` (``perf/lease_timings.py``): the headline numbers at short iteration counts, each with its limit measured
    in the same run;
-6. ``kernels-dsv3``: stage 2's cases at DeepSeek-V3 shapes (host references: the slowest stage);
-7. ``sanitizer``: compute-sanitizer memcheck then racecheck on one low-latency case;
-8. ``pytest-gpu``: the rest of ``pytest -m gpu`` (DeepSeek-V3 shapes, NaN/Inf, PDL, NCCL ranks), with what is left.
+7. ``kernels-dsv3``: stage 2's cases at DeepSeek-V3 shapes (host references: the slowest stage);
+8. ``sanitizer``: compute-sanitizer memcheck then racecheck on one low-latency case;
+9. ``pytest-gpu``: the rest of ``pytest -m gpu`` (DeepSeek-V3 shapes, NaN/Inf, PDL, NCCL ranks), with what is left.
 
-Measured on an H200 with a cold Triton cache (budget 430 s): env 7 s, kernels-small 69 s, graphs 49 s, gemm-api
-24 s, time 21 s; the DeepSeek-V3 references and the full ``pytest -m gpu`` need more than one default budget,
-so they come last and report what they reached.
+Measured on an H200 with a cold Triton cache (budget 430 s, before the ``method`` stage existed): env 7 s,
+kernels-small 69 s, graphs 49 s, gemm-api 24 s, time 21 s; the DeepSeek-V3 references and the full
+``pytest -m gpu`` need more than one default budget, so they come last and report what they reached.
+
+Exit status: 0 when every stage that ran passed; 1 when any failed (exit status not 0, or a timeout; pytest's 5,
+"no tests collected", is not a failure): the summary's last line and stderr name them, and every row written
+before stays written; 2 for a refusal (no GPU without ``--dry-run``; ``gpu_lease.sh`` also refuses a Python
+without torch / triton).
 
 ``--dry-run`` (a CPU machine): the same machinery into the same files under the Triton interpreter at tiny
 shapes, plus ``compile``: how long the kernels of each stage take to compile ahead of time for sm90 with a
@@ -57,6 +67,7 @@ COMPILE_FILTERS = {
                 "_expand_rows", "mega_moe"],
     "graphs": ["_ll_", "quant", "grouped_fp8"],
     "time": ["quant", "grouped_fp8", "_ll_"],
+    "method": ["quant"],
 }
 
 
@@ -121,13 +132,15 @@ def stages(out: str, dry: bool) -> list[Stage]:
         return [
             Stage("env", 60, _lease_checks("env", out, "--text", os.path.join(out, "env.txt")), env=interp,
                   parse=lambda rc, t: "written" if rc == 0 else f"exit {rc}"),
+            Stage("method", 120, _lease_checks("method", out, "--shapes", "tiny"), env=interp,
+                  parse=_rows_result(out, "method")),
             Stage("kernels-tiny", 120, _lease_checks("checks", out, "--shapes", "tiny"), env=interp,
                   parse=_rows_result(out, "checks")),
             Stage("graphs", 60, _pytest("-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")),
                   log="pytest.log", parse=_pytest_result),
             Stage("gemm-api", 10, [PY, "-c", "print('perf/_gpu_check_gemm.py needs CUDA')"],
                   parse=lambda rc, t: "skipped: CUDA only (dry run)"),
-            Stage("time", 60, _lease_checks("time", out, "--shapes", "tiny", "--iters", "2"), env=interp,
+            Stage("time", 90, _lease_checks("time", out, "--shapes", "tiny", "--iters", "2"), env=interp,
                   parse=_rows_result(out, "time")),
             Stage("compile", 180, [PY, os.path.join(ROOT, "perf", "gpu_lease.py"), "--compile-times", rec],
                   parse=_rows_result(out, "compile")),
@@ -143,6 +156,7 @@ def stages(out: str, dry: bool) -> list[Stage]:
     return [
         Stage("env", 60, _lease_checks("env", out, "--text", os.path.join(out, "env.txt")),
               parse=lambda rc, t: "written" if rc == 0 else f"exit {rc}"),
+        Stage("method", 150, _lease_checks("method", out, "--shapes", "dsv3"), parse=_rows_result(out, "method")),
         Stage("kernels-small", 150, _lease_checks("checks", out, "--shapes", "small"), parse=_rows_result(out, "checks")),
         Stage("graphs", 120, _pytest("-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")), log="pytest.log",
               parse=_pytest_result),
@@ -206,6 +220,44 @@ def run_stage(st: Stage, out: str, timeout_s: float) -> tuple[str, int, float]:
     elif rc not in (0, 1, 5) and "FAIL" not in result:
         result = f"exit {rc}; {result}"
     return result, rc, secs
+
+
+def failed(rc: int) -> bool:
+    """Whether a stage's exit status is a failure: anything but 0 and pytest's 5 (no tests collected); a timeout
+    (124) is one."""
+    return rc not in (0, 5)
+
+
+def run_plan(plan: list, out: str, budget: float, start: float, header: list, only=None,
+             runner=None) -> tuple[list, list]:
+    """Runs ``plan``'s stages in order under what is left of ``budget`` (seconds since ``start``), the summary
+    rewritten after each. Returns ``(table, failures)``: ``(stage, result, seconds)`` rows and the names of the
+    stages that failed (:func:`failed`). ``runner``: :func:`run_stage` unless given."""
+    runner = runner or run_stage
+    table, failures = [], []
+    for st in plan:
+        if only and st.name != "env" and not any(st.name.startswith(o) for o in only):
+            continue
+        left = budget - (time.monotonic() - start) - RESERVE_S
+        if left < MIN_STAGE_S:
+            table.append((st.name, f"skipped: {max(left, 0):.0f} s of the budget left", 0.0))
+            write_summary(out, header, table)
+            continue
+        print(f"gpu_lease: stage {st.name} (deadline {min(st.cap_s, left):.0f} s) ...", file=sys.stderr, flush=True)
+        result, rc, secs = runner(st, out, min(st.cap_s, left))
+        if failed(rc):
+            failures.append(st.name)
+            if not result.startswith(("FAILED", "TIMEOUT")):
+                result = f"FAILED: {result}"
+        table.append((st.name, result, secs))
+        if st.name == "env" and os.path.exists(os.path.join(out, "env.txt")):
+            with open(os.path.join(out, "env.txt")) as f:
+                env = dict(ln.split(": ", 1) for ln in f.read().splitlines() if ": " in ln)
+            header.append(f"{env.get('device', '?')}, commit {env.get('commit', '?')}, {env.get('date', '')}; python "
+                          f"{env.get('python')}, torch {env.get('torch')} (CUDA {env.get('torch.cuda')}), triton "
+                          f"{env.get('triton')}, NVSHMEM {env.get('nvshmem')}")
+        write_summary(out, header, table)  # after every stage: a kill keeps what ended
+    return table, failures
 
 
 def write_summary(out: str, header: list, table: list) -> str:
@@ -272,30 +324,15 @@ def main(argv=None) -> int:
             return 2
     header = [f"# moe-ep GPU lease kit{' (dry run: CPU, Triton interpreter, tiny shapes)' if args.dry_run else ''}",
               "", f"budget {args.budget:.0f} s, output {out}"]
-    table = []
-    plan = stages(out, args.dry_run)
-    for st in plan:
-        if args.only and st.name != "env" and not any(st.name.startswith(o) for o in args.only):
-            continue
-        left = args.budget - (time.monotonic() - start) - RESERVE_S
-        if left < MIN_STAGE_S:
-            table.append((st.name, f"skipped: {max(left, 0):.0f} s of the budget left", 0.0))
-            write_summary(out, header, table)
-            continue
-        print(f"gpu_lease: stage {st.name} (deadline {min(st.cap_s, left):.0f} s) ...", file=sys.stderr, flush=True)
-        result, _rc, secs = run_stage(st, out, min(st.cap_s, left))
-        table.append((st.name, result, secs))
-        if st.name == "env" and os.path.exists(os.path.join(out, "env.txt")):
-            with open(os.path.join(out, "env.txt")) as f:
-                env = dict(ln.split(": ", 1) for ln in f.read().splitlines() if ": " in ln)
-            header.append(f"{env.get('device', '?')}, commit {env.get('commit', '?')}, {env.get('date', '')}; python "
-                          f"{env.get('python')}, torch {env.get('torch')} (CUDA {env.get('torch.cuda')}), triton "
-                          f"{env.get('triton')}, NVSHMEM {env.get('nvshmem')}")
-        write_summary(out, header, table)  # after every stage: a kill keeps what ended
+    table, failures = run_plan(stages(out, args.dry_run), out, args.budget, start, header, args.only)
     text = write_summary(out, header, table)
     files = sorted(os.listdir(out))
     print(f"\n{len(files)} files in {out}: {', '.join(files)}\n")
     print(text, end="")
+    if failures:
+        print(f"gpu_lease.sh: {len(failures)} stage(s) failed: {', '.join(failures)} (rows written before stay in "
+              f"{out}; stages.log has each stage's output)", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python perf/lease_checks.py env    --json R --text ENV     # versions, device, clocks, runtime
     python perf/lease_checks.py checks --json R [--shapes S]   # compiled kernels against their references
+    python perf/lease_checks.py method --json R [--shapes S]   # the method split, then quant / map_topk
     python perf/lease_checks.py time   --json R [--shapes S]   # headline numbers, each with its limit
 
 Every case is one JSON line in ``R`` (appended and flushed as soon as it ends, so a timeout keeps every
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common  # noqa: E402
 import lease_cases as cases  # noqa: E402
+import lease_method  # noqa: E402
 import lease_timings  # noqa: E402
 
 
@@ -150,13 +152,22 @@ def timings(args) -> int:
     return 1 if sink.failed else 0
 
 
+def method(args) -> int:
+    sink = Sink(args.json, args.stage or "method")
+    for name, fn, kw in lease_method.method_cases(args.shapes):
+        if args.only and not any(o in name for o in args.only):
+            continue
+        sink.run(name, fn, **kw)
+    return 1 if sink.failed else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("env", "checks", "time"))
+    p.add_argument("what", choices=("env", "checks", "method", "time"))
     p.add_argument("--json", help="append one JSON line per case here")
     p.add_argument("--text", help="env: also write the lines here")
     p.add_argument("--shapes", choices=tuple(cases.SHAPES), default="small",
-                   help="checks: this shape set (tiny: the CPU dry run); time: tiny or DeepSeek-V3 (any other)")
+                   help="checks: this shape set (tiny: the CPU dry run); method, time: tiny or DeepSeek-V3 (any other)")
     p.add_argument("--stage", help="the stage name written in each row (default: the subcommand's)")
     p.add_argument("--tag", help="appended to each case name (e.g. the sanitizer tool running it)")
     p.add_argument("--iters", type=int, default=10, help="time: timed calls per case")
@@ -169,7 +180,7 @@ def main(argv=None) -> int:
             print("lease_checks.py: error: no CUDA device; set TRITON_INTERPRET=1 and pass --tiny for the CPU run",
                   file=sys.stderr)
             return 2
-    return {"env": env, "checks": checks, "time": timings}[args.what](args)
+    return {"env": env, "checks": checks, "method": method, "time": timings}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The timed cases of the GPU lease kit (``perf/lease_checks.py time``): each times a kernel or a path at the kit's
 shapes, checks its output, and carries the limit measured in the same run (device copy bandwidth,
-``torch._scaled_mm`` FP8 peak) as ``{"ok": bool, "detail": str, ...}``. Inputs and references are the correctness
-cases' (``perf/lease_cases.py``).
+``torch._scaled_mm`` FP8 peak) as ``{"ok": bool, "detail": str, "method": str, ...}`` (``method``: one of
+``perf/_method.py``'s; the low-latency rows add per-kernel times from ``torch.profiler``, ``profiler-kernels``).
+Inputs and references are the correctness cases' (``perf/lease_cases.py``).
 """
 
 from __future__ import annotations
@@ -21,15 +22,18 @@ def time_quant(m, k, iters, limits):
     from moe_ep.quant import per_token_group_quant_fp8
 
     x = _quant_input(m, k, 1).to(DEV)
-    t = _common.time_us(lambda: per_token_group_quant_fp8(x, tma_aligned_scales=True), DEV, iters=iters)
+    nbytes = m * k * 3 + m * k // 128 * 4  # BF16 read, FP8 + scales written
+    meas = _common.measure(lambda i: (lambda xi=_quant_input(m, k, 1 + i).to(DEV):
+                                      per_token_group_quant_fp8(xi, tma_aligned_scales=True)), nbytes, DEV,
+                           n=20 if DEV.type == "cuda" else 3, replays=5 if DEV.type == "cuda" else 1, iters=iters)
+    eager = _common.time_us(lambda: per_token_group_quant_fp8(x, tma_aligned_scales=True), DEV, iters=iters)
     q, _ = per_token_group_quant_fp8(x)
     ok = _bitwise(q, per_token_group_quant_fp8_ref(x.float().cpu(), 128)[0])
-    nbytes = m * k * 3 + m * k // 128 * 4  # BF16 read, FP8 + scales written
-    gbps = nbytes / t.median / 1e3
-    hbm = 2 * limits["copy_gbps"]  # a device copy reads and writes each payload byte: HBM traffic is twice it
-    return {"ok": ok, "detail": f"{t.median:.1f} us, {gbps:.0f} GB/s read+written = {gbps / hbm:.2f} of the copy's "
-            f"{hbm:.0f} GB/s read+written (floor {nbytes / hbm / 1e3:.1f} us)",
-            "us": round(t.median, 2), "GBps": round(gbps, 1), "limit_GBps": round(hbm, 1)}
+    return {"ok": ok, "detail": f"{meas['us']:.1f} us, {meas['GBps']:.0f} GB/s read+written = {meas['ratio']:.2f} "
+            f"of the copy of the same bytes ({meas['limit_us']:.1f} us; {meas['method_detail']}); eager "
+            f"{eager.median:.1f} us", "method": meas["method"], "us": round(meas["us"], 2),
+            "GBps": round(meas["GBps"], 1), "limit_us": round(meas["limit_us"], 2),
+            "limit_GBps": round(meas["limit_GBps"], 1), "eager_us": round(eager.median, 2)}
 
 
 def time_gemm_masked(groups, n, k, t_rows, iters, limits):
@@ -51,7 +55,8 @@ def time_gemm_masked(groups, n, k, t_rows, iters, limits):
     tb = _common.time_us(lambda: torch.bmm(x, bf16_w.transpose(1, 2)), DEV, iters=iters)
     err = _common.rel_err(d, ref_bf16)
     peak = limits.get("fp8_tflops") or float("nan")
-    return {"ok": err < 0.05, "detail": f"{t.median:.1f} us, {tflops:.0f} TFLOP/s = {tflops / peak:.2f} of _scaled_mm; "
+    return {"ok": err < 0.05, "method": _common.EAGER if DEV.type == "cuda" else _common.CPU_WALL,
+            "detail": f"{t.median:.1f} us, {tflops:.0f} TFLOP/s = {tflops / peak:.2f} of _scaled_mm; "
             f"BF16 bmm {tb.median:.1f} us; rel err vs BF16 {err:.3f}", "us": round(t.median, 2),
             "tflops": round(tflops, 1), "fp8_peak_tflops": round(peak, 1), "bf16_bmm_us": round(tb.median, 2)}
 
@@ -85,6 +90,8 @@ def time_ll(world, T, H, E, K, iters, limits):
     td = _common.time_us(d_replay, DEV, iters=iters)
     c_replay, outs, c_note = _common.graph_fn(combine, DEV)
     tc = _common.time_us(c_replay, DEV, iters=iters)
+    kd = _common.kernel_times(d_replay, DEV, iters=max(1, iters // 2), warmup=0)  # replays are warm
+    kc = _common.kernel_times(c_replay, DEV, iters=max(1, iters // 2), warmup=0)
     c_replay()
     if DEV.type == "cuda":
         torch.cuda.synchronize()
@@ -94,10 +101,17 @@ def time_ll(world, T, H, E, K, iters, limits):
     dbytes, cbytes = sel * (H + H // 32 + 16), sel * 2 * H
     floor_d = dbytes / limits["copy_gbps"] / 1e3
     how = d_note or c_note or "CUDA graph replays"
+
+    def top(k):
+        return ", ".join(f"{n[:40]} {v:.1f}" for n, v in list(k.items())[:4])
     return {"ok": ok, "detail": f"EP{world} virtual ranks (one GPU, no NVLink; {how}): dispatch {td.median:.1f} us "
             f"(copy floor {floor_d:.1f}), combine {tc.median:.1f} us (floor {cbytes / limits['copy_gbps'] / 1e3:.1f}); "
-            f"eager launches both {te.median:.0f} us", "dispatch_us": round(td.median, 2),
-            "combine_us": round(tc.median, 2), "eager_us": round(te.median, 2), "virtual": True}
+            f"eager launches both {te.median:.0f} us; per kernel (profiler, us per replay): dispatch {top(kd)}; "
+            f"combine {top(kc)}", "method": _common.how_method(how), "dispatch_us": round(td.median, 2),
+            "combine_us": round(tc.median, 2), "eager_us": round(te.median, 2), "virtual": True,
+            "dispatch_kernels_us": {n: round(v, 3) for n, v in kd.items()},
+            "combine_kernels_us": {n: round(v, 3) for n, v in kc.items()},
+            "kernels_method": _common.PROFILER if DEV.type == "cuda" else _common.CPU_WALL}
 
 
 def time_normal_rounds(world, N, H, E, K, iters, limits):
@@ -143,7 +157,7 @@ def time_normal_rounds(world, N, H, E, K, iters, limits):
         parts.append(f"{tag}: {rounds} round(s) {size / 2 ** 20:.0f} MiB {us:.0f} us"
                      + (f" (+{per:.0f} us per extra round)" if rounds > 1 else ""))
     return {"ok": True, "detail": f"EP{world} virtual ranks, {N} tokens: " + "; ".join(parts) + "; bitwise equal",
-            **out, "virtual": True}
+            **out, "virtual": True, "method": _common.EAGER if DEV.type == "cuda" else _common.CPU_WALL}
 
 
 def time_map_topk(n, E, K, P, G, iters, limits):
@@ -158,6 +172,7 @@ def time_map_topk(n, E, K, P, G, iters, limits):
         t = _common.time_us(lambda: eplb.map_topk(topk, log2phy, logcnt, policy, num_gpus=G, num_slots=P,
                                                   max_replicas=mr), DEV, iters=iters)
         out[f"{policy}_us"] = round(t.median, 2)
+    out["method"] = _common.EAGER if DEV.type == "cuda" else _common.CPU_WALL  # graph-timed: the method stage
     a = eplb.map_topk(topk, log2phy, logcnt, "balanced", num_gpus=G, num_slots=P, max_replicas=mr)
     b = eplb.map_topk(topk.cpu(), log2phy.cpu(), logcnt.cpu(), "balanced", num_gpus=G, num_slots=P, impl="torch")
     return {"ok": _bitwise(a, b), "detail": " ".join(f"{k} {v}" for k, v in out.items()), **out}
@@ -172,6 +187,7 @@ def time_cases(shapes: str, iters: int):
         box["limits"] = _limits()
         lim = box["limits"]
         return {"detail": f"copy {lim['copy_gbps']:.0f} GB/s, FP8 _scaled_mm {lim.get('fp8_tflops') or 0:.0f} TFLOP/s",
+                "method": _common.EAGER if DEV.type == "cuda" else _common.CPU_WALL,
                 **{k: v for k, v in lim.items() if v is not None}}
 
     def lazy(fn):
