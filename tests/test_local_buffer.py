@@ -101,3 +101,24 @@ def test_signatures_are_deepeps():
     names = [p for p in inspect.signature(Buffer.internode_combine).parameters][1:]
     assert names == ["x", "handle", "topk_weights", "bias", "config", "previous_event", "async_finish",
                      "allocate_on_comm_stream"]
+
+
+def _too_small_rank(rank, world, backend):
+    import moe_ep
+
+    kw = dict(provider="shm") if backend == "symm" else {}
+    buf = moe_ep.Buffer(None, 0, 1024, low_latency_mode=True, backend=backend, timeout_s=30, **kw)
+    me = make_all_inputs(world, [4, 4][:world], H, E, K, seed=5)[rank]
+    with pytest.raises(ValueError) as exc:
+        buf.low_latency_dispatch(me.x, me.topk_idx, T, E, use_fp8=False)
+    # a Buffer sized by the hint runs the same call
+    ok = moe_ep.Buffer(None, 0, moe_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E), low_latency_mode=True,
+                       backend=backend, timeout_s=30, **kw)
+    ok.low_latency_dispatch(me.x, me.topk_idx, T, E, use_fp8=False)
+    return str(exc.value)
+
+
+def test_too_small_low_latency_buffer_refused_alike_on_every_backend():
+    msgs = {b: launch(_too_small_rank, 2, b, timeout_s=300) for b in ("torch", "symm")}
+    assert msgs["torch"] == msgs["symm"], msgs
+    assert "num_rdma_bytes=1024" in msgs["torch"][0] and "use num_rdma_bytes >=" in msgs["torch"][0]
