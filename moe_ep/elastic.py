@@ -138,6 +138,8 @@ class ElasticBuffer(ElasticDispatchMixin):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ElasticBuffer needs torch.distributed to be initialised (init_process_group)")
         group = group if group is not None else dist.group.WORLD
+        from .backends.choose import backend_from_env
+        backend = backend_from_env(backend)  # MOE_EP_BACKEND, for engine code that passes no backend
         self.group = group
         self.rank_idx = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)

@@ -159,8 +159,9 @@ def _env_backend_rank(rank: int, world: int) -> tuple:
 
     buf = moe_ep.Buffer(None, 0, moe_ep.Buffer.get_low_latency_rdma_size_hint(8, 128, world, 4), low_latency_mode=True)
     explicit = moe_ep.Buffer(None, 0, 0, backend="torch")  # an explicit backend= is not overridden
-    return buf.backend_name, explicit.backend_name
+    eb = moe_ep.ElasticBuffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2)  # DeepEP V2's face too
+    return buf.backend_name, explicit.backend_name, eb.buffer.backend_name
 
 
 def test_environment_variable_picks_the_backend():
-    assert launch(_env_backend_rank, 2, timeout_s=120) == [("symm", "torch")] * 2
+    assert launch(_env_backend_rank, 2, timeout_s=120) == [("symm", "torch", "symm")] * 2
