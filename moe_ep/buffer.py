@@ -43,8 +43,10 @@ class Buffer(LowLatencyCalls, DeepEPV1Calls):
 
     Arguments:
         group: the torch.distributed process group of the EP ranks (``None``: the default group).
-        num_nvl_bytes, num_rdma_bytes: buffer sizes as in DeepEP (size hints:
-            :meth:`get_low_latency_rdma_size_hint`); the ``torch`` backend allocates per call and ignores them.
+        num_nvl_bytes, num_rdma_bytes: buffer sizes as in DeepEP (size hints: :meth:`Config.get_nvl_buffer_size_hint`,
+            :meth:`get_low_latency_rdma_size_hint`; docs/sizing.md), kept as ``self.num_nvl_bytes`` /
+            ``self.num_rdma_bytes``. The ``torch`` backend allocates per call, but refuses a low-latency call that a
+            nonzero ``num_rdma_bytes`` could not hold on ``symm`` (same message), so a CPU run catches a sizing bug.
         low_latency_mode: enables ``low_latency_dispatch`` / ``low_latency_combine``.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted for DeepEP
             compatibility (RDMA / fabric-memory settings of backends not in this release; ignored).
