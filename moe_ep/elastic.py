@@ -14,8 +14,8 @@ Buffer calls plus torch ops; the backends know neither face. What V2 documents a
   (``use_psum_layout=True``; ``handle.m_indices``, the same rows as m_indices, is built only when read);
 - combine sums, per source token, the rows that came from it (expanded rows are first summed per
   received token in float32, then cast once and summed over ranks in float32: two roundings, as V2's
-  ``allow_multiple_reduction=True``; with ``False`` one float32 sum per token, one rounding); top-k weights travel back as V2 describes (2-D, or 1-D per
-  expanded row); 0, 1 or 2 bias tensors are added once;
+  ``allow_multiple_reduction=True``; with ``False`` one float32 sum per token, one rounding); top-k weights
+  travel back as V2 describes (2-D, or 1-D per expanded row); 0, 1 or 2 bias tensors are added once;
 - cached dispatch (``handle=``) moves only ``x`` (and ``topk_weights`` when given, for backward passes)
   and reads nothing on the host; ``do_cpu_sync=False`` sizes outputs for the worst case
   (``num_max_tokens_per_rank * num_ranks`` received rows);

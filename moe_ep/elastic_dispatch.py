@@ -162,8 +162,9 @@ class ElasticDispatchMixin:
 
         Returns:
             recv_x (a ``(fp8, scales)`` tuple for FP8), recv_topk_idx `[M, K]` (per received token; ``None``
-            when expanded, as DeepEP V2: ``handle.recv_topk_idx`` still has it), recv_topk_weights (`[M, K]`, or `[num_expanded]` when expanded, 0 on padding; ``None``
-            without ``topk_weights``), handle (:class:`EPHandle`), event.
+            when expanded, as DeepEP V2: ``handle.recv_topk_idx`` still has it), recv_topk_weights (`[M, K]`, or
+            `[num_expanded]` when expanded, 0 on padding; ``None`` without ``topk_weights``), handle
+            (:class:`EPHandle`), event.
         """
         data, scales = self._refusing("dispatch", lambda: V.split_x(x))
         n, hidden = data.shape

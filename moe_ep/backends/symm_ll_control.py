@@ -24,7 +24,7 @@ from ..kernels.low_latency import SIG_WORDS, _ll_release_kernel, signal_layout
 from ..kernels.pdl import INTERPRET
 from ..kernels.signals import MASK_API, MASK_TIMEOUT
 from ..sync import CallMismatchError, RankTimeoutError
-from .symm_ll_layout import _ALIGN, NUM_SLOTS, _carve, _Layout, check_capacity, ll_buffer_bytes
+from .symm_ll_layout import _ALIGN, NUM_SLOTS, _Layout, check_capacity, ll_buffer_bytes
 
 
 class _LowLatencyControl:

@@ -9,8 +9,8 @@ order, keywords and defaults (``recipe``, ``recipe_a`` / ``recipe_b``, ``compile
 ``fp8_fp4`` spellings, the legacy aliases (``fp8_m_grouped_gemm_nt_masked``, v1's
 ``gemm_fp8_fp8_bf16_nt``, ``m_grouped_gemm_fp8_fp8_bf16_nt_*`` with ``m_indices=``,
 ``get_col_major_tma_aligned_tensor``), the layout helpers (also as ``moe_ep.gemm.utils.layout``, like
-``deep_gemm.utils.layout``), ``deep_gemm.utils.math``'s casts (``moe_ep.gemm.utils.math``) and ``get_num_sms`` / ``set_num_sms``. Keyword-only extensions: ``use_pdl``,
-``config``.
+``deep_gemm.utils.layout``), ``deep_gemm.utils.math``'s casts (``moe_ep.gemm.utils.math``) and
+``get_num_sms`` / ``set_num_sms``. Keyword-only extensions: ``use_pdl``, ``config``.
 
 Tiles, chosen from the shapes (``expected_m`` for the masked layout, ``M`` for the dense GEMMs):
 
