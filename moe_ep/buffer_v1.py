@@ -51,7 +51,9 @@ class DeepEPV1Calls:
 
         On ``symm`` / ``nvshmem`` it is the message area the kernels write (the signal words, stamps and status
         live outside it, so clearing it, e.g. ``.zero_()`` after a fault, leaves the Buffer usable and the next
-        call exact); on ``torch``, which allocates per call, it is memory of the asked size that no call reads."""
+        call exact); on ``torch``, which allocates per call, it is memory of the asked size that no call reads.
+        Peers write into this memory: write to it only while no rank of the group is in a call (between two
+        barriers of the group, as a fault-tolerance retry does), or a peer's next call loses its rows."""
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:

@@ -41,8 +41,11 @@ def _ll_rank(rank, world, backend):
         first = _ll_step(buf, me)
         raw = buf.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True)  # vLLM's clean_buffers()
         assert raw.dtype == torch.int8 and 0 < raw.numel() <= rdma
+        # peers write into this memory: clear it while none is in a call (a retry's barriers)
+        torch.distributed.barrier()
         raw.fill_(-1)  # garbage where the last call's rows were, then zero as vLLM does
         raw.zero_()
+        torch.distributed.barrier()
         again = _ll_step(buf, me)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     # the signature and the slicing: offset in bytes, size in elements of dtype
@@ -71,8 +74,10 @@ def _normal_rank(rank, world, backend):
             comb = buf.internode_combine if step else buf.combine
             combined, combined_w, _ = comb(y, handle, recv_w)
             outs.append((recv_x, recv_idx, recv_w, counts, combined, combined_w))
-            # zeroing the whole normal-mode buffer between calls leaves the next one exact
+            # zeroing the whole normal-mode buffer between calls (no peer in a call) leaves the next one exact
+            torch.distributed.barrier()
             buf.get_local_buffer_tensor(torch.bfloat16).zero_()
+            torch.distributed.barrier()
     a, b = outs
     assert all(torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v for u, v in zip(a, b))
     return True
