@@ -5,7 +5,14 @@
     import deep_ep, deep_gemm       # moe_ep (Buffer, Config, EventOverlap, ElasticBuffer, ...) and moe_ep.gemm
 
 or, without editing the engine, ``MOE_EP_ALIAS=deep_ep,deep_gemm python -m moe_ep.alias engine.py [args]`` (runs
-the script as ``__main__`` after installing the named aliases).
+the script as ``__main__`` after installing the named aliases; ``torchrun --nproc-per-node 2 -m moe_ep.alias
+engine.py`` too). On a machine without CUDA it sets ``TRITON_INTERPRET=1`` first (unless set), as ``python -m moe_ep
+demo`` does. ``MOE_EP_BACKEND=symm`` (or ``torch`` / ``nvshmem``) picks the backend ``Buffer(backend="auto")`` means,
+for engine code that passes none.
+
+Submodules resolve to the module moe-ep already has, never a second copy: ``deep_ep.buffer`` is
+``moe_ep.buffer``, ``deep_ep.utils`` is :mod:`moe_ep.events` (``EventOverlap``, ``EventHandle``),
+``deep_gemm.utils`` (``.layout``, ``.math``) is :mod:`moe_ep.gemm.utils`.
 
 A name is aliased only when no real package of that name can be imported: a user who has DeepEP or DeepGEMM
 installed gets them (:func:`install` says so in its return value and warns once), unless ``force=True``. The
@@ -15,6 +22,7 @@ aliases are entries of ``sys.modules`` of this process only: nothing is written 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
 import os
 import runpy
@@ -23,11 +31,58 @@ import warnings
 
 __all__ = ["install", "ALIASES"]
 
-# alias -> (module it resolves to, its submodules DeepGEMM / DeepEP users import directly)
+# alias -> (module it resolves to, submodules whose moe-ep module has another name). Every other
+# ``alias.X.Y`` resolves to ``target.X.Y``: the module object already imported under its own name (never executed
+# a second time).
 ALIASES = {
-    "deep_ep": ("moe_ep", {}),
-    "deep_gemm": ("moe_ep.gemm", {"utils": "moe_ep.gemm.utils", "utils.layout": "moe_ep.gemm.utils.layout"}),
+    "deep_ep": ("moe_ep", {"utils": "moe_ep.events"}),
+    "deep_gemm": ("moe_ep.gemm", {}),
 }
+
+
+def _target_of(fullname: str) -> str | None:
+    """The moe-ep module an aliased name stands for (``None``: not an alias this process installed)."""
+    top, _, rest = fullname.partition(".")
+    if top not in _installed:
+        return None
+    target, subs = ALIASES[top]
+    if not rest:
+        return target
+    for sub in sorted(subs, key=len, reverse=True):  # the longest renamed prefix
+        if rest == sub or rest.startswith(sub + "."):
+            return subs[sub] + rest[len(sub):]
+    return f"{target}.{rest}"
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Hands the import system the moe-ep module itself (imported under its own name, once)."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec):
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module) -> None:
+        pass  # already executed under its own name
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """``deep_ep.X`` / ``deep_gemm.X`` -> the module ``moe_ep.X`` / ``moe_ep.gemm.X`` (see :data:`ALIASES`)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        name = _target_of(fullname)
+        if name is None or "." not in fullname:
+            return None
+        if importlib.util.find_spec(name) is None:
+            return None
+        mod = importlib.import_module(name)
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(name),
+                                               is_package=hasattr(mod, "__path__"))
+
+
+_installed: set = set()
+_finder = _AliasFinder()
 
 
 def _real_package(name: str) -> str | None:
@@ -61,7 +116,10 @@ def install(names=("deep_ep", "deep_gemm"), *, force: bool = False) -> dict:
         mod = importlib.import_module(target)
         mod.__moe_ep_alias__ = True
         sys.modules[name] = mod
-        for sub, sub_target in subs.items():
+        _installed.add(name)
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+        for sub, sub_target in subs.items():  # renamed submodules, there at once (``from deep_ep import utils``)
             sys.modules[f"{name}.{sub}"] = importlib.import_module(sub_target)
         out[name] = target
     return out
@@ -70,8 +128,15 @@ def install(names=("deep_ep", "deep_gemm"), *, force: bool = False) -> dict:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        try:
+            print(__doc__)
+        except BrokenPipeError:  # `... --help | head`
+            pass
         return 0 if argv else 2
+    import torch
+
+    if not torch.cuda.is_available():  # as `python -m moe_ep demo`: the Triton kernels run on the interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     names = [n for n in os.environ.get("MOE_EP_ALIAS", "deep_ep,deep_gemm").split(",") if n]
     install(names)
     sys.argv = argv

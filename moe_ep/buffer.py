@@ -13,6 +13,7 @@ by the calls).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Union
 
 import torch
@@ -24,24 +25,28 @@ from . import events
 from .buffer_checks import _CheckedLayout, _reports_refusal
 from .buffer_config import Config
 from .buffer_ll import LowLatencyCalls
+from .buffer_v1 import DeepEPV1Calls
 from .events import EventOverlap, run_on_comm_stream
 
 __all__ = ["Buffer", "Config"]
 
 BACKENDS = ("auto", "torch", "symm", "nvshmem")
+log = logging.getLogger("moe_ep")
 
 
 def _capturing(device: torch.device) -> bool:
     return events.uses_streams(device) and events.is_capturing(device)
 
 
-class Buffer(LowLatencyCalls):
+class Buffer(LowLatencyCalls, DeepEPV1Calls):
     """Expert-parallel communication buffer for one process group (DeepEP ``deep_ep.Buffer`` API).
 
     Arguments:
         group: the torch.distributed process group of the EP ranks (``None``: the default group).
-        num_nvl_bytes, num_rdma_bytes: buffer sizes as in DeepEP (size hints:
-            :meth:`get_low_latency_rdma_size_hint`); the ``torch`` backend allocates per call and ignores them.
+        num_nvl_bytes, num_rdma_bytes: buffer sizes as in DeepEP (size hints: :meth:`Config.get_nvl_buffer_size_hint`,
+            :meth:`get_low_latency_rdma_size_hint`; docs/sizing.md), kept as ``self.num_nvl_bytes`` /
+            ``self.num_rdma_bytes``. The ``torch`` backend allocates per call, but refuses a low-latency call that a
+            nonzero ``num_rdma_bytes`` could not hold on ``symm`` (same message), so a CPU run catches a sizing bug.
         low_latency_mode: enables ``low_latency_dispatch`` / ``low_latency_combine``.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted for DeepEP
             compatibility (RDMA / fabric-memory settings of backends not in this release; ignored).
@@ -56,8 +61,11 @@ class Buffer(LowLatencyCalls):
             NVSHMEM, across nodes; :mod:`moe_ep.backends.nvshmem`) or ``"auto"``: the CUDA-graph capturable
             backend where one fits (``"symm"`` when all ranks are on one node with CUDA peer access and the sizes
             it needs were given, ``"nvshmem"`` across nodes for a low-latency-only Buffer where NVSHMEM is usable),
-            else ``"torch"`` (always on CPU / gloo; a low-latency Buffer on CUDA then warns once);
-            :mod:`moe_ep.backends.choose`. The chosen one is ``buffer.backend_name``.
+            else ``"torch"`` (always without CUDA; a low-latency Buffer on CUDA then warns once). The machine
+            decides, not the group's backend (a gloo group on GPUs gets ``symm`` too, its memory on the current
+            device); :mod:`moe_ep.backends.choose`, which logs the choice on ``logging.getLogger("moe_ep")``. The
+            chosen one is ``buffer.backend_name``. The environment variable ``MOE_EP_BACKEND`` (``torch`` /
+            ``symm`` / ``nvshmem``) replaces ``"auto"`` for code that cannot pass ``backend=``.
         timeout_s: bound on every wait; a rank that does not arrive makes the call raise
             :class:`moe_ep.sync.RankTimeoutError` (a ``TimeoutError``) naming it.
         check_inputs: value checks of ``topk_idx`` (range, duplicates) read the tensor on the host; they
@@ -93,6 +101,8 @@ class Buffer(LowLatencyCalls):
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        from .backends.choose import backend_from_env
+        backend = backend_from_env(backend)
         if not (timeout_s > 0):
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -101,6 +111,8 @@ class Buffer(LowLatencyCalls):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes = num_nvl_bytes  # the sizes asked for (DeepEP's get_buffer() helpers compare them)
+        self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.check_inputs = check_inputs
@@ -140,15 +152,22 @@ class Buffer(LowLatencyCalls):
                         backend_kwargs: dict) -> str:
         """``backend="auto"`` (:func:`moe_ep.backends.choose.choose_backend`): ``symm`` on one node with CUDA peer
         access, ``nvshmem`` across nodes for a low-latency-only Buffer where NVSHMEM is usable, else ``torch``
-        (always on CPU / gloo, and with backend keyword arguments: name the backend they are for). A low-latency
+        (always without CUDA, and with backend keyword arguments: name the backend they are for). A low-latency
         Buffer on CUDA that ends up on ``torch`` warns once (not CUDA-graph capturable)."""
         from .backends.choose import choose_backend, gather_facts, warn_not_capturable
 
         if backend_kwargs:
+            log.info("moe_ep.Buffer(backend='auto'): backend keyword arguments given (%s): 'torch'",
+                     ", ".join(sorted(backend_kwargs)))
             return "torch"
         facts = gather_facts(self.group)
         name = choose_backend(facts, low_latency_mode=low_latency_mode, num_nvl_bytes=num_nvl_bytes,
                               num_rdma_bytes=num_rdma_bytes)
+        if name in ("symm", "nvshmem") and torch.cuda.is_available():
+            # the machine decides, not the group: a gloo group on GPUs only exchanges handles; memory on the GPU
+            backend_kwargs["device"] = torch.device("cuda", torch.cuda.current_device())
+        log.info("moe_ep.Buffer(backend='auto') on rank %d: %r (%s, low_latency_mode=%s, num_nvl_bytes=%d, "
+                 "num_rdma_bytes=%d)", self.rank, name, facts, low_latency_mode, num_nvl_bytes, num_rdma_bytes)
         if name == "torch" and low_latency_mode and facts.cuda:
             warn_not_capturable(facts)
         return name
@@ -177,9 +196,6 @@ class Buffer(LowLatencyCalls):
         if not torch.cuda.is_available():
             return None
         return self._comm_stream(torch.device("cuda", torch.cuda.current_device()))
-
-    def get_local_buffer_tensor(self, *args, **kwargs):
-        raise NotImplementedError("get_local_buffer_tensor is not part of this release")
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:

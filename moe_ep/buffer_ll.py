@@ -109,20 +109,19 @@ class LowLatencyCalls:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes per rank of a low-latency buffer that is enough for every backend and every top-k: the
-        larger of DeepEP's formula (two alternating halves, each with a send region of ``T`` dispatch or
-        ``E * T`` combine messages, a receive region of ``E * T`` messages and ``E`` int32 signals) and the
-        ``symm`` layout at the largest possible top-k (``num_experts``; a smaller top-k needs less:
-        :meth:`moe_ep.backends.symm.SymmBackend.get_low_latency_size_hint` gives the exact size)."""
+        """``num_rdma_bytes`` for low-latency calls up to these shapes, whatever the backend: what this release's
+        layouts address (DeepEP's hint takes no top-k, and neither does this one): the ``symm`` layout at any top-k
+        its kernels take (up to 32) and the ``nvshmem`` (across nodes) layout at any top-k DeepEP's low-latency
+        kernels take (up to 9). At DeepEP's own shapes it is below DeepEP's hint (DeepSeek-V3 decode, T=128,
+        hidden 7168, 256 experts: 1.00 GB against 1.91 GB; ``symm`` alone needs 58.9 MB at top-8:
+        :meth:`moe_ep.backends.symm.SymmBackend.get_low_latency_size_hint`); docs/sizing.md has the numbers.
+        Every backend refuses a buffer too small for a call, with the same message (``torch`` checks the
+        ``symm`` layout)."""
         from .backends.symm_ll import ll_buffer_bytes
 
         t, e = num_max_dispatch_tokens_per_rank, num_experts
-        dispatch_msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)  # header + BF16 or FP8+scales
-        combine_msg = hidden // 128 * 4 + hidden * 2  # DeepEP's combine message: scales (nv_bfloat162) + BF16 row
-        send = max(t * dispatch_msg, e * t * combine_msg)
-        recv = e * t * max(dispatch_msg, combine_msg)
-        deepep = 2 * (send + recv + e * 4)
-        total = max(deepep, ll_buffer_bytes(t, hidden, num_ranks, e, num_topk=e, transport=1))  # symm or nvshmem
+        total = max(ll_buffer_bytes(t, hidden, num_ranks, e, num_topk=min(e, 32), transport=0),
+                    ll_buffer_bytes(t, hidden, num_ranks, e, num_topk=min(e, 9), transport=1))
         return (total + 127) // 128 * 128
 
 
@@ -132,6 +131,15 @@ class LowLatencyCalls:
                               or tuple(t.shape) != (self.group_size,) or t.device != device):
             raise ValueError(f"{name} must be torch.int64 [{self.group_size}] on {device}, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+
+    def _check_ll_size(self, T: int, hidden: int, E: int, K: int, what: str) -> None:
+        """A backend without a registered buffer (``torch``) refuses what ``symm`` would refuse, with its message,
+        so a CPU run catches a too-small ``num_rdma_bytes`` (``0``: not sized, the ``torch`` backend allocates per
+        call; ``symm`` / ``nvshmem`` refuse 0 at creation and check their own layout in the call)."""
+        if self.backend_name in ("symm", "nvshmem") or self.num_rdma_bytes == 0:
+            return
+        from .backends.symm_ll_layout import check_capacity
+        check_capacity(self.num_rdma_bytes, T, hidden, self.group_size, E, K, 0, what)
 
     def _check_low_latency(self) -> None:
         if not self.low_latency_mode:
@@ -183,6 +191,8 @@ class LowLatencyCalls:
             if not isinstance(s, torch.Tensor) or s.dtype != torch.int32 or tuple(s.shape) != (num_local,):
                 raise ValueError(f"cumulative_local_expert_recv_stats must be torch.int32 [{num_local}]")
         self._check_wait_stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", x.device)
+        self._check_ll_size(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, topk_idx.shape[1],
+                            "low_latency_dispatch")
         res, event = self._run(
             lambda: self._impl.low_latency_dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -248,6 +258,8 @@ class LowLatencyCalls:
             raise ValueError(f"out must be {x.dtype} (the dtype of x) [{handle.num_tokens}, {handle.hidden}], got "
                              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
         self._check_wait_stats(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", x.device)
+        self._check_ll_size(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
+                            topk_idx.shape[1], "low_latency_combine")
         (combined, hook), event = self._run(
             lambda: self._impl.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy=zero_copy,
                                                    return_recv_hook=return_recv_hook, out=out,

@@ -14,8 +14,8 @@ Buffer calls plus torch ops; the backends know neither face. What V2 documents a
   (``use_psum_layout=True``; ``handle.m_indices``, the same rows as m_indices, is built only when read);
 - combine sums, per source token, the rows that came from it (expanded rows are first summed per
   received token in float32, then cast once and summed over ranks in float32: two roundings, as V2's
-  ``allow_multiple_reduction=True``); top-k weights travel back as V2 describes (2-D, or 1-D per
-  expanded row); 0, 1 or 2 bias tensors are added once;
+  ``allow_multiple_reduction=True``; with ``False`` one float32 sum per token, one rounding); top-k weights
+  travel back as V2 describes (2-D, or 1-D per expanded row); 0, 1 or 2 bias tensors are added once;
 - cached dispatch (``handle=``) moves only ``x`` (and ``topk_weights`` when given, for backward passes)
   and reads nothing on the host; ``do_cpu_sync=False`` sizes outputs for the worst case
   (``num_max_tokens_per_rank * num_ranks`` received rows);
@@ -108,7 +108,9 @@ class ElasticBuffer(ElasticDispatchMixin):
         allow_hybrid_mode, prefer_overlap_with_compute, sl_idx, num_allocated_qps: RDMA / SM-count tuning with
             no counterpart here (ignored).
         allow_multiple_reduction: ``False`` asks combine for a single rounding; the non-expanded combine has
-            one, the expanded one two (it then raises ``NotImplementedError``).
+            one; the expanded one then sends float32 partial sums back (:mod:`moe_ep.elastic_reduce`: one float32
+            sum per token, cast once; host-synchronising), ``True`` sums expanded rows locally, casts, then sums
+            over ranks (two roundings, the Buffer's own combine).
         num_cpu_timeout_secs, num_gpu_timeout_secs: the Buffer's ``timeout_s`` is the CPU one for ``torch``
             (waits on the host) and the GPU one for ``symm`` (waits on the device), unless ``timeout_s=`` is given.
         explicitly_destroy: as V2 (``True``: only :meth:`destroy` releases the resources).
@@ -136,6 +138,8 @@ class ElasticBuffer(ElasticDispatchMixin):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ElasticBuffer needs torch.distributed to be initialised (init_process_group)")
         group = group if group is not None else dist.group.WORLD
+        from .backends.choose import backend_from_env
+        backend = backend_from_env(backend)  # MOE_EP_BACKEND, for engine code that passes no backend
         self.group = group
         self.rank_idx = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -348,9 +352,6 @@ class ElasticBuffer(ElasticDispatchMixin):
                                      f"({'1-D per expanded row' if handle.do_expand else 'per received token'}), got "
                                      f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
                                      f"{list(getattr(topk_weights, 'shape', []))}")
-            if handle.do_expand and not self.allow_multiple_reduction:
-                raise NotImplementedError("allow_multiple_reduction=False with an expanded combine: this release "
-                                          "sums expanded rows locally, then across ranks (two roundings)")
             if handle.do_expand and async_with_compute_stream:
                 raise NotImplementedError("async_with_compute_stream with an expanded combine is not supported")
 
@@ -358,6 +359,15 @@ class ElasticBuffer(ElasticDispatchMixin):
         if previous_event_before_epilogue is not None:
             previous_event_before_epilogue.current_stream_wait()
         valid = handle.recv_topk_idx >= 0
+        if handle.do_expand and not self.allow_multiple_reduction:  # one float32 sum per token, one rounding
+            from .elastic_reduce import combine_one_rounding
+
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+            biases = V.check_bias(bias, handle._buffer_handle.num_tokens, handle._hidden, x.device, x.dtype)
+            w = None if topk_weights is None else torch.where(valid, topk_weights[handle._slot.clamp(min=0)], 0.0)
+            combined, combined_w = combine_one_rounding(x, handle, w, biases, self.group)
+            return combined, combined_w, EventOverlap(None)
         if handle.do_expand:
             rows = self._sum_expanded(x, handle)
             w = None if topk_weights is None else torch.where(valid, topk_weights[handle._slot.clamp(min=0)], 0.0)

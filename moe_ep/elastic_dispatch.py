@@ -161,9 +161,10 @@ class ElasticDispatchMixin:
                 either way.
 
         Returns:
-            recv_x (a ``(fp8, scales)`` tuple for FP8), recv_topk_idx `[M, K]` (per received token, also when
-            expanded), recv_topk_weights (`[M, K]`, or `[num_expanded]` when expanded, 0 on padding; ``None``
-            without ``topk_weights``), handle (:class:`EPHandle`), event.
+            recv_x (a ``(fp8, scales)`` tuple for FP8), recv_topk_idx `[M, K]` (per received token; ``None``
+            when expanded, as DeepEP V2: ``handle.recv_topk_idx`` still has it), recv_topk_weights (`[M, K]`, or
+            `[num_expanded]` when expanded, 0 on padding; ``None`` without ``topk_weights``), handle
+            (:class:`EPHandle`), event.
         """
         data, scales = self._refusing("dispatch", lambda: V.split_x(x))
         n, hidden = data.shape
@@ -327,4 +328,6 @@ class ElasticDispatchMixin:
 
             recv_scales = get_mn_major_tma_aligned_tensor(recv_scales)
         recv_x = (recv_data, recv_scales) if recv_scales is not None else recv_data
+        if h.do_expand:  # as DeepEP V2: no per-token ids for the expanded layout (the rows' experts: the psum)
+            recv_idx = None
         return recv_x, recv_idx, recv_w, h, event

@@ -96,3 +96,55 @@ class EPHandle:
     @m_indices.setter
     def m_indices(self, value: Optional[torch.Tensor]) -> None:
         self._m_indices = value
+
+    def deterministic_sort(self, do_cpu_sync: bool, is_cached_dispatch: bool, recv_x: torch.Tensor,
+                           recv_sf: Optional[torch.Tensor], recv_topk_idx: Optional[torch.Tensor],
+                           recv_topk_weights: Optional[torch.Tensor],
+                           channel_linked_list: Optional[torch.Tensor] = None) -> None:
+        """DeepEP V2's epilogue of ``deterministic=True``, in place: received rows sorted by the source's global token
+        index (padding rows last). Not expanded: ``recv_x``, ``recv_sf``, ``recv_topk_idx``, ``recv_topk_weights``
+        and (not cached) ``recv_src_metadata``. Expanded (not cached): the rows inside each expert's block
+        (``recv_x``, ``recv_sf``, ``recv_topk_weights``), and the slot columns ``recv_src_metadata[:, 2:]`` (with this
+        handle's combine plan) follow them. This implementation receives in that order already, so the sort finds
+        the identity; it is kept for code that calls it. ``channel_linked_list``: V2's hybrid-mode state (none
+        here; ignored)."""
+        del do_cpu_sync, channel_linked_list
+        meta = self.recv_src_metadata
+        big = torch.iinfo(torch.int64).max
+        gidx = meta[:, 0].to(torch.int64)
+        if not self.do_expand:
+            order = torch.sort(torch.where(gidx >= 0, gidx, big), stable=True).indices
+            for t in (recv_x, recv_sf, recv_topk_idx, recv_topk_weights):
+                if t is not None:
+                    t.copy_(t[order])
+            if not is_cached_dispatch:
+                meta.copy_(meta[order])
+                if self.recv_topk_idx is not None and self.recv_topk_idx is not recv_topk_idx:
+                    self.recv_topk_idx.copy_(self.recv_topk_idx[order])
+            return
+        if is_cached_dispatch or self._exp_src is None:
+            return  # a cached dispatch writes rows where the (already sorted) slots say
+        rows = self._exp_src.shape[0]
+        dev = self._exp_src.device
+        psum = self.psum_num_recv_tokens_per_expert.to(torch.int64)
+        a = self.expert_alignment
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), (psum[:-1] + a - 1) // a * a])
+        block = torch.searchsorted(starts, torch.arange(rows, device=dev), right=True) - 1
+        src = self._exp_src.to(torch.int64)
+        key_tok = torch.where(src >= 0, gidx[src.clamp(min=0)], gidx.numel() and gidx.max() + 1)
+        span = int(key_tok.max()) + 2 if rows else 1
+        order = torch.sort(block * span + key_tok, stable=True).indices
+        if bool((order == torch.arange(rows, device=dev)).all()):
+            return
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(rows, device=dev)
+        for t in (recv_x, recv_sf, recv_topk_weights):
+            if t is not None:
+                t.copy_(t[order])
+        remap = lambda s: torch.where(s >= 0, inv[s.clamp(min=0)].to(s.dtype), s)  # noqa: E731
+        meta[:, 2:] = remap(meta[:, 2:])
+        self._exp_src, self._exp_k = self._exp_src[order], self._exp_k[order]
+        for name in ("_slot", "_comb_src", "_comb_sorted_src"):
+            if getattr(self, name) is not None:
+                setattr(self, name, remap(getattr(self, name)))
+        self._m_indices = None  # rebuilt from the psum on the next read

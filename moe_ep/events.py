@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["EventOverlap", "run_on_comm_stream", "TorchCudaStreams", "set_provider", "get_provider",
+__all__ = ["EventOverlap", "EventHandle", "run_on_comm_stream", "TorchCudaStreams", "set_provider", "get_provider",
            "uses_streams", "is_capturing", "launch", "new_event", "query", "synchronize", "empty_pinned"]
 
 
@@ -130,14 +130,32 @@ def empty_pinned(shape, dtype) -> torch.Tensor:
     return _streams.empty_pinned(shape, dtype)
 
 
+class EventHandle:
+    """DeepEP's ``EventHandle``: an event recorded on the current CUDA stream when it is made (nothing on a
+    machine without CUDA, where every call is synchronous). ``EventOverlap(EventHandle())`` is what
+    :meth:`moe_ep.Buffer.capture` returns."""
+
+    def __init__(self):
+        self.event = None
+        if torch.cuda.is_available():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            _streams.wait_event(_streams.current_stream(), self.event)
+
+
 class EventOverlap:
     """A CUDA event (or nothing, on CPU) marking the end of a communication call.
 
     Use ``event.current_stream_wait()`` before reading the outputs of an ``async_finish`` call, or
-    ``with event:`` to run compute in the block and wait at its end.
+    ``with event:`` to run compute in the block and wait at its end. ``event`` may be an :class:`EventHandle`.
     """
 
     def __init__(self, event: Optional["torch.cuda.Event"] = None, extra_tensors: Optional[tuple] = None):
+        if isinstance(event, EventHandle):
+            event = event.event
         self.event = event
         # Keeps tensors alive until the event completes (DeepEP keeps send buffers this way).
         self.extra_tensors = extra_tensors

@@ -272,6 +272,10 @@ def create_symm_buffer(group, nbytes: int, num_signals: int, *, device: Optional
         raise ValueError(f"provider {provider!r} cannot place memory on {device}")
     total = _align(nbytes) + _align(4 * max(num_signals, 1))
     arrival = ArrivalCheck(group, rank, world_size, timeout_s)
+    # Every layout offset (per-source blocks, rounds, slot spans, the signal region) derives from these: ranks
+    # that disagree would address each other's memory differently, so compare them once, before any mapping.
+    arrival.arrive("symm buffer creation", fields={"nbytes (num_nvl_bytes / num_rdma_bytes)": nbytes,
+                                                   "num_signals": num_signals, "provider": provider})
     if provider == "shm":
         region, addrs, keep = _create_shm(group, rank, world_size, total, timeout_s, arrival)
     else:

@@ -90,3 +90,78 @@ def test_runner_installs_the_named_aliases_before_the_script(tmp_path):
     p = subprocess.run([sys.executable, "-m", "moe_ep.alias", str(script), "--tp", "8"], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "MOE_EP_ALIAS": "deep_ep", "PYTHONPATH": ROOT})
     assert p.returncode == 0 and p.stdout.split() == ["moe_ep", "False", "['--tp',", "'8']"], (p.stdout, p.stderr)
+
+
+def test_submodules_resolve_to_the_one_module(tmp_path):
+    # a fresh interpreter, so sys.modules shows every module the imports executed
+    code = textwrap.dedent("""
+        import sys, moe_ep, moe_ep.alias
+        moe_ep.alias.install()
+        import deep_ep.buffer, deep_ep.events, deep_ep.backends.base
+        from deep_ep.utils import EventHandle, EventOverlap
+        from deep_ep import Buffer, Config
+        import deep_gemm.utils.math, deep_gemm.utils.layout
+        from deep_gemm.utils import ceil_div, align, per_token_cast_to_fp8, per_block_cast_to_fp8, calc_diff
+        from deep_gemm.utils.math import per_token_cast_to_fp8 as ptc
+        from deep_gemm import (gemm_fp8_fp8_bf16_nt, get_col_major_tma_aligned_tensor,
+                               m_grouped_gemm_fp8_fp8_bf16_nt_contiguous, ceil_div as cd)
+        import moe_ep.buffer, moe_ep.events, moe_ep.gemm.utils.math
+        assert deep_ep.buffer is moe_ep.buffer and deep_ep.buffer.Buffer is moe_ep.Buffer is Buffer
+        assert sys.modules["deep_ep.utils"] is moe_ep.events and EventOverlap is moe_ep.EventOverlap
+        assert deep_gemm.utils.math is moe_ep.gemm.utils.math and ptc is per_token_cast_to_fp8 and cd is ceil_div
+        # nothing executed twice: every deep_* entry is a moe_ep module object (a second execution would be
+        # named deep_*), and no class was defined twice
+        for k in sys.modules:
+            if k.startswith(("deep_ep.", "deep_gemm.")):
+                assert sys.modules[k].__name__.startswith("moe_ep"), k
+        assert ceil_div(7, 2) == 4 and align(5, 4) == 8
+        import torch
+        h = EventHandle()
+        EventOverlap(h).current_stream_wait()
+        print("ok")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def test_v1_grouped_name_takes_m_indices():
+    import moe_ep.gemm as gemm
+    from moe_ep.quant import per_block_quant_fp8, per_token_group_quant_fp8
+
+    m, k = 128, 128
+    xq, xs = per_token_group_quant_fp8(torch.randn(m, k).to(torch.bfloat16))
+    wq, ws = per_block_quant_fp8(torch.randn(1, 128, k))
+    d1 = torch.empty(m, 128, dtype=torch.bfloat16)
+    d2 = torch.empty(m, 128, dtype=torch.bfloat16)
+    idx = torch.zeros(m, dtype=torch.int32)
+    gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(lhs=(xq, xs), rhs=(wq, ws), out=d1, m_indices=idx)
+    gemm.m_grouped_fp8_gemm_nt_contiguous((xq, xs), (wq, ws), d2, idx)
+    assert torch.equal(d1, d2)
+    d3 = torch.empty(m, 128, dtype=torch.bfloat16)
+    gemm.gemm_fp8_fp8_bf16_nt((xq, xs), (wq[0], ws[0]), d3)
+    assert torch.equal(d3, d2)
+    assert gemm.get_col_major_tma_aligned_tensor is gemm.get_mn_major_tma_aligned_tensor
+
+
+def test_runner_turns_the_interpreter_on_without_cuda(tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text("import os\nprint(os.environ.get('TRITON_INTERPRET'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "moe_ep.alias", str(script)], capture_output=True, text=True,
+                       timeout=120, env={**env, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 0 and p.stdout.strip() == "1", (p.stdout, p.stderr)
+
+
+def _env_backend_rank(rank: int, world: int) -> tuple:
+    os.environ["MOE_EP_BACKEND"] = "symm"
+    import moe_ep
+
+    buf = moe_ep.Buffer(None, 0, moe_ep.Buffer.get_low_latency_rdma_size_hint(8, 128, world, 4), low_latency_mode=True)
+    explicit = moe_ep.Buffer(None, 0, 0, backend="torch")  # an explicit backend= is not overridden
+    eb = moe_ep.ElasticBuffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2)  # DeepEP V2's face too
+    return buf.backend_name, explicit.backend_name, eb.buffer.backend_name
+
+
+def test_environment_variable_picks_the_backend():
+    assert launch(_env_backend_rank, 2, timeout_s=120) == [("symm", "torch", "symm")] * 2

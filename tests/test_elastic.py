@@ -65,6 +65,8 @@ def _check_case(eb, rank, world, num_experts, case, seed, tokens):
                                      expert_alignment=align, do_cpu_sync=sync, do_expand=expand,
                                      do_zero_padding=expand, use_tma_aligned_col_major_sf=fp8 and expand,
                                      recv_as_view=view)
+    assert (ridx is None) == expand  # DeepEP V2: no per-token ids for the expanded layout
+    ridx = h.recv_topk_idx  # (kept on the handle)
     refs = [ref_dispatch(r, [i.x_fp8 if fp8 else i.x for i in ins], [i.topk_idx for i in ins],
                          [i.topk_weights for i in ins], num_experts,
                          x_scales=[i.x_scales for i in ins] if fp8 else None) for r in range(world)]
@@ -160,7 +162,7 @@ def _check_case(eb, rank, world, num_experts, case, seed, tokens):
     trap = host_reads_trapped if sync or eb.buffer.backend_name == "torch" else contextlib.nullcontext
     with trap():
         rx2, ridx2, rw2, h2, _ = eb.dispatch(x2, handle=h, do_zero_padding=expand, recv_as_view=view)
-    assert h2 is h and rw2 is None and torch.equal(ridx2, ridx)
+    assert h2 is h and rw2 is None and (ridx2 is None if expand else torch.equal(ridx2, ridx))
     rows = data.shape[0] if expand or sync else M  # a view's worst-case padding rows are stale, not zero
     if fp8:
         assert torch.equal(rx2[0][:rows].view(torch.uint8), data[:rows].view(torch.uint8))
@@ -257,6 +259,8 @@ def _gemm_operand(rank, world):
     rx, ridx, _, h, _ = eb.dispatch((inp.x_fp8, inp.x_scales), inp.topk_idx, inp.topk_weights, num_experts=8,
                                     expert_alignment=128, do_expand=True, do_zero_padding=True,
                                     use_tma_aligned_col_major_sf=True)
+    assert ridx is None
+    ridx = h.recv_topk_idx
     # the layer's own permutation of the non-expanded receive gives the same operand
     dst, m_indices, m_exp = permute_to_contiguous(ridx, 8 // world)
     assert m_exp == rx[0].shape[0] and torch.equal(m_indices, h.m_indices)
@@ -315,7 +319,7 @@ def _autograd(rank, world, expand):
             rx, ridx, rw, h, _ = eb.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, do_expand=expand,
                                              do_zero_padding=expand, expert_alignment=4 if expand else 1)
             ctx.h = h
-            box.append((ridx, h))
+            box.append((h.recv_topk_idx, h))
             return rx, rw
 
         @staticmethod

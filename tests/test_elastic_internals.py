@@ -221,6 +221,8 @@ def _expanded_sum_order(rank, world):
     for sync in (True, False):
         _, ridx, _, h, _ = eb.dispatch(x, topk_idx, None, num_experts=E, expert_alignment=4, do_cpu_sync=sync,
                                        do_expand=True)
+        assert ridx is None  # as DeepEP V2 (expanded); the handle keeps the per-token ids
+        ridx = h.recv_topk_idx
         meta = h.recv_src_metadata
         y = torch.full((h.num_expanded_tokens, HIDDEN), float("nan"), dtype=torch.bfloat16)  # padding: ignored
         want_rows = torch.zeros(h.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
@@ -267,6 +269,8 @@ def _expanded_sum_random(rank, world, seed):
     for sync in (True, False):
         _, ridx, _, h, _ = eb.dispatch(x, topk_idx, None, num_experts=E, expert_alignment=4, do_cpu_sync=sync,
                                        do_expand=True)
+        assert ridx is None  # as DeepEP V2 (expanded); the handle keeps the per-token ids
+        ridx = h.recv_topk_idx
         y = (torch.randn(h.num_expanded_tokens, HIDDEN, generator=g) * 2.0 ** torch.randint(
             -12, 12, (h.num_expanded_tokens, 1), generator=g)).to(torch.bfloat16)
         y[::5] = -0.0

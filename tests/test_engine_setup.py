@@ -22,14 +22,18 @@ H, E, K, N, T = 128, 4, 2, 5, 8
 
 def test_config_hints_cover_the_symm_layout():
     cfg = moe_ep.Buffer.get_dispatch_config(8)
-    # the default call size: what DeepEP's ring holds in flight per rank (num_sms / 2 channels of chunks)
-    assert cfg.num_max_tokens_per_rank == cfg.num_sms // 2 * cfg.num_max_nvl_chunked_recv_tokens
+    # the default: the fixed buffer every batch streams through (DeepEP's ring streams through its channels)
+    assert cfg.num_max_tokens_per_rank is None
     for hidden, ranks in ((7168, 8), (4096, 4), (130, 2)):
         got = cfg.get_nvl_buffer_size_hint(hidden * 2, ranks)
-        assert got == SymmBackend.get_normal_size_hint(cfg.num_max_tokens_per_rank, hidden, 128, ranks)
-        # never below what a call of that size addresses, at any top-k up to DeepEP's 128
-        assert got >= max(SymmBackend.get_normal_size_hint(cfg.num_max_tokens_per_rank, hidden, k, ranks)
-                          for k in (1, 8, 128))
+        assert got == SymmBackend.get_normal_size_hint(None, hidden, 128, ranks)
+        # never below what the streaming layout addresses, at any top-k up to DeepEP's 128
+        assert got >= max(SymmBackend.get_normal_size_hint(None, hidden, k, ranks) for k in (1, 8, 128))
+        # and below DeepEP's own hint for the same arguments (its ring: num_sms / 2 channels x NVL ranks x
+        # num_max_nvl_chunked_recv_tokens slots of a row, its source meta, 128 top-k ids / weights, 128 scales)
+        channels, nvl_ranks = cfg.num_sms // 2, min(ranks, 8)
+        deepep = channels * nvl_ranks * cfg.num_max_nvl_chunked_recv_tokens * (hidden * 2 + 8 + 128 * (8 + 4 + 4))
+        assert got <= deepep, (hidden, ranks, got, deepep)
         assert cfg.get_rdma_buffer_size_hint(hidden * 2, ranks) == 0
     small = moe_ep.Config(num_max_tokens_per_rank=T, num_max_topk=K)
     assert small.get_nvl_buffer_size_hint(H * 2, 2) == SymmBackend.get_normal_size_hint(T, H, K, 2)

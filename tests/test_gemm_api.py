@@ -87,7 +87,6 @@ def test_aliases_and_layout_module():
 
     assert gemm.m_grouped_fp8_fp4_gemm_nt_contiguous is gemm.m_grouped_fp8_gemm_nt_contiguous
     assert gemm.fp8_m_grouped_gemm_nt_masked is gemm.m_grouped_fp8_gemm_nt_masked
-    assert gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked is gemm.m_grouped_fp8_gemm_nt_masked
     assert gemm.bf16_m_grouped_gemm_nt_masked is gemm.m_grouped_bf16_gemm_nt_masked
     for name in ("get_mn_major_tma_aligned_tensor", "get_tma_aligned_size", "get_mk_alignment_for_contiguous_layout",
                  "set_mk_alignment_for_contiguous_layout", "get_theoretical_mk_alignment_for_contiguous_layout",

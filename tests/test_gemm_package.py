@@ -23,7 +23,7 @@ HOMES = {
                  "fp8_fp4_gemm_nn", "fp8_fp4_gemm_tn", "fp8_fp4_gemm_tt", "m_grouped_fp8_fp4_gemm_nt_contiguous",
                  "m_grouped_fp8_fp4_gemm_nn_contiguous", "m_grouped_fp8_fp4_gemm_nt_masked",
                  "fp8_m_grouped_gemm_nt_masked", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
-                 "m_grouped_gemm_fp8_fp8_bf16_nt_masked"],
+                 "m_grouped_gemm_fp8_fp8_bf16_nt_masked", "gemm_fp8_fp8_bf16_nt"],
     "bf16_gemm": ["bf16_gemm_nt", "bf16_gemm_nn", "bf16_gemm_tn", "bf16_gemm_tt", "m_grouped_bf16_gemm_nt_contiguous",
                   "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nt_masked",
                   "bf16_m_grouped_gemm_nt_masked"],

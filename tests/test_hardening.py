@@ -237,7 +237,7 @@ def test_low_latency_size_hint_fits_the_symm_layout_for_every_topk():
 
     for t, h, r, e in [(8, 128, 2, 2), (4, 256, 4, 4), (128, 7168, 8, 8), (16, 1024, 8, 16), (128, 7168, 8, 256)]:
         hint = moe_ep.Buffer.get_low_latency_rdma_size_hint(t, h, r, e)
-        for k in sorted({1, 2, min(e, 8), e}):
+        for k in sorted({1, 2, min(e, 8), min(e, 32)}):  # the symm kernels take top-k up to 32
             assert hint >= SymmBackend.get_low_latency_size_hint(t, h, r, e, k), (t, h, r, e, k)
 
 

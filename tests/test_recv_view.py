@@ -206,10 +206,17 @@ def test_size_hint_holds_T_tokens_as_a_view(T, H, K):
     assert view_cap >= T and rows >= R * T
 
 
-def test_low_latency_rdma_size_hint_covers_deepep():
-    """Buffer.get_low_latency_rdma_size_hint is at least DeepEP's own hint (combine messages carry their scales)."""
+def test_low_latency_rdma_size_hint_is_ours_and_below_deepeps():
+    """Buffer.get_low_latency_rdma_size_hint is what our layouts address (symm at any top-k up to 32, nvshmem up to
+    DeepEP's 9), and at engine shapes no more than DeepEP's own hint."""
     import moe_ep
+    from moe_ep.backends.nvshmem import NvshmemBackend
+    from moe_ep.backends.symm import SymmBackend
     from moe_ep.backends.symm_ll import deepep_ll_buffer_bytes
 
-    for T, H, R, E in [(128, 7168, 8, 256), (3, 384, 2, 8), (1, 128, 4, 24)]:
-        assert moe_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E) >= deepep_ll_buffer_bytes(T, H, R, E)
+    for T, H, R, E in [(128, 7168, 8, 256), (128, 7168, 16, 256), (128, 4096, 8, 64), (128, 2048, 2, 32),
+                       (64, 4096, 4, 64)]:
+        hint = moe_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
+        assert hint <= deepep_ll_buffer_bytes(T, H, R, E), (T, H, R, E)
+        assert hint >= SymmBackend.get_low_latency_size_hint(T, H, R, E, min(E, 32))
+        assert hint >= NvshmemBackend.get_low_latency_size_hint(T, H, R, E, min(E, 9))

@@ -225,5 +225,22 @@ class Backend(abc.ABC):
         registered buffer override this)."""
         raise NotImplementedError(f"backend {self.name!r} has no zero-copy combine buffer")
 
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """This rank's ``num_rdma_bytes`` (``use_rdma_buffer``) or ``num_nvl_bytes`` buffer as uint8 bytes
+        (``Buffer.get_local_buffer_tensor``). Backends that allocate per call have no such buffer: this is memory of
+        the asked size that no call reads (made on first use; empty for a size of 0)."""
+        nbytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        spare = self.__dict__.setdefault("_spare_buffers", {})
+        if use_rdma_buffer not in spare:
+            spare[use_rdma_buffer] = torch.zeros(nbytes, dtype=torch.uint8, device=self.local_device())
+        return spare[use_rdma_buffer]
+
+    def local_device(self) -> torch.device:
+        """Where this backend's buffers live (the current CUDA device on a machine with CUDA, else the CPU)."""
+        dev = getattr(self, "device", None)
+        if dev is not None:
+            return torch.device(dev)
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
     def destroy(self) -> None:
         """Release communication resources (idempotent)."""

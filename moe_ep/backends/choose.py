@@ -2,19 +2,25 @@
 
 :func:`choose_backend` is a pure function of topology facts (so it can be tested with made-up ones);
 :func:`gather_facts` collects them collectively at Buffer creation (two small host exchanges over the group,
-only on CUDA; a CPU / gloo group needs none and gets ``torch``).
+only where CUDA is available, whatever the group's backend; a machine without CUDA needs none and gets
+``torch``). The choice is logged on the ``"moe_ep"`` logger (INFO).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import socket
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["TopologyFacts", "choose_backend", "gather_facts", "warn_not_capturable"]
+__all__ = ["TopologyFacts", "choose_backend", "gather_facts", "warn_not_capturable", "backend_from_env"]
+
+log = logging.getLogger("moe_ep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +28,7 @@ class TopologyFacts:
     """What the choice depends on, the same on every rank of the group.
 
     Attributes:
-        cuda: the group runs on CUDA devices (an NCCL group); ``False`` for CPU / gloo.
+        cuda: this machine has CUDA devices (whatever the group's backend); ``False`` without CUDA.
         num_nodes: distinct hosts among the group's ranks.
         peer_access: every rank's device can access every same-host rank's device (CUDA P2P), as the ``symm``
             backend's one-node symmetric memory needs.
@@ -37,7 +43,7 @@ class TopologyFacts:
 def choose_backend(facts: TopologyFacts, *, low_latency_mode: bool, num_nvl_bytes: int, num_rdma_bytes: int) -> str:
     """The backend ``"auto"`` means for a Buffer with these sizes on this topology.
 
-    - CPU / gloo: ``"torch"``.
+    - no CUDA: ``"torch"``.
     - one node with CUDA peer access: ``"symm"`` when the sizes it needs were given (``num_nvl_bytes > 0`` for a
       normal-mode Buffer, ``num_rdma_bytes > 0`` for a low-latency one, as DeepEP needs them too);
     - several nodes: ``"nvshmem"`` for a low-latency-only Buffer (``num_nvl_bytes == 0``, ``num_rdma_bytes > 0``)
@@ -55,21 +61,51 @@ def choose_backend(facts: TopologyFacts, *, low_latency_mode: bool, num_nvl_byte
     return "torch"
 
 
+def _device_ids() -> tuple:
+    """``(uuid of the current device, [uuid of each visible device])``, ``(None, [])`` where they cannot be read."""
+    try:
+        ids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        return ids[torch.cuda.current_device()], ids
+    except Exception:  # noqa: BLE001 - no uuid (old torch, stubbed CUDA): every peer is "unknown"
+        return None, []
+
+
+def _peer_reachable(mine: Optional[str], visible: list, theirs: Optional[str]) -> tuple:
+    """``(reachable, why)`` for one same-host peer's device ``theirs`` (a uuid), asked of the CUDA driver."""
+    if mine is None or theirs is None:
+        return False, "device uuids unknown"
+    if theirs == mine:
+        return True, "the same device"
+    if theirs not in visible:
+        return False, "a peer's device is not visible in this process (per-process CUDA_VISIBLE_DEVICES: peer " \
+                      "access cannot be queried; make every GPU visible and select one per rank)"
+    me, peer = visible.index(mine), visible.index(theirs)
+    if torch.cuda.can_device_access_peer(me, peer):
+        return True, f"cuda:{me} -> cuda:{peer} peer access"
+    return False, f"cuda:{me} cannot access cuda:{peer} (no P2P)"
+
+
 def gather_facts(group) -> TopologyFacts:
-    """Collective over ``group`` (every rank calls it): the facts of :class:`TopologyFacts`."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" not in backend or not torch.cuda.is_available():
+    """Collective over ``group`` (every rank calls it): the facts of :class:`TopologyFacts`, from the machine.
+
+    The group's own backend does not matter (a gloo group on GPUs, as vLLM passes, only exchanges these facts and
+    the buffers' handles). Peer access is asked of the driver for every same-host peer's physical device (by
+    uuid); a device this process cannot see counts as not reachable."""
+    if not torch.cuda.is_available():
         return TopologyFacts(cuda=False)
     world = dist.get_world_size(group)
-    me = (socket.gethostname(), torch.cuda.current_device(), torch.cuda.device_count())
+    mine, visible = _device_ids()
+    me = (socket.gethostname(), mine)
     everyone = [None] * world
     dist.all_gather_object(everyone, me, group=group)
-    hosts = {h for h, _, _ in everyone}
-    same_host = [(d, n) for h, d, n in everyone if h == me[0]]
-    # Peer access is checked from this process; with per-process CUDA_VISIBLE_DEVICES the peers' devices are not
-    # visible here (different device counts), and "unknown" counts as no.
-    peer_ok = all(n == me[2] for _, n in same_host) and all(
-        d == me[1] or torch.cuda.can_device_access_peer(me[1], d) for d, _ in same_host)
+    hosts = {h for h, _ in everyone}
+    peer_ok, whys = True, []
+    for host, theirs in everyone:
+        if host == me[0]:
+            ok, why = _peer_reachable(mine, visible, theirs)
+            peer_ok = peer_ok and ok
+            if not ok:
+                whys.append(why)
     nvshmem_ok = False
     if len(hosts) > 1:
         from .. import nvshmem
@@ -80,8 +116,21 @@ def gather_facts(group) -> TopologyFacts:
             nvshmem_ok = False
     votes = [None] * world
     dist.all_gather_object(votes, (peer_ok, nvshmem_ok), group=group)
+    if whys:
+        log.info("moe_ep backend choice: no CUDA peer access from this rank: %s", "; ".join(sorted(set(whys))))
     return TopologyFacts(cuda=True, num_nodes=len(hosts), peer_access=all(p for p, _ in votes),
                          nvshmem_usable=all(n for _, n in votes))
+
+
+def backend_from_env(backend: str) -> str:
+    """``backend="auto"`` with ``MOE_EP_BACKEND`` set (``torch`` / ``symm`` / ``nvshmem``): that backend, for engine
+    code that cannot pass ``backend=``; otherwise ``backend`` as given."""
+    env = os.environ.get("MOE_EP_BACKEND", "").strip()
+    if backend != "auto" or env in ("", "auto"):
+        return backend
+    if env not in ("torch", "symm", "nvshmem"):
+        raise ValueError(f"MOE_EP_BACKEND must be one of auto, torch, symm, nvshmem; got {env!r}")
+    return env
 
 
 _warned = False

@@ -117,6 +117,15 @@ class SymmBackend(Backend):
         """``num_rdma_bytes`` for low-latency calls up to these shapes."""
         return _ll_path().size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
 
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """The message area of the low-latency (``use_rdma_buffer``) or normal-mode symmetric buffer; signal words
+        and status live outside it. A size given without its mode (``num_rdma_bytes`` without
+        ``low_latency_mode``) allocated nothing: then the base class's unread memory of that size."""
+        part = self.ll if use_rdma_buffer else self._normal
+        if part is None:
+            return super().local_buffer(use_rdma_buffer)
+        return part.symm.buffer
+
     def _check_device(self, t: torch.Tensor) -> None:
         if t.device.type != self.device.type or (t.device.index is not None and self.device.index is not None
                                                   and t.device.index != self.device.index):

@@ -24,7 +24,7 @@ from ..kernels.low_latency import SIG_WORDS, _ll_release_kernel, signal_layout
 from ..kernels.pdl import INTERPRET
 from ..kernels.signals import MASK_API, MASK_TIMEOUT
 from ..sync import CallMismatchError, RankTimeoutError
-from .symm_ll_layout import _ALIGN, NUM_SLOTS, _carve, _Layout, ll_buffer_bytes
+from .symm_ll_layout import _ALIGN, NUM_SLOTS, _Layout, check_capacity, ll_buffer_bytes
 
 
 class _LowLatencyControl:
@@ -111,20 +111,7 @@ class _LowLatencyControl:
 
     def _check_capacity(self, T: int, hidden: int, E: int, K: int, what: str) -> _Layout:
         R = self.symm.world_size
-        if E % R != 0:
-            raise ValueError(f"{what}: num_experts={E} must be divisible by the number of ranks {R}")
-        if K > 32:  # the combine receive keeps one bit per selection in an int32
-            raise ValueError(f"{what}: num_topk={K} exceeds 32")
-        lay = _carve(T, hidden, R, E, K, self.transport)
-        have = self._slot_span(lay) if self.symm.nbytes >= NUM_SLOTS * lay.stage_bytes else 0
-        if lay.slot_bytes > have:
-            need = self.size_hint(T, hidden, R, E, K, self.transport)
-            raise ValueError(
-                f"{what}: T={T}, hidden={hidden}, num_topk={K}, num_experts={E} on {R} ranks need "
-                f"{lay.slot_bytes} bytes per buffer slot (plus {lay.stage_bytes} bytes of staging per slot) but the "
-                f"low-latency buffer has {have} per slot "
-                f"(num_rdma_bytes={self.symm.nbytes}); use num_rdma_bytes >= {need} "
-                f"({'NvshmemBackend' if self.transport else 'SymmBackend'}.get_low_latency_size_hint)")
+        lay = check_capacity(self.symm.nbytes, T, hidden, R, E, K, self.transport, what)
         need_sig = self.num_signals(R)
         if self.symm.num_signals < need_sig:
             raise ValueError(f"{what}: the symmetric buffer has {self.symm.num_signals} signal words, needs {need_sig}")

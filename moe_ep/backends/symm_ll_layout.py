@@ -120,3 +120,32 @@ def deepep_ll_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, n
     signal = 4 * E
     return _align(2 * (send + recv + signal), 128)
 
+
+
+def slot_span(nbytes: int, lay: _Layout) -> int:
+    """Bytes of one slot of an ``nbytes`` low-latency buffer: the data region less the staging areas (nvshmem),
+    halved (0 when the staging alone does not fit)."""
+    if nbytes < NUM_SLOTS * lay.stage_bytes:
+        return 0
+    return (nbytes - NUM_SLOTS * lay.stage_bytes) // NUM_SLOTS // _ALIGN * _ALIGN
+
+
+def check_capacity(nbytes: int, T: int, hidden: int, R: int, E: int, K: int, transport: int, what: str) -> _Layout:
+    """The layout of a low-latency call of these shapes in an ``nbytes`` buffer, or the ``ValueError`` every
+    backend raises for a buffer that is too small (the ``torch`` backend checks the ``symm`` layout, so a CPU run
+    refuses what a one-node GPU run would)."""
+    if E % R != 0:
+        raise ValueError(f"{what}: num_experts={E} must be divisible by the number of ranks {R}")
+    if K > 32:  # the combine receive keeps one bit per selection in an int32
+        raise ValueError(f"{what}: num_topk={K} exceeds 32")
+    lay = _carve(T, hidden, R, E, K, transport)
+    have = slot_span(nbytes, lay)
+    if lay.slot_bytes > have:
+        need = ll_buffer_bytes(T, hidden, R, E, K, transport)
+        raise ValueError(
+            f"{what}: T={T}, hidden={hidden}, num_topk={K}, num_experts={E} on {R} ranks need "
+            f"{lay.slot_bytes} bytes per buffer slot (plus {lay.stage_bytes} bytes of staging per slot) but the "
+            f"low-latency buffer has {have} per slot (num_rdma_bytes={nbytes}); use num_rdma_bytes >= {need} "
+            f"({'NvshmemBackend' if transport else 'SymmBackend'}.get_low_latency_size_hint, or "
+            f"Buffer.get_low_latency_rdma_size_hint for any backend and top-k)")
+    return lay

@@ -29,7 +29,7 @@ _OTHER = {"DISP": ("COMB", "combine"), "COMB": ("DISP", "dispatch")}
 
 class RefusalMixin:
     """Needs ``self.symm`` (:class:`~moe_ep.symm.SymmBuffer`), ``self.sig`` (the signal layout),
-    ``self.dispatch_release()`` and ``self.sends`` (send launches so far: the Buffer's refusal mark)."""
+    ``self.dispatch_release()``, ``self._held`` and ``self.sends`` (send launches so far: the Buffer's refusal mark)."""
 
     _ref_pending: list
 
@@ -38,8 +38,12 @@ class RefusalMixin:
         """Publish an empty refused block of call ``kind`` (``"dispatch"`` / ``"combine"``) to every peer."""
         R, L, dev = self.symm.world_size, self.sig, self.symm.device
         pre, bit = _KIND[kind]
-        if kind == "dispatch":
-            self.dispatch_release()  # a view still held here would keep the peers' sends waiting
+        # A view still held here would keep the peers' sends waiting; and the peers' combine receives free their
+        # views: a refused combine ends in their state (view released, ``_held`` clear), so the retried combine
+        # agrees on every rank (time-shared area, flag bit 7).
+        self.dispatch_release()
+        if kind == "combine":
+            self._held = False
         self._write_signature(f"{pre}_SIG", (0, 0, 0, bit | SIG_REFUSED))
         zeros = torch.zeros(R, dtype=torch.int32, device=dev)
         self.sends += 1

@@ -7,9 +7,10 @@ and m-grouped (contiguous by ``m_indices`` or by psum, and masked).
 order, keywords and defaults (``recipe``, ``recipe_a`` / ``recipe_b``, ``compiled_dims``,
 ``disable_ue8m0_cast``, ``use_psum_layout``, ``ensure_zero_padding``, ``expected_m_for_psum_layout``), the
 ``fp8_fp4`` spellings, the legacy aliases (``fp8_m_grouped_gemm_nt_masked``, v1's
-``m_grouped_gemm_fp8_fp8_bf16_nt_*``), the layout helpers (also as ``moe_ep.gemm.utils.layout``, like
-``deep_gemm.utils.layout``) and ``get_num_sms`` / ``set_num_sms``. Keyword-only extensions: ``use_pdl``,
-``config``.
+``gemm_fp8_fp8_bf16_nt``, ``m_grouped_gemm_fp8_fp8_bf16_nt_*`` with ``m_indices=``,
+``get_col_major_tma_aligned_tensor``), the layout helpers (also as ``moe_ep.gemm.utils.layout``, like
+``deep_gemm.utils.layout``), ``deep_gemm.utils.math``'s casts (``moe_ep.gemm.utils.math``) and
+``get_num_sms`` / ``set_num_sms``. Keyword-only extensions: ``use_pdl``, ``config``.
 
 Tiles, chosen from the shapes (``expected_m`` for the masked layout, ``M`` for the dense GEMMs):
 
@@ -79,6 +80,7 @@ from .fp8_gemm import (
     m_grouped_fp8_gemm_nn_contiguous,
     m_grouped_fp8_gemm_nt_contiguous,
     m_grouped_fp8_gemm_nt_masked,
+    gemm_fp8_fp8_bf16_nt,
     m_grouped_gemm_fp8_fp8_bf16_nt_contiguous,
     m_grouped_gemm_fp8_fp8_bf16_nt_masked,
 )
@@ -98,6 +100,10 @@ from .utils.layout import (
     get_tma_aligned_size,
     set_mk_alignment_for_contiguous_layout,
 )
+from .utils.math import align, calc_diff, ceil_div, per_block_cast_to_fp8, per_token_cast_to_fp8  # noqa: F401
+
+# DeepGEMM v1's name for the M-major, TMA-aligned scale layout
+get_col_major_tma_aligned_tensor = get_mn_major_tma_aligned_tensor
 
 if TYPE_CHECKING:  # resolved lazily by __getattr__ below (moe_ep.mega_moe imports this module)
     from ..mega_moe import (bf16_mega_moe, fp8_fp4_mega_moe, fp8_mega_moe, get_symm_buffer_for_mega_moe,
@@ -131,6 +137,10 @@ __all__ = [
     "fp8_m_grouped_gemm_nt_masked",
     "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
     "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
+    "gemm_fp8_fp8_bf16_nt",
+    "get_col_major_tma_aligned_tensor",
+    # utils (DeepGEMM: from .utils import *)
+    "ceil_div", "align", "per_token_cast_to_fp8", "per_block_cast_to_fp8", "calc_diff",
     # BF16
     "bf16_gemm_nt", "bf16_gemm_nn", "bf16_gemm_tn", "bf16_gemm_tt",
     "m_grouped_bf16_gemm_nt_contiguous",

@@ -142,5 +142,23 @@ m_grouped_fp8_fp4_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
 m_grouped_fp8_fp4_gemm_nn_contiguous = m_grouped_fp8_gemm_nn_contiguous
 m_grouped_fp8_fp4_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
 fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
-m_grouped_gemm_fp8_fp8_bf16_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
-m_grouped_gemm_fp8_fp8_bf16_nt_masked = m_grouped_fp8_gemm_nt_masked
+
+
+def gemm_fp8_fp8_bf16_nt(lhs, rhs, out: torch.Tensor, *, use_pdl: bool = False,
+                         config: Optional[GemmConfig] = None) -> None:
+    """DeepGEMM v1's dense name and arguments: :func:`fp8_gemm_nt` ``(lhs, rhs, out)``."""
+    fp8_gemm_nt(lhs, rhs, out, use_pdl=use_pdl, config=config)
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(lhs, rhs, out: torch.Tensor, m_indices: torch.Tensor, *,
+                                              use_pdl: bool = False, config: Optional[GemmConfig] = None) -> None:
+    """DeepGEMM v1's contiguous grouped name and arguments (``m_indices``: the expert of each row, -1 for
+    padding): :func:`m_grouped_fp8_gemm_nt_contiguous`."""
+    m_grouped_fp8_gemm_nt_contiguous(lhs, rhs, out, m_indices, use_pdl=use_pdl, config=config)
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_masked(lhs, rhs, out: torch.Tensor, masked_m: torch.Tensor,
+                                          expected_m: int, *, use_pdl: bool = False,
+                                          config: Optional[GemmConfig] = None) -> None:
+    """DeepGEMM v1's masked grouped name and arguments: :func:`m_grouped_fp8_gemm_nt_masked`."""
+    m_grouped_fp8_gemm_nt_masked(lhs, rhs, out, masked_m, expected_m, use_pdl=use_pdl, config=config)
