@@ -12,11 +12,22 @@
 Importing eplb never touches CUDA.
 """
 
-from .dispatch import map_topk
-from .failover import replan_on_survivors
-from .metrics import balancedness, gpu_loads, same_gpu_duplicates, slots_moved
-from .placement import rebalance_experts
-from .recorder import LoadRecorder
+try:
+    import numpy as _np  # noqa: F401
+    import torch as _torch  # noqa: F401
+except ModuleNotFoundError:
+    from moe_ep._env import require as _require  # moe_ep stops first, with the same one line
+
+    _require("torch", "numpy")
+    raise
+
+from .dispatch import map_topk  # noqa: E402
+from .failover import replan_on_survivors  # noqa: E402
+from .metrics import balancedness, gpu_loads, same_gpu_duplicates, slots_moved  # noqa: E402
+from .placement import rebalance_experts  # noqa: E402
+from .recorder import LoadRecorder  # noqa: E402
+
+__version__ = "0.1.0"
 
 __all__ = ["rebalance_experts", "map_topk", "replan_on_survivors", "LoadRecorder", "balancedness", "gpu_loads",
            "same_gpu_duplicates", "slots_moved"]

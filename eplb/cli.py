@@ -273,8 +273,16 @@ def _float_nonneg(text: str) -> float:
 POSITIVE = _int_min(1)
 
 
+def _prog() -> str:
+    arg0 = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return arg0 if arg0.startswith("moe-ep") else "python -m eplb"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m eplb", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from . import __version__
+
+    p = _Parser(prog=_prog(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"eplb (moe-ep) {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{plan,report,simulate}", parser_class=_Parser)
     pl = sub.add_parser("plan", help="plan a placement from statistics ([L, E] or [S, L, E])")
     pl.add_argument("stats", help="statistics file: .npy, .pt, .json or .csv")

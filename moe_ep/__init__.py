@@ -3,7 +3,11 @@
 Importing this package never touches CUDA, NCCL or the network.
 """
 
-import torch as _torch
+from ._env import require as _require
+
+_require("torch", "numpy")
+
+import torch as _torch  # noqa: E402
 
 from .buffer import Buffer, Config
 from .events import EventOverlap

@@ -5,7 +5,7 @@ file directly, before torch or this package are installed::
 
     python moe_ep/_env.py choose-python     # prints "<kind> <python>", see choose_python()
     python moe_ep/_env.py missing torch numpy ...   # prints the modules that cannot be found
-    python moe_ep/_env.py installed ROOT    # exit 0 when moe_ep, eplb, microbatch and serving import from ROOT
+    python moe_ep/_env.py installed ROOT    # exit 0 when moe_ep, eplb, microbatch and moe_ep_serving import from ROOT
     python moe_ep/_env.py owner             # prints the checkout this Python imports moe_ep from ("" if none)
     python moe_ep/_env.py torch-index       # prints "<index url or -> <why>", see torch_index_decision()
     python moe_ep/_env.py disk DIR ITEM...  # prints what ITEMs take installed and DIR's free space, see disk_check()
@@ -20,7 +20,60 @@ import sys
 import sysconfig
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("moe_ep", "eplb", "microbatch", "serving")
+PACKAGES = ("moe_ep", "eplb", "microbatch", "moe_ep_serving")  # moe_ep_serving: the serving/ folder, installed
+
+
+# --------------------------------------------------------------------------------------------------
+# Third-party modules the packages need (a Python without them: one line, not a traceback)
+
+
+def _run_as_program() -> bool:
+    """This process is ``python -m <ours>`` (argv[0] is "-m" while runpy imports the package) or one of our
+    console scripts (moe-ep, moe-ep-eplb, moe-ep-serving)."""
+    arg0 = sys.argv[0] if sys.argv else ""
+    return arg0 == "-m" or os.path.basename(arg0).startswith("moe-ep")
+
+
+def require(*modules: str) -> None:
+    """Check that ``modules`` can be imported (no import is done). Where some cannot: a program (``python -m``,
+    a console script) prints one line saying how to get them and exits with status 1; an import in someone
+    else's program raises ``ModuleNotFoundError`` with that line."""
+    missing = missing_modules(modules)
+    if not missing:
+        return
+    names = " and ".join(missing)
+    msg = (f"moe-ep needs {names}, which {sys.executable} cannot import: run `bash scripts/setup.sh` in the "
+           "checkout and use the Python it prints (on an externally managed system Python: `. .venv/bin/activate`),"
+           f" or `{os.path.basename(sys.executable)} -m pip install {' '.join(missing)}` (a CPU-only torch: "
+           "--index-url https://download.pytorch.org/whl/cpu)")
+    if _run_as_program():
+        print(f"error: {msg}", file=sys.stderr)
+        raise SystemExit(1)
+    raise ModuleNotFoundError(msg, name=missing[0])
+
+
+def prog(module: str) -> str:
+    """The program name for usage lines: the console script's name when run as one (``moe-ep-eplb``), else
+    ``python -m <module>``."""
+    arg0 = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return arg0 if arg0.startswith("moe-ep") else f"python -m {module}"
+
+
+def write_stdout(text: str) -> int:
+    """Print ``text``; a reader that went away (``... --help | head -1``) ends it quietly: returns 141 (the
+    status a shell gives a tool ended by SIGPIPE) instead of a BrokenPipeError traceback, else 0."""
+    try:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+        return 0
+    except BrokenPipeError:
+        try:  # point stdout at /dev/null so that the interpreter's final flush stays quiet
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,7 +156,8 @@ def missing_modules(names) -> list[str]:
 
 
 def installed_from(root: str) -> bool:
-    """``moe_ep``, ``eplb``, ``microbatch`` and ``serving`` import from ``root`` (editable install of this checkout)."""
+    """``moe_ep``, ``eplb``, ``microbatch`` and ``moe_ep_serving`` (the ``serving/`` folder) import from ``root``
+    (editable install of this checkout)."""
     import importlib.util
 
     root = os.path.realpath(root)

@@ -68,10 +68,15 @@ def install(names=("deep_ep", "deep_gemm"), *, force: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
+    from . import __version__
+    from ._env import write_stdout
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        return write_stdout(f"moe-ep {__version__} (moe_ep.alias)")
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if argv else 2
+        rc = write_stdout("usage: python -m moe_ep.alias [--version] SCRIPT [ARGS...]\n" + __doc__)
+        return rc or (0 if argv else 2)
     names = [n for n in os.environ.get("MOE_EP_ALIAS", "deep_ep,deep_gemm").split(",") if n]
     install(names)
     sys.argv = argv

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serving.hardware import Hardware
+from .hardware import Hardware
 
 __all__ = ["PlanError", "ModelSpec", "MODELS", "Cluster", "Workload", "SLO", "Knobs", "ParallelConfig", "StageRate"]
 

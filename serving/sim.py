@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from serving.trace import Trace
+from .trace import Trace
 
 __all__ = ["SimConfig", "SimResult", "SimError", "simulate"]
 

@@ -18,7 +18,8 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("moe_ep", "eplb", "microbatch", "serving")
+PACKAGES = ("moe_ep", "eplb", "microbatch", "moe_ep_serving")   # as installed
+FOLDERS = ("moe_ep", "eplb", "microbatch", "serving")          # in the checkout (serving/ installs as moe_ep_serving)
 OFFLINE = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "",
            "PIP_EXTRA_INDEX_URL": ""}
 
@@ -193,7 +194,7 @@ def _seed_site(dest: pathlib.Path, leave_out=()) -> pathlib.Path:
     dest.mkdir(parents=True, exist_ok=True)
     for d in _site_dirs():
         for entry in os.listdir(d):
-            if entry.startswith(("__editable__", "moe_ep-", "moe-ep") + PACKAGES + tuple(leave_out)) \
+            if entry.startswith(("__editable__", "moe_ep-", "moe-ep") + PACKAGES + FOLDERS + tuple(leave_out)) \
                     or (dest / entry).exists():
                 continue
             (dest / entry).symlink_to(os.path.join(d, entry))
@@ -352,7 +353,7 @@ def _req_name(req: str) -> str:
 def _third_party_imports():
     stdlib = set(sys.stdlib_module_names)
     found = {}
-    for pkg in PACKAGES:
+    for pkg in FOLDERS:
         for path in (ROOT / pkg).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Import):
@@ -363,7 +364,7 @@ def _third_party_imports():
                     continue
                 for n in names:
                     top = n.split(".")[0]
-                    if top not in stdlib and top not in PACKAGES and top != "__future__":
+                    if top not in stdlib and top not in PACKAGES + FOLDERS and top != "__future__":
                         found.setdefault(top, str(path.relative_to(ROOT)))
     return found
 
@@ -451,15 +452,16 @@ def _setup_kwargs(monkeypatch):
 def test_setup_py_ships_serving_licence_and_typed_markers(monkeypatch):
     kw = _setup_kwargs(monkeypatch)
     pkgs = set(kw["packages"])
-    assert {"moe_ep", "eplb", "microbatch", "serving"} <= pkgs
+    assert {"moe_ep", "eplb", "microbatch", "moe_ep_serving"} <= pkgs and "serving" not in pkgs
+    assert kw["package_dir"] == {"moe_ep_serving": "serving"}
     assert not any(p.startswith(("tests", "perf", "scripts")) for p in pkgs)
     assert kw["license"] == "MIT" and (ROOT / "LICENSE").read_text().startswith("MIT License")
     assert "moe-ep authors" in (ROOT / "LICENSE").read_text()
     cls = kw["classifiers"]
     assert any(c.startswith("Programming Language :: Python :: 3.1") for c in cls)
     assert any(c.startswith("Operating System ::") for c in cls) and any(c.startswith("Topic ::") for c in cls)
-    for name in ("moe_ep", "eplb", "microbatch", "serving"):
-        assert kw["package_data"][name] == ["py.typed"] and (ROOT / name / "py.typed").is_file()
+    for name, folder in zip(PACKAGES, FOLDERS):
+        assert kw["package_data"][name] == ["py.typed"] and (ROOT / folder / "py.typed").is_file()
     assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
 
 
@@ -470,6 +472,8 @@ def test_console_scripts_resolve_to_callables(monkeypatch):
     assert set(scripts) == {"moe-ep", "moe-ep-eplb", "moe-ep-serving"}
     for target in scripts.values():
         module, attr = target.split(":")
+        top, _, rest = module.partition(".")
+        module = dict(zip(PACKAGES, FOLDERS))[top] + (f".{rest}" if rest else "")   # this checkout's folder
         assert callable(getattr(importlib.import_module(module), attr)), target
 
 
