@@ -60,7 +60,7 @@ def _slot_mask(num_slots, dead):
 
 
 def _calibrated_timeout(backend, kw, num_slots):
-    """The wait bound from this machine's speed now: every rank times two decode steps of this very workload on a
+    """The wait bound from this machine's speed now: every rank times two (warm) decode steps of this very workload on a
     buffer with a generous bound, and the slowest rank's slowest step times ``STEP_MULTIPLE`` is the bound
     (never under ``MIN_TIMEOUT_S``). The Triton interpreter on a loaded 2-core machine runs a step many times
     slower than on a quiet one; a fixed bound there takes a live rank for a dead one."""
@@ -71,13 +71,13 @@ def _calibrated_timeout(backend, kw, num_slots):
     cal = moe_ep.Buffer(None, low_latency_mode=True, backend=backend, timeout_s=300, explicitly_destroy=True, **kw)
     _, log2phy, logcnt = _placement(num_slots)
     worst = 0.0
-    for step in range(2):
+    for step in range(3):  # the first step warms the interpreter's kernel cache up: not timed
         x, idx, w = _inputs(step, dist.get_rank())
         phy = eplb.map_topk(idx, log2phy, logcnt, "static")
         t0 = time.monotonic()
         recv_x, _, handle, _, _ = cal.low_latency_dispatch(x, phy, T, num_slots, use_fp8=False)
         cal.low_latency_combine(recv_x, phy, w, handle)
-        worst = max(worst, time.monotonic() - t0)
+        worst = max(worst, time.monotonic() - t0) if step else 0.0
     cal.destroy()
     t = torch.tensor([worst], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -141,7 +141,8 @@ def test_kill_rank_mid_decode(backend, num_slots):
     only_copy = {e for e in on_dead if int(logcnt[e]) == 1}
     assert bool(only_copy) == (num_slots == 12)  # the placement is what the case is about
     t0 = time.monotonic()
-    res = launch(_rank, WORLD, backend, num_slots, timeout_s=240, allow_dead=(DEAD,))
+    # the launcher's bound only catches a hang: generous, as a loaded machine runs the interpreter many times slower
+    res = launch(_rank, WORLD, backend, num_slots, timeout_s=900, allow_dead=(DEAD,))
     wall = time.monotonic() - t0
     assert res[DEAD] is None
     live = [r for r in range(WORLD) if r != DEAD]
