@@ -12,6 +12,8 @@
 Importing eplb never touches CUDA.
 """
 
+import logging as _logging
+
 try:
     import numpy as _np  # noqa: F401
     import torch as _torch  # noqa: F401
@@ -28,6 +30,9 @@ from .placement import rebalance_experts  # noqa: E402
 from .recorder import LoadRecorder  # noqa: E402
 
 __version__ = "0.1.0"
+
+# The package's logger ("eplb"; modules log to its children): silent unless the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = ["rebalance_experts", "map_topk", "replan_on_survivors", "LoadRecorder", "balancedness", "gpu_loads",
            "same_gpu_duplicates", "slots_moved"]

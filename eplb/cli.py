@@ -27,6 +27,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from moe_ep.errors import MoEEPError
+
 from . import metrics
 from .io import atomic_write_all, load_placement, load_stats, placement_writer, stats_writer
 from .placement import DEFAULT_HEDGE, POLICIES, rebalance_experts
@@ -37,7 +39,7 @@ __all__ = ["main"]
 LAYER_CHUNK = 8  # layers planned per call (plans are per layer, so chunking changes nothing but the progress bar)
 
 
-class CliError(Exception):
+class CliError(MoEEPError):
     pass
 
 

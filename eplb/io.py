@@ -12,6 +12,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from moe_ep.errors import MoEEPError
+
 from ._checks import check_weight
 
 def _torch_load(path):
@@ -104,7 +106,7 @@ def load_stats(path: str) -> np.ndarray:
         raise ValueError(f"{path}: {exc}") from exc
 
 
-class _PlacementGiven(ValueError):
+class _PlacementGiven(MoEEPError, ValueError):
     pass
 
 

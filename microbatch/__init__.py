@@ -8,6 +8,8 @@
 - :func:`moe_layer_schedule` builds DeepSeek-like prefill and decode schedules (:mod:`microbatch.schedules`).
 """
 
+import logging as _logging
+
 try:
     import torch as _torch  # noqa: F401
 except ModuleNotFoundError:
@@ -22,6 +24,9 @@ from .schedules import moe_layer_schedule  # noqa: E402
 from .split import MicrobatchSplit, split_batch  # noqa: E402
 
 __version__ = "0.1.0"
+
+# The package's logger ("microbatch"; modules log to its children): silent unless the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = ["split_batch", "MicrobatchSplit", "YIELD", "YieldPoint", "stages", "run_single", "run_two_microbatches",
            "Communicator", "LowLatencyCommunicator", "NormalCommunicator", "TorchA2ACommunicator",

@@ -21,6 +21,10 @@ import runpy
 import sys
 import warnings
 
+import logging
+
+_log = logging.getLogger(__name__)
+
 __all__ = ["install", "ALIASES"]
 
 # alias -> (module it resolves to, its submodules DeepGEMM / DeepEP users import directly)
@@ -54,11 +58,13 @@ def install(names=("deep_ep", "deep_gemm"), *, force: bool = False) -> dict:
         target, subs = ALIASES[name]
         real = _real_package(name)
         if real is not None and not force:
+            _log.info("a real %r is installed (%s): used, not aliased", name, real)
             warnings.warn(f"moe_ep.alias: a real {name!r} is installed ({real}); it is used, not aliased "
                           "(install(force=True) aliases anyway)", stacklevel=2)
             out[name] = f"real package at {real} (not aliased)"
             continue
         mod = importlib.import_module(target)
+        _log.info("import %s resolves to %s in this process", name, target)
         mod.__moe_ep_alias__ = True
         sys.modules[name] = mod
         for sub, sub_target in subs.items():

@@ -8,10 +8,15 @@
 Nothing here imports torch or touches a GPU; ``python -m serving --help`` lists the subcommands.
 """
 
+import logging as _logging
+
 import os as _os
 import sys as _sys
 
 __version__ = "0.1.0"
+
+# The package's logger ("serving"; modules log to its children): silent unless the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 try:
     import numpy as _np  # noqa: F401
@@ -22,3 +27,7 @@ except ModuleNotFoundError:  # one line for a program (python -m serving, moe-ep
         print(f"error: {_msg}", file=_sys.stderr)
         raise SystemExit(1) from None
     raise ModuleNotFoundError(_msg, name="numpy") from None
+
+
+class ServingError(Exception):
+    """Base of serving's error classes (``TraceError``, ``SimError``, ``PlanError``; each still a ``ValueError``)."""

@@ -28,10 +28,12 @@ import numpy as np
 
 from .trace import Trace
 
+from . import ServingError
+
 __all__ = ["SimConfig", "SimResult", "SimError", "simulate"]
 
 
-class SimError(ValueError):
+class SimError(ServingError, ValueError):
     """The configuration cannot run the trace (a request that never fits, a deadlock)."""
 
 

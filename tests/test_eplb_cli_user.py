@@ -244,15 +244,15 @@ def test_no_command_shows_usage(tmp_path):
 
 
 def test_readme_eplb_bash_lines_paste():
-    # Every line of the bash blocks in README's eplb section is a command the parser accepts as it
+    # Every line of the bash blocks in the eplb page (docs/eplb.md) is a command the parser accepts as it
     # stands (no usage brackets such as "[--png load.png]") or a comment.
     import re
     import shlex
 
     from eplb.cli import _parser
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text[text.index("### Expert placement (`eplb`)"):]
-    section = section[: section.index("\n### ", 1)]
+    text = open(os.path.join(ROOT, "docs", "eplb.md")).read()
+    section = text[text.index("## Expert placement (`eplb`)"):]
+    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
     lines = [ln for block in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in block.splitlines()]
     commands = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     assert len(commands) >= 3

@@ -21,7 +21,7 @@ from moe_ep.testing import launch
 
 WORLD, DEAD, KILL_STEP, STEPS = 4, 2, 5, 8
 E_LOG, N, T, H, K = 8, 4, 4, 128, 3
-MIN_TIMEOUT_S, STEP_MULTIPLE = 2.0, 10  # the wait bound: 10 x the slowest measured step, never under 2 s
+MIN_TIMEOUT_S, STEP_MULTIPLE = 2.0, 5  # the wait bound: 5 x the slowest measured step, never under 2 s
 
 
 def _placement(num_slots):
