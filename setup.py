@@ -31,9 +31,11 @@ def _cuda_extensions():
 ext_modules, cmdclass = _cuda_extensions()
 
 # The importable top-level packages (each ships a py.typed marker), and the three command lines
-# (tests/test_setup_scripts.py imports each callable).
-TOP_LEVEL = ["moe_ep", "eplb", "microbatch", "serving"]
-PACKAGES = [p for name in TOP_LEVEL for p in (name, name + ".*")]
+# (tests/test_setup_scripts.py imports each callable). The serving/ folder installs as moe_ep_serving (a
+# top-level "serving" would collide with engines' own modules); in the checkout it is also `serving`.
+TOP_LEVEL = ["moe_ep", "eplb", "microbatch", "moe_ep_serving"]
+FOLDER = {"moe_ep_serving": "serving"}
+PACKAGES = [p for name in TOP_LEVEL if name not in FOLDER for p in (name, name + ".*")]
 # setuptools >= 77 writes license="MIT" as an SPDX License-Expression and deprecates the licence classifier
 # (a warning on every build); older ones need the classifier to show the licence on PyPI.
 _ST = tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit())
@@ -41,7 +43,7 @@ LICENSE_CLASSIFIER = [] if _ST >= (77, 0) else ["License :: OSI Approved :: MIT 
 CONSOLE_SCRIPTS = [
     "moe-ep = moe_ep.__main__:main",          # python -m moe_ep (demo)
     "moe-ep-eplb = eplb.cli:main",            # python -m eplb (plan / report / simulate)
-    "moe-ep-serving = serving.__main__:main",  # python -m serving (adp / plan)
+    "moe-ep-serving = moe_ep_serving.__main__:main",  # python -m moe_ep_serving (adp / plan)
 ]
 
 setup(
@@ -69,7 +71,8 @@ setup(
         "Topic :: System :: Distributed Computing",
         "Typing :: Typed",
     ],
-    packages=find_packages(include=PACKAGES),
+    packages=find_packages(include=PACKAGES) + list(FOLDER),
+    package_dir=FOLDER,
     package_data={name: ["py.typed"] for name in TOP_LEVEL},
     entry_points={"console_scripts": CONSOLE_SCRIPTS},
     python_requires=">=3.10",

@@ -6,8 +6,12 @@
 
 Bad input (a corrupt, truncated or garbage file, wrong keys or shapes, NaN or negative counts, an
 option out of range such as ``--gpus 0``, slots not divisible by GPUs, ...) prints one
-``error: ...`` line naming the file or option, exits with status 2 and writes nothing. A command's
-output files are written all or none, each atomically. A closed stdout (``... | head``) ends the
+``error: ...`` line naming the file or option, exits with status 2 and writes nothing; so do a
+missing file or a folder given as input, GPUs that do not divide over nodes, and statistics whose
+shape differs from ``--layers`` / ``--experts`` when given. All-zero loads print a warning. An
+existing output file is replaced only with ``--force``. A command's output files are written all or
+none, each atomically. ``plan`` prints, per layer, the policy its placement follows (groups kept on
+one node, or spread). A closed stdout (``... | head``) ends the
 command quietly with status 141.
 """
 
@@ -23,6 +27,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from moe_ep.errors import MoEEPError
+
 from . import metrics
 from .io import atomic_write_all, load_placement, load_stats, placement_writer, stats_writer
 from .placement import DEFAULT_HEDGE, POLICIES, rebalance_experts
@@ -33,7 +39,7 @@ __all__ = ["main"]
 LAYER_CHUNK = 8  # layers planned per call (plans are per layer, so chunking changes nothing but the progress bar)
 
 
-class CliError(Exception):
+class CliError(MoEEPError):
     pass
 
 
@@ -129,8 +135,9 @@ def _baseline(L: int, E: int, P: int, num_gpus: int) -> Optional[np.ndarray]:
     return np.tile(np.arange(E), (L, 1))
 
 
-def _check_outputs(*opts) -> None:
-    """Output paths usable before any work: (option, path) pairs; None paths are skipped."""
+def _check_outputs(force: bool, *opts) -> None:
+    """Output paths usable before any work: (option, path) pairs; None paths are skipped. An existing file
+    is replaced only with ``--force``."""
     for opt, path in opts:
         if path is None:
             continue
@@ -139,10 +146,70 @@ def _check_outputs(*opts) -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise CliError(f"{opt} {path}: folder {folder} does not exist")
+        if os.path.exists(path) and not force:
+            raise CliError(f"{opt} {path} exists; pass --force to replace it")
+
+
+def _check_shape(stats: np.ndarray, path: str, layers: Optional[int], experts: Optional[int]) -> None:
+    """The statistics' [.., layers, experts] against --layers / --experts, when given."""
+    L, E = stats.shape[-2:]
+    for opt, want, got, what in (("--layers", layers, L, "layers"), ("--experts", experts, E, "experts")):
+        if want is not None and got != want:
+            raise CliError(f"{path} has {got} {what} (shape {list(stats.shape)}), but {opt} {want}")
+
+
+def _warn_zero_loads(stats: np.ndarray, path: str) -> None:
+    """A warning on stderr where loads are all zero: any placement then scores 1.0, which says nothing."""
+    per_layer = stats.reshape(-1, *stats.shape[-2:]).sum(axis=(0, 2))
+    zero = np.flatnonzero(per_layer == 0)
+    if zero.size == per_layer.size:
+        print(f"warning: {path}: every load is zero; the placement is arbitrary and its balancedness (1.0) "
+              "means nothing", file=sys.stderr)
+    elif zero.size:
+        print(f"warning: {path}: {zero.size} of {per_layer.size} layers have zero load (layers "
+              f"{_ranges(zero)}); their placement is arbitrary", file=sys.stderr)
+
+
+def _ranges(idx) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out, idx = [], [int(i) for i in idx]
+    start = prev = idx[0] if idx else None
+    for i in idx[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = i
+    return ", ".join(out)
+
+
+def _policy_per_layer(phy2log: np.ndarray, E: int, requested: str, groups: int, nodes: int, gpus: int) -> str:
+    """Which policy each layer's placement follows, read from the placement itself: "hierarchical" where every
+    expert group sits on one node (group-limited routing stays node-limited), else "global"."""
+    L, P = phy2log.shape
+    if nodes == 1:
+        return f"one node: node locality does not apply ({requested})"
+    if E % groups != 0 or P % nodes != 0:
+        kept = np.zeros(L, dtype=bool)
+    else:
+        node_of_slot = np.arange(P) // (P // nodes)
+        group_of_slot = phy2log // (E // groups)
+        kept = np.array([all(len(set(node_of_slot[group_of_slot[l] == g].tolist())) <= 1 for g in range(groups))
+                         for l in range(L)])
+    parts = []
+    for name, sel in (("hierarchical (each group on one node)", kept), ("global (groups across nodes)", ~kept)):
+        if sel.any():
+            parts.append(f"{name} on {int(sel.sum())} of {L} layers ({_ranges(np.flatnonzero(sel))})")
+    why = ""
+    if groups % nodes != 0:
+        why = f"; --groups {groups} does not divide over --nodes {nodes}, so no layer can keep groups on one node"
+    return f"policy {requested}: " + "; ".join(parts) + why
 
 
 def cmd_plan(a) -> int:
-    _check_outputs(("--output", a.output), ("--pt", a.pt), ("--png", a.png))
+    if a.gpus % a.nodes != 0:
+        raise CliError(f"--gpus {a.gpus} does not divide over --nodes {a.nodes} (GPUs per node must be whole)")
+    _check_outputs(a.force, ("--output", a.output), ("--pt", a.pt), ("--png", a.png))
     if not a.output.lower().endswith((".json", ".pt")):
         raise CliError(f"--output {a.output}: use a .json or .pt file name")
     if a.pt is not None and not a.pt.lower().endswith(".pt"):
@@ -150,6 +217,8 @@ def cmd_plan(a) -> int:
     if a.png is not None and not _have_matplotlib():
         raise CliError("--png needs matplotlib (pip install matplotlib); run without --png for the text report")
     stats = load_stats(a.stats)
+    _check_shape(stats, a.stats, a.layers, a.experts)
+    _warn_zero_loads(stats, a.stats)
     L, E = stats.shape[-2:]
     previous = None
     if a.previous is not None:
@@ -194,13 +263,16 @@ def cmd_plan(a) -> int:
     written = ", ".join(p for p, _ in outputs)
     print(f"eplb plan: {L} layers x {E} experts -> {a.replicas} slots on {a.gpus} GPUs ({a.nodes} nodes, "
           f"{a.groups} groups), policy {a.policy}; written {written}")
+    print(_policy_per_layer(phy2log, E, a.policy, a.groups, a.nodes, a.gpus))
     print("\n".join(lines))
     return 0
 
 
 def cmd_report(a) -> int:
     stats = load_stats(a.stats)
+    _check_shape(stats, a.stats, a.layers, a.experts)
     phy2log, meta = load_placement(a.placement)
+    _warn_zero_loads(stats, a.stats)
     num_gpus = a.gpus if a.gpus is not None else meta.get("num_gpus")
     if num_gpus is None:
         raise CliError(f"{a.placement} does not record num_gpus; pass --gpus")
@@ -208,9 +280,10 @@ def cmd_report(a) -> int:
         raise CliError(f"{a.placement}: recorded num_gpus={num_gpus!r} is not a positive int; pass --gpus")
     L, E = stats.shape[-2:]
     if phy2log.shape[0] != L:
-        raise CliError(f"placement has {phy2log.shape[0]} layers but the statistics have {L}")
+        raise CliError(f"{a.placement} has {phy2log.shape[0]} layers but {a.stats} has {L}")
     if phy2log.min() < 0 or phy2log.max() >= E:
-        raise CliError(f"placement expert ids must be in [0, {E}), got [{phy2log.min()}, {phy2log.max()}]")
+        raise CliError(f"{a.placement} places expert ids {phy2log.min()}..{phy2log.max()}, but {a.stats} has {E} "
+                       f"experts (ids 0..{E - 1}): were they made for the same model?")
     if phy2log.shape[1] % num_gpus != 0:
         raise CliError(f"slots={phy2log.shape[1]} must be divisible by num_gpus={num_gpus}")
     missing = int(sum(E - len(np.unique(row)) for row in phy2log))
@@ -226,7 +299,7 @@ def cmd_simulate(a) -> int:
     for path in (a.output, a.later):
         if path is not None and not path.lower().endswith((".npy", ".pt", ".json")):
             raise CliError(f"{path}: use a .npy, .pt or .json file name ([steps, layers, experts])")
-    _check_outputs(("--output", a.output), ("--later", a.later))
+    _check_outputs(a.force, ("--output", a.output), ("--later", a.later))
     wl = PRESETS[a.preset]
     over = {k: v for k, v in (("num_layers", a.layers), ("num_steps", a.steps), ("tokens_per_step", a.tokens))
             if v is not None}
@@ -278,8 +351,16 @@ def _float_nonneg(text: str) -> float:
 POSITIVE = _int_min(1)
 
 
+def _prog() -> str:
+    arg0 = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return arg0 if arg0.startswith("moe-ep") else "python -m eplb"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m eplb", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from . import __version__
+
+    p = _Parser(prog=_prog(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"eplb (moe-ep) {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{plan,report,simulate}", parser_class=_Parser)
     pl = sub.add_parser("plan", help="plan a placement from statistics ([L, E] or [S, L, E])")
     pl.add_argument("stats", help="statistics file: .npy, .pt, .json or .csv")
@@ -299,11 +380,16 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--pt", default=None, help="also write the placement as .pt")
     pl.add_argument("--png", default=None, help="per-GPU load heat map (needs matplotlib)")
     pl.add_argument("--progress", choices=("auto", "always", "never"), default="auto")
+    pl.add_argument("--force", action="store_true", help="replace output files that exist")
+    pl.add_argument("--layers", type=POSITIVE, default=None, help="expected layers (checked against the statistics)")
+    pl.add_argument("--experts", type=POSITIVE, default=None, help="expected experts (checked against the statistics)")
     pl.set_defaults(fn=cmd_plan)
     rp = sub.add_parser("report", help="score a placement file against statistics")
     rp.add_argument("stats")
     rp.add_argument("placement")
     rp.add_argument("--gpus", type=POSITIVE, default=None, help="GPUs (default: from the placement file)")
+    rp.add_argument("--layers", type=POSITIVE, default=None, help="expected layers (checked against the statistics)")
+    rp.add_argument("--experts", type=POSITIVE, default=None, help="expected experts (checked against the statistics)")
     rp.set_defaults(fn=cmd_report)
     sm = sub.add_parser("simulate", help="write synthetic per-step statistics [S, L, E]")
     sm.add_argument("-o", "--output", required=True)
@@ -314,6 +400,7 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--tokens", type=POSITIVE, default=None, help="tokens per step")
     sm.add_argument("--seed", type=_int_min(0), default=0)
     sm.add_argument("--progress", choices=("auto", "always", "never"), default="auto")
+    sm.add_argument("--force", action="store_true", help="replace output files that exist")
     sm.set_defaults(fn=cmd_simulate)
     return p
 

@@ -12,6 +12,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from moe_ep.errors import MoEEPError
+
 from ._checks import check_weight
 
 def _torch_load(path):
@@ -29,7 +31,7 @@ def _torch_load(path):
         raise ValueError(f"corrupt, truncated or not a weights-only torch.save file: {first}") from exc
 
 
-__all__ = ["load_stats", "save_stats", "stats_writer", "load_placement", "save_placement", "placement_writer",
+__all__ = ["check_input_file", "load_stats", "save_stats", "stats_writer", "load_placement", "save_placement", "placement_writer",
            "atomic_write", "atomic_write_all"]
 
 STATS_SUFFIXES = (".npy", ".pt", ".json", ".csv")
@@ -42,10 +44,22 @@ def _suffix(path: str, allowed: tuple) -> str:
     return ext
 
 
+def check_input_file(path: str, what: str) -> None:
+    """A plain one-line reason when ``path`` is not a file to read: missing (and which folder is missing), or
+    a folder. (OSError subclasses, so callers' ``except OSError`` still holds.)"""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a folder, not a {what} file")
+    if not os.path.exists(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        where = "" if os.path.isdir(folder) else f" (its folder {folder} does not exist either)"
+        raise FileNotFoundError(f"{what} file {path} does not exist{where}")
+
+
 def load_stats(path: str) -> np.ndarray:
     """Statistics `[L, E]` or `[S, L, E]` from .npy, .pt (weights-only: a tensor, a dict with ``counts``,
     or a `LoadRecorder` file, whose per-step window is used), .json (nested lists, or a dict with
     ``counts``) or .csv (one row per layer). Checked (finite, >= 0); returns float64."""
+    check_input_file(path, "statistics")
     ext = _suffix(path, STATS_SUFFIXES)
     try:
         if ext == ".npy":
@@ -92,7 +106,7 @@ def load_stats(path: str) -> np.ndarray:
         raise ValueError(f"{path}: {exc}") from exc
 
 
-class _PlacementGiven(ValueError):
+class _PlacementGiven(MoEEPError, ValueError):
     pass
 
 
@@ -239,6 +253,7 @@ def placement_writer(path: str, phy2log: torch.Tensor, log2phy: torch.Tensor, lo
 
 def load_placement(path: str) -> tuple[np.ndarray, dict]:
     """``phy2log`` `[L, P]` int64 and ``meta`` (may be empty) from a placement file (.json or .pt)."""
+    check_input_file(path, "placement")
     ext = _suffix(path, (".json", ".pt"))
     try:
         if ext == ".pt":

@@ -8,10 +8,25 @@
 - :func:`moe_layer_schedule` builds DeepSeek-like prefill and decode schedules (:mod:`microbatch.schedules`).
 """
 
-from .comm import Communicator, LowLatencyCommunicator, NormalCommunicator, TorchA2ACommunicator
-from .executor import YIELD, YieldPoint, run_single, run_two_microbatches, stages
-from .schedules import moe_layer_schedule
-from .split import MicrobatchSplit, split_batch
+import logging as _logging
+
+try:
+    import torch as _torch  # noqa: F401
+except ModuleNotFoundError:
+    from moe_ep._env import require as _require  # moe_ep stops first, with the same one line
+
+    _require("torch", "numpy")
+    raise
+
+from .comm import Communicator, LowLatencyCommunicator, NormalCommunicator, TorchA2ACommunicator  # noqa: E402
+from .executor import YIELD, YieldPoint, run_single, run_two_microbatches, stages  # noqa: E402
+from .schedules import moe_layer_schedule  # noqa: E402
+from .split import MicrobatchSplit, split_batch  # noqa: E402
+
+__version__ = "0.1.0"
+
+# The package's logger ("microbatch"; modules log to its children): silent unless the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = ["split_batch", "MicrobatchSplit", "YIELD", "YieldPoint", "stages", "run_single", "run_two_microbatches",
            "Communicator", "LowLatencyCommunicator", "NormalCommunicator", "TorchA2ACommunicator",

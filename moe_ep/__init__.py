@@ -3,18 +3,28 @@
 Importing this package never touches CUDA, NCCL or the network.
 """
 
-import torch as _torch
+import logging as _logging
+
+from ._env import require as _require
+
+_require("torch", "numpy")
+
+import torch as _torch  # noqa: E402
 
 from .buffer import Buffer, Config
+from .errors import MoEEPError
 from .events import EventOverlap
 from .sync import CallMismatchError, RankTimeoutError, RemoteRankError
 
 __version__ = "0.1.0"
 
+# The package's logger ("moe_ep"; modules log to its children): silent unless the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
 #: dtype of ``topk_idx`` everywhere (DeepEP's ``deep_ep.topk_idx_t``)
 topk_idx_t = _torch.int64
 
-__all__ = ["Buffer", "CallMismatchError", "Config", "ElasticBuffer", "EPHandle", "EventOverlap", "MoELayer",
+__all__ = ["Buffer", "CallMismatchError", "Config", "ElasticBuffer", "EPHandle", "EventOverlap", "MoEEPError", "MoELayer",
            "RankTimeoutError", "RemoteRankError", "__version__", "topk_idx_t"]
 
 

@@ -5,7 +5,10 @@ file directly, before torch or this package are installed::
 
     python moe_ep/_env.py choose-python     # prints "<kind> <python>", see choose_python()
     python moe_ep/_env.py missing torch numpy ...   # prints the modules that cannot be found
-    python moe_ep/_env.py installed ROOT    # exit 0 when moe_ep, eplb, microbatch and serving import from ROOT
+    python moe_ep/_env.py installed ROOT    # exit 0 when moe_ep, eplb, microbatch and moe_ep_serving import from ROOT
+    python moe_ep/_env.py owner             # prints the checkout this Python imports moe_ep from ("" if none)
+    python moe_ep/_env.py torch-index       # prints "<index url or -> <why>", see torch_index_decision()
+    python moe_ep/_env.py disk DIR ITEM...  # prints what ITEMs take installed and DIR's free space, see disk_check()
     python moe_ep/_env.py build-isolation   # prints "no" when the local setuptools can build an editable install
     python moe_ep/_env.py nvshmem           # prints "install <why>" or "skip <why>", see nvshmem_decision()
 """
@@ -17,7 +20,60 @@ import sys
 import sysconfig
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("moe_ep", "eplb", "microbatch", "serving")
+PACKAGES = ("moe_ep", "eplb", "microbatch", "moe_ep_serving")  # moe_ep_serving: the serving/ folder, installed
+
+
+# --------------------------------------------------------------------------------------------------
+# Third-party modules the packages need (a Python without them: one line, not a traceback)
+
+
+def _run_as_program() -> bool:
+    """This process is ``python -m <ours>`` (argv[0] is "-m" while runpy imports the package) or one of our
+    console scripts (moe-ep, moe-ep-eplb, moe-ep-serving)."""
+    arg0 = sys.argv[0] if sys.argv else ""
+    return arg0 == "-m" or os.path.basename(arg0).startswith("moe-ep")
+
+
+def require(*modules: str) -> None:
+    """Check that ``modules`` can be imported (no import is done). Where some cannot: a program (``python -m``,
+    a console script) prints one line saying how to get them and exits with status 1; an import in someone
+    else's program raises ``ModuleNotFoundError`` with that line."""
+    missing = missing_modules(modules)
+    if not missing:
+        return
+    names = " and ".join(missing)
+    msg = (f"moe-ep needs {names}, which {sys.executable} cannot import: run `bash scripts/setup.sh` in the "
+           "checkout and use the Python it prints (on an externally managed system Python: `. .venv/bin/activate`),"
+           f" or `{os.path.basename(sys.executable)} -m pip install {' '.join(missing)}` (a CPU-only torch: "
+           "--index-url https://download.pytorch.org/whl/cpu)")
+    if _run_as_program():
+        print(f"error: {msg}", file=sys.stderr)
+        raise SystemExit(1)
+    raise ModuleNotFoundError(msg, name=missing[0])
+
+
+def prog(module: str) -> str:
+    """The program name for usage lines: the console script's name when run as one (``moe-ep-eplb``), else
+    ``python -m <module>``."""
+    arg0 = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return arg0 if arg0.startswith("moe-ep") else f"python -m {module}"
+
+
+def write_stdout(text: str) -> int:
+    """Print ``text``; a reader that went away (``... --help | head -1``) ends it quietly: returns 141 (the
+    status a shell gives a tool ended by SIGPIPE) instead of a BrokenPipeError traceback, else 0."""
+    try:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+        return 0
+    except BrokenPipeError:
+        try:  # point stdout at /dev/null so that the interpreter's final flush stays quiet
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,7 +156,8 @@ def missing_modules(names) -> list[str]:
 
 
 def installed_from(root: str) -> bool:
-    """``moe_ep``, ``eplb``, ``microbatch`` and ``serving`` import from ``root`` (editable install of this checkout)."""
+    """``moe_ep``, ``eplb``, ``microbatch`` and ``moe_ep_serving`` (the ``serving/`` folder) import from ``root``
+    (editable install of this checkout)."""
     import importlib.util
 
     root = os.path.realpath(root)
@@ -114,6 +171,67 @@ def installed_from(root: str) -> bool:
         if os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) != root:
             return False
     return True
+
+
+def owner_checkout() -> str:
+    """The folder that this Python's ``import moe_ep`` comes from (its checkout or site folder), "" when none."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("moe_ep")
+    except (ImportError, ValueError):
+        return ""
+    if spec is None or not spec.origin:
+        return ""
+    return os.path.dirname(os.path.dirname(os.path.realpath(spec.origin)))
+
+
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def url_reachable(url: str, timeout: float = 5.0) -> bool:
+    """An HTTP(S) HEAD of ``url`` answers (any status below 500) within ``timeout`` seconds."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout) as r:
+            return r.status < 500
+    except urllib.error.HTTPError as e:
+        return e.code < 500
+    except (OSError, ValueError):
+        return False
+
+
+def torch_index_decision(environ, gpu: bool, cpu_index_reachable) -> tuple[str, str]:
+    """Where scripts/setup.sh takes torch from: ``(index_url, why)``, ``index_url == ""`` meaning pip's
+    configured index.
+
+    ``$TORCH_INDEX_URL`` when set; with a GPU, pip's configured index (on PyPI for Linux that is the CUDA
+    build); without one, the CPU wheel index (~200 MB instead of ~4 GB of CUDA wheels) when it answers, else
+    pip's configured index. ``cpu_index_reachable`` is called only when the answer depends on it; pip set to
+    no index (``PIP_NO_INDEX``) is never probed.
+    """
+    if environ.get("TORCH_INDEX_URL"):
+        return environ["TORCH_INDEX_URL"], "TORCH_INDEX_URL"
+    if gpu:
+        return "", "a GPU is present (nvidia-smi): the configured index's build"
+    if environ.get("PIP_NO_INDEX", "").lower() in ("1", "true", "yes", "on"):
+        return "", "no GPU, but pip is set to use no index (PIP_NO_INDEX)"
+    if cpu_index_reachable():
+        return CPU_TORCH_INDEX, "no GPU: the CPU build"
+    return "", f"no GPU, and {CPU_TORCH_INDEX} does not answer: the configured index's build"
+
+
+# Installed size (MB) of what setup may install, measured on Linux x86_64 with Python 3.11 (torch 2.13.0,
+# triton 3.9.0); with pip's download cache while it runs. The CUDA torch is its nvidia-* wheels too.
+INSTALLED_MB = {"torch-cpu": 900, "torch-cuda": 5500, "triton": 1000, "small": 250, "nvshmem": 600}
+
+
+def disk_check(items, free_mb: float) -> tuple[int, bool]:
+    """``(need_mb, enough)`` for installing ``items`` (keys of :data:`INSTALLED_MB`) with ``free_mb`` free."""
+    need = sum(INSTALLED_MB[i] for i in items)
+    return need, free_mb >= need
 
 
 def local_build_ok() -> bool:
@@ -196,8 +314,26 @@ def _main(argv: list[str]) -> int:
         ok, why = nvshmem_decision(env, platform.system(), platform.machine(), gpu)
         print(("install " if ok else "skip ") + why)
         return 0
-    print(f"usage: {sys.argv[0]} choose-python [CHECKOUT] | missing MODULE... | installed [ROOT] | build-isolation "
-          "| nvshmem", file=sys.stderr)
+    if cmd == "owner":
+        print(owner_checkout())
+        return 0
+    if cmd == "torch-index":
+        gpu = False if os.environ.get("TORCH_INDEX_URL") else gpu_present()
+        url, why = torch_index_decision(os.environ, gpu, lambda: url_reachable(CPU_TORCH_INDEX + "/torch/"))
+        print(url or "-", why)
+        return 0
+    if cmd == "disk" and len(argv) >= 2:
+        import shutil
+
+        target = os.path.abspath(argv[1])
+        while not os.path.exists(target):
+            target = os.path.dirname(target)
+        free = shutil.disk_usage(target).free / 2**20
+        need, ok = disk_check(argv[2:], free)
+        print(f"{'ok' if ok else 'short'} {need} {free:.0f} {target}")
+        return 0
+    print(f"usage: {sys.argv[0]} choose-python [CHECKOUT] | missing MODULE... | installed [ROOT] | owner "
+          "| build-isolation | nvshmem | torch-index | disk DIR ITEM...", file=sys.stderr)
     return 2
 
 

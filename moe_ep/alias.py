@@ -24,10 +24,13 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import logging
 import os
 import runpy
 import sys
 import warnings
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["install", "ALIASES"]
 
@@ -109,11 +112,13 @@ def install(names=("deep_ep", "deep_gemm"), *, force: bool = False) -> dict:
         target, subs = ALIASES[name]
         real = _real_package(name)
         if real is not None and not force:
+            _log.info("a real %r is installed (%s): used, not aliased", name, real)
             warnings.warn(f"moe_ep.alias: a real {name!r} is installed ({real}); it is used, not aliased "
                           "(install(force=True) aliases anyway)", stacklevel=2)
             out[name] = f"real package at {real} (not aliased)"
             continue
         mod = importlib.import_module(target)
+        _log.info("import %s resolves to %s in this process", name, target)
         mod.__moe_ep_alias__ = True
         sys.modules[name] = mod
         _installed.add(name)
@@ -126,13 +131,15 @@ def install(names=("deep_ep", "deep_gemm"), *, force: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
+    from . import __version__
+    from ._env import write_stdout
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        return write_stdout(f"moe-ep {__version__} (moe_ep.alias)")
     if not argv or argv[0] in ("-h", "--help"):
-        try:
-            print(__doc__)
-        except BrokenPipeError:  # `... --help | head`
-            pass
-        return 0 if argv else 2
+        rc = write_stdout("usage: python -m moe_ep.alias [--version] SCRIPT [ARGS...]\n" + __doc__)
+        return rc or (0 if argv else 2)
     import torch
 
     if not torch.cuda.is_available():  # as `python -m moe_ep demo`: the Triton kernels run on the interpreter

@@ -28,6 +28,10 @@ from .buffer_ll import LowLatencyCalls
 from .buffer_v1 import DeepEPV1Calls
 from .events import EventOverlap, run_on_comm_stream
 
+import logging
+
+_log = logging.getLogger(__name__)
+
 __all__ = ["Buffer", "Config"]
 
 BACKENDS = ("auto", "torch", "symm", "nvshmem")
@@ -119,9 +123,13 @@ class Buffer(LowLatencyCalls, DeepEPV1Calls):
         self.timeout_s = float(timeout_s)
         self.enable_shrink = enable_shrink
         self._destroyed = False
-        if backend == "auto":
+        chosen = backend == "auto"
+        if chosen:
             backend = self._choose_backend(low_latency_mode, num_nvl_bytes, num_rdma_bytes, backend_kwargs)
         self.backend_name = backend
+        _log.info("Buffer on rank %d of %d: backend %r (%s), low_latency_mode=%s, num_nvl_bytes=%d, num_rdma_bytes=%d",
+                  self.rank, self.group_size, backend, "chosen by backend='auto'" if chosen else "asked for",
+                  low_latency_mode, num_nvl_bytes, num_rdma_bytes)
         common = dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                       low_latency_mode=low_latency_mode, timeout_s=self.timeout_s)
         if self.backend_name == "torch":

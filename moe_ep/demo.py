@@ -35,8 +35,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_ep demo", description=__doc__,
+def _parser(prog: str = "python -m moe_ep demo") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=_Formatter)
     p.add_argument("--ranks", type=int, default=4, help="number of ranks to start on this machine")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
@@ -238,8 +238,8 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
                 f"GEMMs; use --experts-impl torch for other sizes), got {args.intermediate}")
 
 
-def main(argv=None) -> int:
-    p = _parser()
+def main(argv=None, prog: str = "python -m moe_ep demo") -> int:
+    p = _parser(prog)
     args = p.parse_args(argv)
     _validate(p, args)
     n_gpu = _gpu_count() if args.device != "cpu" else 0

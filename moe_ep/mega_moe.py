@@ -41,6 +41,10 @@ import torch.distributed as dist
 from .fp8 import FP8_DTYPE
 from .symm import SymmBuffer, _align, create_symm_buffer
 
+import logging
+
+_log = logging.getLogger(__name__)
+
 __all__ = ["MegaMoEBuffer", "bf16_mega_moe", "fp8_fp4_mega_moe", "fp8_mega_moe", "get_symm_buffer_for_mega_moe",
            "mega_moe_symm_bytes", "ring_slots", "sm90_cases", "transform_weights_for_mega_moe"]
 
@@ -239,6 +243,7 @@ _warned_phased = False
 
 def _warn_phased_once(reason: str) -> None:
     global _warned_phased
+    _log.info("fp8_mega_moe: %s; running the phased launches instead", reason)
     if not _warned_phased:
         _warned_phased = True
         warnings.warn(f"fp8_mega_moe: {reason}; running the phased launches instead", RuntimeWarning, stacklevel=3)

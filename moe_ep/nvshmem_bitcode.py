@@ -39,6 +39,8 @@ import os
 import re
 from typing import Optional
 
+from .errors import MoEEPError
+
 __all__ = ["WHEEL", "WHEEL_VERSION", "INSTALL_HINT", "NvshmemUnavailableError",
            "search_dirs", "find_device_bitcode", "extern_libs", "launch_options", "MAXNREG",
            "check_triton_link", "check_ibgda_bitcode",
@@ -50,7 +52,7 @@ WHEEL_VERSION = "3.8.0"
 INSTALL_HINT = f"pip install 'moe-ep[nvshmem]' (it pins {WHEEL}=={WHEEL_VERSION})"
 
 
-class NvshmemUnavailableError(RuntimeError):
+class NvshmemUnavailableError(MoEEPError, RuntimeError):
     """NVSHMEM cannot be used here. ``missing`` lists the short names of what failed (``"wheel"``, ``"cuda"``,
     ``"driver"``, ``"torch"``, ``"ibgda"``, ``"host-library"``, ``"triton"``, ``"backend"``); the message says how to
     fix each."""

@@ -36,6 +36,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .errors import MoEEPError
+
 __all__ = ["ArrivalCheck", "CallMismatchError", "RankMaskedWarning", "RankTimeoutError", "RemoteRankError", "host_group"]
 
 _ABANDONED = "!abandoned"  # value a waiting rank puts in a late rank's slot when it gives up
@@ -65,7 +67,7 @@ def host_group(group):
     return dist.new_group(granks, backend="gloo", use_local_synchronization=True)
 
 
-class RankTimeoutError(TimeoutError):
+class RankTimeoutError(MoEEPError, TimeoutError):
     """A collective call timed out; ``missing_ranks`` are group ranks that did not arrive."""
 
     def __init__(self, message: str, missing_ranks: list[int]):
@@ -82,7 +84,7 @@ class RankMaskedWarning(RuntimeWarning):
         self.masked_ranks = masked_ranks
 
 
-class CallMismatchError(ValueError):
+class CallMismatchError(MoEEPError, ValueError):
     """Ranks of the group made different calls (kind or shapes); raised on every rank before any
     payload moves. The message lists each rank's value; ``fields`` names the fields that differ."""
 
@@ -91,7 +93,7 @@ class CallMismatchError(ValueError):
         self.fields = fields
 
 
-class RemoteRankError(RuntimeError):
+class RemoteRankError(MoEEPError, RuntimeError):
     """Another rank refused this call (its own input checks raised); ``failed_ranks`` names it."""
 
     def __init__(self, message: str, failed_ranks: list[int]):

@@ -6,6 +6,7 @@ Bad input gives one ``error:`` line on stderr and exit code 2, with nothing writ
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -17,14 +18,24 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _prog() -> str:
+    arg0 = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if arg0.startswith("moe-ep"):
+        return arg0
+    return f"python -m {__package__ or 'serving'}"   # serving in the checkout, moe_ep_serving installed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m serving", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser = _Parser(prog=_prog(), description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"serving (moe-ep) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{adp,plan}")
     sub.required = True
-    from serving.adp import add_adp_parser
+    from .adp import add_adp_parser
     add_adp_parser(sub)
     try:
-        from serving.cli_plan import add_plan_parser
+        from .cli_plan import add_plan_parser
     except ImportError:
         pass
     else:
@@ -34,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from serving.sim import SimError
-    from serving.trace import TraceError
+    from .sim import SimError
+    from .trace import TraceError
     try:
         return int(args.func(args) or 0)
     except (TraceError, SimError, ValueError, KeyError, OSError) as e:

@@ -209,11 +209,11 @@ SEED_LINEAR = dict(c0=5.5e-3, c_tok=1.1e-4, c_total=5.5e-6)
 def make_cost(kind: str, hardware: str = "H200", num_ranks: int = 8):
     """``"token"``: the seed's token-linear model fitted to its table; ``"roofline"``: ``serving.cost``'s
     first-principles model on a ``serving.hardware`` row."""
-    from serving.cost import CostModel, LinearCost
+    from .cost import CostModel, LinearCost
     if kind == "token":
         return LinearCost(**SEED_LINEAR)
     if kind == "roofline":
-        from serving.hardware import HARDWARE
+        from .hardware import HARDWARE
         if hardware not in HARDWARE:
             raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(sorted(HARDWARE))}")
         return CostModel(HARDWARE[hardware], num_ranks=num_ranks)
@@ -224,7 +224,7 @@ def run_configs(trace, cost, cfg, configs: list[AdpConfig], router: str = "rr", 
                 progress: bool = False, say=None):
     """Simulate each config on the same trace; return ``[(name, metrics, SimResult)]``. ``say(text)``, when
     given, is called before each simulation (the CLI's progress lines)."""
-    from serving.sim import simulate, stderr_progress
+    from .sim import simulate, stderr_progress
     out = []
     for i, c in enumerate(configs):
         if say:
@@ -245,7 +245,7 @@ def pareto_sweep(make_trace, cost, cfg, router: str = "rr", settings=PARETO_SETT
     is the baseline (gate off). Returns ``[(setting, load, metrics)]``. ``say(text)``: progress lines."""
     from dataclasses import replace
 
-    from serving.sim import simulate
+    from .sim import simulate
     rows = []
     for i, load in enumerate(loads):
         c = replace(cfg, concurrency=load)
@@ -432,8 +432,8 @@ def _cmd_adp(args) -> int:
     def say(text: str) -> None:
         print(f"[{time.perf_counter() - t0:5.1f} s] {text}", file=sys.stderr, flush=True)
 
-    from serving.sim import SimConfig
-    from serving.trace import load_trace, synthetic
+    from .sim import SimConfig
+    from .trace import load_trace, synthetic
 
     for name in ("requests", "ranks", "max_batch_size", "max_num_tokens", "concurrency", "max_output"):
         if getattr(args, name) < 1:

@@ -16,8 +16,8 @@ import json
 import math
 import sys
 
-from serving.hardware import HARDWARE
-from serving.plan import MODELS, SLO, Cluster, Knobs, PlanError, Workload, format_plan, plan
+from .hardware import HARDWARE
+from .plan import MODELS, SLO, Cluster, Knobs, PlanError, Workload, format_plan, plan
 
 __all__ = ["add_plan_parser", "build_parser", "run_plan", "main", "PAPER_PANELS"]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.hardware import Hardware
+from .hardware import Hardware
 
 __all__ = ["ModelSpec", "DEEPSEEK_V3", "CostModel", "LinearCost", "a2a_bytes", "expected_ranks_per_token"]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving.hardware import HARDWARE, Hardware
+from .hardware import HARDWARE, Hardware
 
 __all__ = ["KVBalance", "BSBalance", "MixedBalance", "RoundRobin", "make_policy", "dispatch_combine_bytes",
            "DecodeCost", "SimResult", "simulate", "scenario_table"]

@@ -31,28 +31,28 @@ The latency model (SEEDS B.2, eqs. 1-11) and the layout inside an instance are d
 from __future__ import annotations
 
 # Names outside ``__all__`` stay importable from here as before (``x as x`` marks the re-export).
-from serving.plan_latency import _flops_per_token_layer as _flops_per_token_layer
-from serving.plan_latency import _pow2_upto as _pow2_upto
-from serving.plan_latency import _prefill_batch as _prefill_batch
-from serving.plan_latency import _split as _split
-from serving.plan_latency import _stage_time as _stage_time
-from serving.plan_latency import _tpot as _tpot
-from serving.plan_latency import enumerate_configs, rate_colocated, rate_decode, rate_prefill
-from serving.plan_latency import kv_capacity_bytes as kv_capacity_bytes
-from serving.plan_latency import weight_bytes_per_gpu as weight_bytes_per_gpu
-from serving.plan_model import (MODELS, SLO, Cluster, Knobs, ModelSpec, ParallelConfig, PlanError, StageRate,
+from .plan_latency import _flops_per_token_layer as _flops_per_token_layer
+from .plan_latency import _pow2_upto as _pow2_upto
+from .plan_latency import _prefill_batch as _prefill_batch
+from .plan_latency import _split as _split
+from .plan_latency import _stage_time as _stage_time
+from .plan_latency import _tpot as _tpot
+from .plan_latency import enumerate_configs, rate_colocated, rate_decode, rate_prefill
+from .plan_latency import kv_capacity_bytes as kv_capacity_bytes
+from .plan_latency import weight_bytes_per_gpu as weight_bytes_per_gpu
+from .plan_model import (MODELS, SLO, Cluster, Knobs, ModelSpec, ParallelConfig, PlanError, StageRate,
                                 Workload)
-from serving.plan_model import _deepseek_r1 as _deepseek_r1
-from serving.plan_model import _qwen_32b as _qwen_32b
-from serving.plan_search import (PlanResult, best_pair_exhaustive, closest_by_bisect, closest_by_scan, pareto_by_rate,
+from .plan_model import _deepseek_r1 as _deepseek_r1
+from .plan_model import _qwen_32b as _qwen_32b
+from .plan_search import (PlanResult, best_pair_exhaustive, closest_by_bisect, closest_by_scan, pareto_by_rate,
                                  plan, replicate, stage_table)
-from serving.plan_search import SplitRow as SplitRow
-from serving.plan_search import _best_per_size as _best_per_size
-from serving.plan_search import _pool_best as _pool_best
-from serving.plan_search import _split_row as _split_row
-from serving.plan_search import _system_rate as _system_rate
-from serving.plan_search import min_instance_gpus as min_instance_gpus
-from serving.plan_search import validate as validate
+from .plan_search import SplitRow as SplitRow
+from .plan_search import _best_per_size as _best_per_size
+from .plan_search import _pool_best as _pool_best
+from .plan_search import _split_row as _split_row
+from .plan_search import _system_rate as _system_rate
+from .plan_search import min_instance_gpus as min_instance_gpus
+from .plan_search import validate as validate
 
 __all__ = [
     "ModelSpec", "MODELS", "Cluster", "Workload", "SLO", "Knobs", "ParallelConfig", "StageRate",

@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from serving.hardware import Hardware
-from serving.plan_model import SLO, Knobs, ModelSpec, ParallelConfig, StageRate, Workload
+from .hardware import Hardware
+from .plan_model import SLO, Knobs, ModelSpec, ParallelConfig, StageRate, Workload
 
 __all__ = ["enumerate_configs", "weight_bytes_per_gpu", "kv_capacity_bytes", "rate_prefill", "rate_decode",
            "rate_colocated"]

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serving.hardware import Hardware
+from .hardware import Hardware
+
+from . import ServingError
 
 __all__ = ["PlanError", "ModelSpec", "MODELS", "Cluster", "Workload", "SLO", "Knobs", "ParallelConfig", "StageRate"]
 
 
-class PlanError(ValueError):
+class PlanError(ServingError, ValueError):
     """Input the planner cannot serve (bad numbers, model too large, no configuration meets the SLO)."""
 
 

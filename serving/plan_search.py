@@ -14,9 +14,9 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from serving.hardware import Hardware
-from serving.plan_latency import _pow2_upto, enumerate_configs, rate_colocated, rate_decode, rate_prefill
-from serving.plan_model import SLO, Cluster, Knobs, ModelSpec, PlanError, StageRate, Workload
+from .hardware import Hardware
+from .plan_latency import _pow2_upto, enumerate_configs, rate_colocated, rate_decode, rate_prefill
+from .plan_model import SLO, Cluster, Knobs, ModelSpec, PlanError, StageRate, Workload
 
 __all__ = ["min_instance_gpus", "stage_table", "pareto_by_rate", "closest_by_bisect", "closest_by_scan",
            "replicate", "best_pair_exhaustive", "SplitRow", "PlanResult", "validate", "plan"]

@@ -26,12 +26,14 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from serving.trace import Trace
+from .trace import Trace
+
+from . import ServingError
 
 __all__ = ["SimConfig", "SimResult", "SimError", "simulate"]
 
 
-class SimError(ValueError):
+class SimError(ServingError, ValueError):
     """The configuration cannot run the trace (a request that never fits, a deadlock)."""
 
 

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from . import ServingError
+
 __all__ = ["Trace", "TraceError", "synthetic", "load_trace", "PAPER_TRACE"]
 
 
-class TraceError(ValueError):
+class TraceError(ServingError, ValueError):
     """A trace file or trace argument is invalid; the message says what and where."""
 
 

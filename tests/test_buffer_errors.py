@@ -75,11 +75,17 @@ def test_bad_inputs_raise_before_communication():
 def _one_rank_hangs(rank, world):
     import moe_ep
 
+    import torch.distributed as dist
+
     buf = moe_ep.Buffer(None, low_latency_mode=True, backend="torch", timeout_s=2.0)
     inp = make_rank_inputs(rank, 4, 128, 6, 2, seed=5, world_size=world)
+    live = dist.new_group(list(range(world - 1)))  # every rank takes part in making it
     if rank == world - 1:
         time.sleep(6)  # never calls
         return None
+    # the live ranks start the call together: on a loaded machine one of them may otherwise come seconds later and
+    # be named too
+    dist.barrier(group=live)
     t0 = time.monotonic()
     try:
         buf.low_latency_dispatch(inp.x, inp.topk_idx, 4, 6)

@@ -106,14 +106,14 @@ def test_chunk_tokens_clamp_is_the_same_for_both_sizings():
                     None, 256, 8, 4, chunk_tokens=chunk_for(4, T, ct))
 
 def test_readme_prefill_memory_table_is_the_computed_one():
-    """Every row of the README's prefill memory table is what moe_ep.elastic_memory computes (ours fixed, one round,
+    """Every row of the prefill memory table (docs/deepep-v2.md) is what moe_ep.elastic_memory computes (ours fixed, one round,
     whole batch; DeepEP V1 and V2 hints), and the fixed size stays within DeepEP V2's hint at the README's shapes."""
     import pathlib
 
     from moe_ep.elastic_memory import (deepep_v1_buffer_size_hints, deepep_v2_buffer_size_hint,
                                        elastic_memory_per_rank, elastic_num_bytes, prefill_memory_rows)
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "deepep-v2.md").read_text()
     rows = prefill_memory_rows()
     assert len(rows) == 6 and [r for r in rows if r not in readme] == []
     # DeepEP V1's hints with its default configs (hand counts: 10 channels, 8 NVLink peers, 16392 bytes a token)

@@ -41,6 +41,9 @@ def _files(d):
     torch.save({"phy2log": torch.zeros(24, dtype=torch.int64), "meta": {"num_gpus": 8}}, d / "place1d.pt")
     (d / "placekeys.json").write_text(json.dumps({"foo": 1}))
     (d / "placemeta.json").write_text(json.dumps({"phy2log": [[0] * 24] * 2, "meta": {"num_gpus": 0}}))
+    (d / "placement255.json").write_text(json.dumps({"meta": {"num_gpus": 8}, "phy2log": [list(range(24))] * 2}))
+    (d / "folder.npy").mkdir()
+    (d / "exists.json").write_text("{}")
 
 
 # (case id, argv (paths relative to the folder), text the error must contain)
@@ -84,6 +87,19 @@ BAD = [
     ("simulate-tokens-0", ["simulate", "-o", "s.npy", "--tokens", "0"], "argument --tokens"),
     ("simulate-steps-negative", ["simulate", "-o", "s.npy", "--steps", "-2"], "argument --steps"),
     ("simulate-seed-negative", ["simulate", "-o", "s.npy", "--seed", "-1"], "argument --seed"),
+    # Input files that are not there or not files, named plainly (no errno, no "file type").
+    ("missing-stats", ["plan", "missing.npy", *PLAN, "-o", "o.json"], "statistics file missing.npy does not exist"),
+    ("missing-folder", ["report", "good.npy", "gone/p.json"], "placement file gone/p.json does not exist (its folder"),
+    ("folder-as-stats", ["plan", "folder.npy", *PLAN, "-o", "o.json"], "folder.npy is a folder"),
+    # Shapes against --layers / --experts, GPUs over nodes, a placement for another expert count
+    ("plan-experts-mismatch", ["plan", "good.npy", *PLAN, "--experts", "256", "-o", "o.json"],
+     "good.npy has 16 experts"),
+    ("report-layers-mismatch", ["report", "good.npy", "good.json", "--layers", "58"], "good.npy has 2 layers"),
+    ("plan-gpus-over-nodes", ["plan", "good.npy", *PLAN, "--nodes", "3", "-o", "o.json"], "--nodes 3"),
+    ("report-expert-mismatch", ["report", "good.npy", "placement255.json"], "placement255.json places expert ids"),
+    # An existing output is replaced only with --force
+    ("plan-exists", ["plan", "good.npy", *PLAN, "-o", "exists.json"], "exists.json exists; pass --force"),
+    ("simulate-exists", ["simulate", "-o", "good.npy"], "good.npy exists; pass --force"),
     # All outputs or none: the .pt / .png go to a folder that does not exist; the error names it.
     ("plan-pt-unwritable", ["plan", "good.npy", *PLAN, "-o", "o.json", "--pt", "nodir/o.pt"], "nodir/o.pt"),
 ]
@@ -182,6 +198,44 @@ def test_closed_pipe_exits_quietly(tmp_path):
     assert (tmp_path / "o.json").exists()  # the work was done and written
 
 
+def test_report_mismatch_names_both_files(bad_runs):
+    r = bad_runs["report-expert-mismatch"][0]
+    assert "placement255.json" in r.stderr and "good.npy" in r.stderr, r.stderr
+
+
+def test_force_replaces_and_plan_says_the_policy_per_layer(tmp_path):
+    _files(tmp_path)
+    r = _run_in_process(tmp_path, ["plan", "good.npy", *PLAN, "-o", "exists.json", "--force", "--policy", "hierarchical"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "exists.json").read_text())["phy2log"]
+    assert "hierarchical (each group on one node) on 2 of 2 layers (0-1)" in r.stdout, r.stdout
+    r = _run_in_process(tmp_path, ["plan", "good.npy", *PLAN, "-o", "g.json", "--policy", "global"])
+    phy = np.array(json.loads((tmp_path / "g.json").read_text())["phy2log"])
+    # read back from the placement itself: a layer keeps each group (16 experts / 4) on one node (24 slots / 2)
+    kept = [all(len({p // 12 for p in np.flatnonzero(phy[layer] // 4 == g)}) == 1 for g in range(4)) for layer in range(2)]
+    for name, want in (("hierarchical", sum(kept)), ("global", 2 - sum(kept))):
+        if want:
+            assert f"{name} (" in r.stdout and f"on {want} of 2 layers" in r.stdout, r.stdout
+    r = _run_in_process(tmp_path, ["plan", "good.npy", "--replicas", "24", "--gpus", "8", "--nodes", "2", "-o", "one.json"])
+    assert "--groups 1 does not divide over --nodes 2" in r.stdout and "on 2 of 2 layers" in r.stdout, r.stdout
+
+
+def test_all_zero_loads_warn(tmp_path):
+    np.save(tmp_path / "zero.npy", np.zeros((2, 16)))
+    r = _run_in_process(tmp_path, ["plan", "zero.npy", *PLAN, "-o", "z.json"])
+    assert r.returncode == 0 and r.stderr.startswith("warning: zero.npy: every load is zero"), r.stderr
+    w = np.ones((2, 16))
+    w[1] = 0
+    np.save(tmp_path / "onezero.npy", w)
+    r = _run_in_process(tmp_path, ["report", "onezero.npy", "z.json", "--gpus", "8"])
+    assert r.returncode == 0 and "1 of 2 layers have zero load (layers 1)" in r.stderr, r.stderr
+
+
+def test_version():
+    r = _run(ROOT, ["--version"])
+    assert r.returncode == 0 and r.stdout.split()[-1] == __import__("eplb").__version__, r.stdout + r.stderr
+
+
 def test_no_command_shows_usage(tmp_path):
     r = _run(tmp_path, [])
     assert r.returncode == 2 and "usage: python -m eplb" in r.stderr and "{plan,report,simulate}" in r.stderr
@@ -190,15 +244,15 @@ def test_no_command_shows_usage(tmp_path):
 
 
 def test_readme_eplb_bash_lines_paste():
-    # Every line of the bash blocks in README's eplb section is a command the parser accepts as it
+    # Every line of the bash blocks in the eplb page (docs/eplb.md) is a command the parser accepts as it
     # stands (no usage brackets such as "[--png load.png]") or a comment.
     import re
     import shlex
 
     from eplb.cli import _parser
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text[text.index("### Expert placement (`eplb`)"):]
-    section = section[: section.index("\n### ", 1)]
+    text = open(os.path.join(ROOT, "docs", "eplb.md")).read()
+    section = text[text.index("## Expert placement (`eplb`)"):]
+    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
     lines = [ln for block in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in block.splitlines()]
     commands = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     assert len(commands) >= 3

@@ -9,6 +9,7 @@ import ast
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("moe_ep", "eplb", "microbatch", "serving")
+PACKAGES = ("moe_ep", "eplb", "microbatch", "moe_ep_serving")   # as installed
+FOLDERS = ("moe_ep", "eplb", "microbatch", "serving")          # in the checkout (serving/ installs as moe_ep_serving)
 OFFLINE = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "",
            "PIP_EXTRA_INDEX_URL": ""}
 
@@ -167,15 +169,7 @@ def test_setup_on_externally_managed_python_uses_checkout_venv(tmp_path):
     if v.strip() != str(sys.version_info[:2]):
         pytest.skip(f"/usr/bin/python3 is {v.strip()}, the tests run on {sys.version_info[:2]}: cannot lend it "
                     "torch without downloading it (see the network variant below)")
-    # A site folder with the test Python's packages but not its moe-ep install (its editable finder
-    # module has the name the copy's will have).
-    seed = tmp_path / "seed"
-    seed.mkdir()
-    for d in _site_dirs():
-        for entry in os.listdir(d):
-            if entry.startswith(("__editable__",) + PACKAGES) or (seed / entry).exists():
-                continue
-            (seed / entry).symlink_to(os.path.join(d, entry))
+    seed = _seed_site(tmp_path / "seed")
     _check_externally_managed_setup(tmp_path, py, {"PYTHONPATH": str(seed)})
 
 
@@ -194,18 +188,34 @@ def test_setup_on_externally_managed_python_installs_everything(tmp_path):
 # Point 2: re-runs install nothing (and so work offline, in seconds)
 
 
-@pytest.fixture(scope="module")
-def venv_with_packages(tmp_path_factory):
-    """A venv in tmp that sees the packages of the Python running the tests (torch, triton, ...)."""
-    d = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(d)],
+def _seed_site(dest: pathlib.Path, leave_out=()) -> pathlib.Path:
+    """A site folder with the test Python's packages but not any moe-ep install of it (an editable install of
+    another checkout, whose finder module has the name the copy's will have), nor ``leave_out``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for d in _site_dirs():
+        for entry in os.listdir(d):
+            if entry.startswith(("__editable__", "moe_ep-", "moe-ep") + PACKAGES + FOLDERS + tuple(leave_out)) \
+                    or (dest / entry).exists():
+                continue
+            (dest / entry).symlink_to(os.path.join(d, entry))
+    return dest
+
+
+def _plain_venv(d: pathlib.Path, seed: pathlib.Path) -> pathlib.Path:
+    """A venv that sees only ``seed`` (not the system's site folders, which may hold a moe-ep install)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(d)],
                    check=True, env=_clean_env())
     site = subprocess.run([str(d / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    dirs = _site_dirs()
-    pathlib.Path(site, "_parent_site.pth").write_text(
-        "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in dirs) + "\n")
+    pathlib.Path(site, "_parent_site.pth").write_text(f"import site; site.addsitedir({str(seed)!r})\n")
     return d / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def venv_with_packages(tmp_path_factory):
+    """A venv in tmp that sees the packages of the Python running the tests (torch, triton, ...), but not
+    an install of moe-ep that Python may have."""
+    return _plain_venv(tmp_path_factory.mktemp("venv"), _seed_site(tmp_path_factory.mktemp("seed")))
 
 
 def test_setup_rerun_offline_is_quick(tmp_path, venv_with_packages):
@@ -222,6 +232,69 @@ def test_setup_rerun_offline_is_quick(tmp_path, venv_with_packages):
     assert "activate" not in p2.stderr and f"ready: {venv_with_packages}" in p2.stderr
 
 
+def test_setup_never_repoints_another_checkouts_python(tmp_path):
+    """A Python whose ``import moe_ep`` comes from another checkout keeps it; the scripts still run this
+    checkout's code from its folder."""
+    other = tmp_path / "other"
+    (other / "moe_ep").mkdir(parents=True)
+    (other / "moe_ep" / "__init__.py").write_text("")
+    py = _plain_venv(tmp_path / "venv", _seed_site(tmp_path / "seed"))
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    pathlib.Path(site, "other_checkout.pth").write_text(str(other) + "\n")
+    checkout = _copy_checkout(tmp_path / "co")
+    p, _ = _run_setup(checkout, py, OFFLINE)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not _installed_something(p.stderr), p.stderr
+    assert str(other) in p.stderr and "MOE_EP_REPOINT=1" in p.stderr, p.stderr
+    where = "import moe_ep, os; print(os.path.dirname(os.path.dirname(os.path.realpath(moe_ep.__file__))))"
+    elsewhere = subprocess.run([str(py), "-c", where], cwd="/", env=_clean_env(), capture_output=True, text=True)
+    assert elsewhere.stdout.strip() == os.path.realpath(other), elsewhere.stderr
+    here = subprocess.run([str(py), "-c", where], cwd=checkout, env=_clean_env(), capture_output=True, text=True)
+    assert here.stdout.strip() == os.path.realpath(checkout), here.stderr
+
+
+def test_setup_states_the_disk_before_installing(tmp_path):
+    """With something to install, the first thing setup says is what and the disk it takes, against what is
+    free; here the install itself then fails (no index), after that line."""
+    py = _plain_venv(tmp_path / "venv", _seed_site(tmp_path / "seed", leave_out=("hypothesis",)))
+    checkout = _copy_checkout(tmp_path / "co")
+    p, _ = _run_setup(checkout, py, OFFLINE)
+    assert p.returncode != 0, p.stderr
+    lines = p.stderr.splitlines()
+    first_install = next(i for i, ln in enumerate(lines) if ln.startswith("setup: installing "))
+    plan = [ln for ln in lines[:first_install] if "hypothesis" in ln]
+    assert plan, p.stderr
+    need, free = [int(float(t)) for t in re.findall(r"(\d+(?:\.\d+)?) MB", plan[0])][:2]
+    assert need == env_mod.INSTALLED_MB["small"] and free > 0, plan[0]
+
+
+def test_torch_index_follows_the_machine():
+    d = env_mod.torch_index_decision
+    cpu = env_mod.CPU_TORCH_INDEX
+
+    def never():
+        raise AssertionError("probed the CPU index where the answer did not depend on it")
+
+    assert d({"TORCH_INDEX_URL": "http://mirror/x"}, gpu=False, cpu_index_reachable=never)[0] == "http://mirror/x"
+    assert d({}, gpu=True, cpu_index_reachable=never)[0] == ""
+    assert d({}, gpu=False, cpu_index_reachable=lambda: True)[0] == cpu
+    url, why = d({}, gpu=False, cpu_index_reachable=lambda: False)
+    assert url == "" and cpu in why
+    assert d({"PIP_NO_INDEX": "1"}, gpu=False, cpu_index_reachable=never)[0] == ""
+    # as setup.sh asks it
+    p = subprocess.run([sys.executable, str(ROOT / "moe_ep" / "_env.py"), "torch-index"], capture_output=True,
+                       text=True, env=_clean_env(TORCH_INDEX_URL="http://mirror/y"))
+    assert p.stdout.split()[0] == "http://mirror/y", p.stdout + p.stderr
+
+
+def test_disk_check_sums_what_is_installed():
+    need, ok = env_mod.disk_check(["torch-cpu", "triton"], free_mb=10**6)
+    assert need == env_mod.INSTALLED_MB["torch-cpu"] + env_mod.INSTALLED_MB["triton"] and ok
+    assert env_mod.disk_check(["torch-cuda"], free_mb=100) == (env_mod.INSTALLED_MB["torch-cuda"], False)
+    assert env_mod.INSTALLED_MB["torch-cuda"] > 4 * env_mod.INSTALLED_MB["torch-cpu"]
+
+
 def test_missing_and_installed_helpers(tmp_path):
     assert env_mod.missing_modules(["os", "surely_not_a_module_xyz"]) == ["surely_not_a_module_xyz"]
     assert not env_mod.installed_from(str(tmp_path))
@@ -233,13 +306,12 @@ def test_missing_and_installed_helpers(tmp_path):
 
 def test_setup_and_readme_name_the_torch_wheel():
     setup_sh = (ROOT / "scripts" / "setup.sh").read_text()
-    assert "CPU wheel" not in setup_sh           # it never chose one
-    assert "torch==2.13.0" in setup_sh and "CUDA build" in setup_sh
+    assert "moe_ep/_env.py torch-index" in setup_sh          # the index is chosen for the machine
+    assert "torch==2.13.0" in setup_sh
     # every download announced with its rough size
     for what in ("installing torch==2.13.0", "installing triton", "installing $NEED", "installing nvidia-nvshmem"):
         line = next(ln for ln in setup_sh.splitlines() if what in ln and "say " in ln)
-        assert "downloads" in line and (" MB" in line or "$SIZE" in line), line
-    assert "~200 MB" in setup_sh and "~3 GB" in setup_sh
+        assert re.search(r"(~[\d.-]+ [MG]B|\$SIZE)", line), line
     readme = (ROOT / "README.md").read_text()
     quick = readme[readme.index("## Quick start"):readme.index("## API")]
     assert "https://download.pytorch.org/whl/cpu" in quick
@@ -281,7 +353,7 @@ def _req_name(req: str) -> str:
 def _third_party_imports():
     stdlib = set(sys.stdlib_module_names)
     found = {}
-    for pkg in PACKAGES:
+    for pkg in FOLDERS:
         for path in (ROOT / pkg).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Import):
@@ -292,7 +364,7 @@ def _third_party_imports():
                     continue
                 for n in names:
                     top = n.split(".")[0]
-                    if top not in stdlib and top not in PACKAGES and top != "__future__":
+                    if top not in stdlib and top not in PACKAGES + FOLDERS and top != "__future__":
                         found.setdefault(top, str(path.relative_to(ROOT)))
     return found
 
@@ -380,15 +452,16 @@ def _setup_kwargs(monkeypatch):
 def test_setup_py_ships_serving_licence_and_typed_markers(monkeypatch):
     kw = _setup_kwargs(monkeypatch)
     pkgs = set(kw["packages"])
-    assert {"moe_ep", "eplb", "microbatch", "serving"} <= pkgs
+    assert {"moe_ep", "eplb", "microbatch", "moe_ep_serving"} <= pkgs and "serving" not in pkgs
+    assert kw["package_dir"] == {"moe_ep_serving": "serving"}
     assert not any(p.startswith(("tests", "perf", "scripts")) for p in pkgs)
     assert kw["license"] == "MIT" and (ROOT / "LICENSE").read_text().startswith("MIT License")
     assert "moe-ep authors" in (ROOT / "LICENSE").read_text()
     cls = kw["classifiers"]
     assert any(c.startswith("Programming Language :: Python :: 3.1") for c in cls)
     assert any(c.startswith("Operating System ::") for c in cls) and any(c.startswith("Topic ::") for c in cls)
-    for name in ("moe_ep", "eplb", "microbatch", "serving"):
-        assert kw["package_data"][name] == ["py.typed"] and (ROOT / name / "py.typed").is_file()
+    for name, folder in zip(PACKAGES, FOLDERS):
+        assert kw["package_data"][name] == ["py.typed"] and (ROOT / folder / "py.typed").is_file()
     assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
 
 
@@ -399,6 +472,8 @@ def test_console_scripts_resolve_to_callables(monkeypatch):
     assert set(scripts) == {"moe-ep", "moe-ep-eplb", "moe-ep-serving"}
     for target in scripts.values():
         module, attr = target.split(":")
+        top, _, rest = module.partition(".")
+        module = dict(zip(PACKAGES, FOLDERS))[top] + (f".{rest}" if rest else "")   # this checkout's folder
         assert callable(getattr(importlib.import_module(module), attr)), target
 
 

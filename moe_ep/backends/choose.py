@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 __all__ = ["TopologyFacts", "choose_backend", "gather_facts", "warn_not_capturable", "backend_from_env"]
 
-log = logging.getLogger("moe_ep")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +146,8 @@ def warn_not_capturable(facts: TopologyFacts) -> None:
            "Buffer also has a normal-mode buffer (num_nvl_bytes > 0)" if facts.num_nodes > 1 else
            "CUDA peer access between the ranks' devices was not confirmed" if not facts.peer_access else
            "num_rdma_bytes is 0 (size it with Buffer.get_low_latency_rdma_size_hint)")
+    log.info("backend='auto' fell back to 'torch' for a low-latency Buffer on CUDA (not CUDA-graph capturable): %s",
+              why)
     warnings.warn(f"moe_ep.Buffer(backend='auto'): this low-latency Buffer runs on backend 'torch', which synchronises "
                   f"with the host and cannot be captured in a CUDA graph ({why}). For a capturable decode path pass "
                   "backend='symm' (one node, num_rdma_bytes from Buffer.get_low_latency_rdma_size_hint) or "

@@ -22,10 +22,12 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from ..errors import MoEEPError
+
 __all__ = ["launch", "RankFailure"]
 
 
-class RankFailure(RuntimeError):
+class RankFailure(MoEEPError, RuntimeError):
     """One or more ranks of a :func:`launch` raised, died or timed out."""
 
     def __init__(self, message: str, failed_ranks: list[int]):

@@ -40,11 +40,13 @@ import torch
 
 from .. import events
 
+from ..errors import MoEEPError
+
 __all__ = ["StreamChecker", "StreamOrderError", "Violation", "VirtualStream", "VirtualEvent",
            "checked_streams", "active_checker", "launch", "reporting"]
 
 
-class StreamOrderError(AssertionError):
+class StreamOrderError(MoEEPError, AssertionError):
     """Violations found by a :func:`checked_streams` block (strict mode)."""
 
 

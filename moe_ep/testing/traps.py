@@ -23,10 +23,12 @@ import threading
 
 import torch
 
+from ..errors import MoEEPError
+
 __all__ = ["HostReadError", "host_reads_trapped"]
 
 
-class HostReadError(RuntimeError):
+class HostReadError(MoEEPError, RuntimeError):
     """A host read of tensor data happened inside :func:`host_reads_trapped`."""
 
 
