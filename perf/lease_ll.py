@@ -54,8 +54,8 @@ def fit_linear(points) -> dict:
     b = sum((x - mx) * (y - my) for x, y in pts) / sxx
     a = my - b * mx
     res = [y - (a + b * x) for x, y in pts]
-    return {"a": a, "b": b, "residual": math.sqrt(sum(r * r for r in res) / n), "max_residual": max(abs(r) for r in res),
-            "n": n}
+    return {"a": a, "b": b, "residual": math.sqrt(sum(r * r for r in res) / n),
+            "max_residual": max(abs(r) for r in res), "n": n}
 
 
 def _iters() -> int:
@@ -201,8 +201,9 @@ def layer_decode(T, H, LE, K, inter, iters):
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEV)
     idx = torch.stack([torch.randperm(LE, generator=g)[:K] for _ in range(T)]).to(DEV)
     w = torch.rand(T, K, generator=g).to(DEV)
+    dev = torch.device("cuda", torch.cuda.current_device()) if DEV.type == "cuda" else DEV
     buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=True, backend="symm", timeout_s=60,
-                        device=DEV, num_rdma_bytes=SymmBackend.get_low_latency_size_hint(T, H, 1, LE, K))
+                        device=dev, num_rdma_bytes=SymmBackend.get_low_latency_size_hint(T, H, 1, LE, K))
     try:
         layer = MoELayer(buf, weights, LE, mode="decode", num_max_dispatch_tokens_per_rank=T)
         eager_out = layer(x, idx, w)

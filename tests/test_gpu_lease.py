@@ -190,7 +190,8 @@ def test_fit_linear_is_exact_on_a_line_and_least_squares_otherwise():
     f = fit([(2, 1.0), (4, 4.0), (8, 6.0)])
     assert f["b"] == pytest.approx(11 / 14) and f["a"] == pytest.approx(0.0, abs=1e-12)
     res = [y - (f["a"] + f["b"] * x) for x, y in [(2, 1.0), (4, 4.0), (8, 6.0)]]
-    assert sum(res) == pytest.approx(0.0, abs=1e-12) and f["residual"] == pytest.approx((sum(r * r for r in res) / 3) ** 0.5)
+    assert sum(res) == pytest.approx(0.0, abs=1e-12)
+    assert f["residual"] == pytest.approx((sum(r * r for r in res) / 3) ** 0.5)
     assert f["residual"] > 0.5
     for bad in ([(2, 1.0)], [(4, 1.0), (4, 2.0)]):
         with pytest.raises(ValueError):
