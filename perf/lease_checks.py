@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="append one JSON line per case here")
     p.add_argument("--text", help="env: also write the lines here")
     p.add_argument("--shapes", choices=tuple(cases.SHAPES), default="small",
-                   help="checks: this shape set (tiny: the CPU dry run); method, time, ll: tiny or DeepSeek-V3 (any other)")
+                   help="checks: this shape set (tiny: the CPU dry run); method, time, ll: tiny or DeepSeek-V3 "
+                   "(any other)")
     p.add_argument("--stage", help="the stage name written in each row (default: the subcommand's)")
     p.add_argument("--tag", help="appended to each case name (e.g. the sanitizer tool running it)")
     p.add_argument("--iters", type=int, default=10, help="time, ll: timed calls per case")
