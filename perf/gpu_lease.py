@@ -1,6 +1,6 @@
 """The one command for a short GPU lease (``bash perf/gpu_lease.sh``): stages in priority order under one budget.
 
-    bash perf/gpu_lease.sh [--budget SECONDS] [--dry-run] [--only STAGE ...]
+    bash perf/gpu_lease.sh [--budget SECONDS (540)] [--dry-run] [--only STAGE ...]
 
 Each stage is a subprocess with a deadline taken from what is left of the budget (``min(cap, left - reserve)``);
 it writes its rows as it goes and its summary row the moment it ends, so a timeout, a crash or a lost machine
@@ -13,17 +13,27 @@ still leaves every earlier answer. Stages (GPU):
    4096x7168, decode 128x7168), SiLU-and-mul quant 4096x2048 (x2) and ``eplb.map_topk`` (4096x8, 272 slots / 8
    GPUs, static and balanced; the per-rank decode call, 32 tokens) by the method of ``perf/_method.py``, each
    with its copy limit measured by the same method on the same bytes;
-3. ``kernels-small``: compiled kernels against their references (``perf/lease_cases.py``): quant and SiLU quant
+3. ``ll`` (``perf/lease_ll.py``): per-kernel times (``profiler-kernels``) of low-latency dispatch send / receive
+   and combine send / receive at 2, 4 and 8 virtual ranks, each phase's time per rank fitted as ``a + b*R``
+   (least squares: ``a``, ``b`` = the cost of one more peer, the residual), then one decode ``MoELayer`` step
+   (one rank holding 32 experts, T 128) captured in a CUDA graph (``graph-single``) beside its eager call;
+4. ``gemm-gluon`` (``perf/lease_gemm_gluon.py --json gemm_gluon.jsonl --iters 10``): the Gluon FP8 GEMM and the
+   ``tl`` one at the DeepSeek-V3 expert shapes, numerics first (a kernel that fails is not timed, the stage
+   fails), then against ``torch._scaled_mm`` and BF16 ``bmm``; its rows go to ``gemm_gluon.jsonl``;
+5. ``kernels-small``: compiled kernels against their references (``perf/lease_cases.py``): quant and SiLU quant
    (bitwise), grouped GEMMs contiguous and masked, low-latency and normal dispatch / combine and the combine
    formats on virtual ranks (bitwise), the expand gather, ``map_topk``, mega-MoE on a one-rank group;
-4. ``graphs``: the CUDA-graph tests (``pytest -m gpu -k graph``: decode MoELayer, two-microbatch decode,
+6. ``graphs``: the CUDA-graph tests (``pytest -m gpu -k graph``: decode MoELayer, two-microbatch decode,
    symm low-latency virtual ranks, ``map_topk``), every replay equal to eager;
-5. ``gemm-api``: DeepGEMM's dense / grouped / BF16 / psum surface (``perf/_gpu_check_gemm.py``);
-6. ``time`` (``perf/lease_timings.py``): the headline numbers at short iteration counts, each with its limit measured
+7. ``gemm-api``: DeepGEMM's dense / grouped / BF16 / psum surface (``perf/_gpu_check_gemm.py``);
+8. ``time`` (``perf/lease_timings.py``): the headline numbers at short iteration counts, each with its limit measured
    in the same run;
-7. ``kernels-dsv3``: stage 2's cases at DeepSeek-V3 shapes (host references: the slowest stage);
-8. ``sanitizer``: compute-sanitizer memcheck then racecheck on one low-latency case;
-9. ``pytest-gpu``: the rest of ``pytest -m gpu`` (DeepSeek-V3 shapes, NaN/Inf, PDL, NCCL ranks), with what is left.
+9. ``kernels-dsv3``: stage 5's cases at DeepSeek-V3 shapes (host references: the slowest stage);
+10. ``sanitizer``: compute-sanitizer memcheck then racecheck on one low-latency case;
+11. ``pytest-gpu``: the rest of ``pytest -m gpu`` (DeepSeek-V3 shapes, NaN/Inf, PDL, NCCL ranks), with what is left.
+
+The default budget, 540 s, keeps the whole run inside one 10-minute device command; the caps of the stages up
+to ``gemm-gluon`` fit in it (tests/test_gpu_lease.py checks both), the later stages get what is left.
 
 Measured on an H200 with a cold Triton cache (budget 430 s, before the ``method`` stage existed): env 7 s,
 kernels-small 69 s, graphs 49 s, gemm-api 24 s, time 21 s; the DeepSeek-V3 references and the full
@@ -35,12 +45,13 @@ before stays written; 2 for a refusal (no GPU without ``--dry-run``; ``gpu_lease
 without torch / triton).
 
 ``--dry-run`` (a CPU machine): the same machinery into the same files under the Triton interpreter at tiny
-shapes, plus ``compile``: how long the kernels of each stage take to compile ahead of time for sm90 with a
-cold cache (``perf/sm90_report.py --filter``), which is what a cold lease pays before its first row.
+shapes (``ll``: 2 and 4 virtual ranks; ``gemm-gluon`` only prints its shape table: Gluon needs sm90), plus
+``compile``: how long the kernels of each stage take to compile ahead of time for sm90 with a cold cache
+(``perf/sm90_report.py --filter``; no Gluon), which is what a cold lease pays before its first row.
 
 Output: ``$OUT`` when set, else ``perf/out/lease-<UTC time>/``; at most 8 plain files: ``env.txt``,
-``records.jsonl`` (every row), ``summary.md``, ``stages.log`` (each stage's output), ``pytest.log``. The last
-lines printed are the summary table (stage, result, seconds).
+``records.jsonl`` (every row), ``gemm_gluon.jsonl`` (the ``gemm-gluon`` rows), ``summary.md``, ``stages.log``
+(each stage's output), ``pytest.log``. The last lines printed are the summary table (stage, result, seconds).
 """
 
 from __future__ import annotations
@@ -60,13 +71,15 @@ PY = sys.executable  # the Python gpu_lease.sh picked (${PYTHON:-python3}) runs 
 RESERVE_S = 5.0  # kept back for the summary
 MIN_STAGE_S = 15.0  # a stage is not started with less than this left
 MIN_BUDGET_S = 30.0
-FILES = ("env.txt", "records.jsonl", "summary.md", "stages.log", "pytest.log")
+DEFAULT_BUDGET_S = 540.0  # 9 minutes: one 10-minute device command with room for start-up and the summary
+FILES = ("env.txt", "records.jsonl", "summary.md", "stages.log", "pytest.log", "gemm_gluon.jsonl")
 # kernel families each stage compiles (perf/sm90_report.py --filter), for the dry run's compile-time table
 COMPILE_FILTERS = {
     "kernels": ["quant", "grouped_fp8", "_ll_", "_scatter_send", "_gather_recv", "_combine_recv_kernel", "_layout",
                 "_expand_rows", "mega_moe"],
     "graphs": ["_ll_", "quant", "grouped_fp8"],
     "time": ["quant", "grouped_fp8", "_ll_"],
+    "ll": ["_ll_", "quant", "grouped_fp8"],
     "method": ["quant"],
 }
 
@@ -111,6 +124,43 @@ def _ok_lines(rc: int, text: str) -> str:
     return f"{len(ok)}/{len(ok) + len(bad)} ok" + (f"; FAILED: {', '.join(bad)[:300]}" if bad else "")
 
 
+def _gemm_gluon_result(path: str):
+    """perf/lease_gemm_gluon.py's JSON lines: numerics rows (``check``, ``ok``) first, then timed rows (``us``,
+    ``tflops``, ``of_scaled_mm``)."""
+    def parse(rc: int, text: str) -> str:
+        rows = []
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:
+                        pass
+        checks = [r for r in rows if "check" in r]
+        if not checks:
+            return f"no rows (exit {rc})"
+        bad = [f"{r['shape']} {r['kernel']} {r['check']}" for r in checks if not r.get("ok")]
+        timed = [r for r in rows if "us" in r]
+        best = {}
+        for r in timed:
+            if r["kernel"] in ("gluon", "tl") and "of_scaled_mm" in r:
+                best[r["kernel"]] = max(best.get(r["kernel"], 0.0), r["of_scaled_mm"])
+        shapes = len({r["shape"] for r in checks})
+        out = f"{len(checks) - len(bad)}/{len(checks)} checks ok over {shapes} shapes, {len(timed)} timed rows"
+        if best:
+            out += "; best of scaled_mm: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(best.items()))
+        return out + (f"; FAILED: {', '.join(bad)[:300]}" if bad else "")
+    return parse
+
+
+def _gemm_gluon_dry(rc: int, text: str) -> str:
+    """The dry run's gemm-gluon stage: ``lease_gemm_gluon.py --list`` (the shape table) instead of the GPU run."""
+    if rc != 0:
+        return f"exit {rc}"
+    n = max(len(re.findall(r"^[|] \S", text, re.M)) - 1, 0)  # table rows, less the header
+    return f"skipped: the Gluon GEMM compiles for and runs on a CUDA sm90 GPU only (dry run: --list, {n} shapes)"
+
+
 def _sanitizer_result(rc: int, text: str) -> str:
     """One entry per tool run: memcheck's ``ERROR SUMMARY: N errors``, racecheck's ``RACECHECK SUMMARY: N hazards
     displayed (E errors, W warnings)``, plus the cases that failed their check under the tool."""
@@ -127,6 +177,7 @@ def _sanitizer_result(rc: int, text: str) -> str:
 def stages(out: str, dry: bool) -> list[Stage]:
     lc = os.path.join(ROOT, "perf", "lease_checks.py")
     rec = os.path.join(out, "records.jsonl")
+    gemm_json = os.path.join(out, "gemm_gluon.jsonl")
     if dry:
         interp = {"TRITON_INTERPRET": "1"}
         return [
@@ -134,6 +185,10 @@ def stages(out: str, dry: bool) -> list[Stage]:
                   parse=lambda rc, t: "written" if rc == 0 else f"exit {rc}"),
             Stage("method", 120, _lease_checks("method", out, "--shapes", "tiny"), env=interp,
                   parse=_rows_result(out, "method")),
+            Stage("ll", 150, _lease_checks("ll", out, "--shapes", "tiny"), env=interp, parse=_rows_result(out, "ll")),
+            # Gluon compiles for sm90 only and needs the GPU to run: the dry run checks the script and its shape table
+            Stage("gemm-gluon", 30, [PY, os.path.join(ROOT, "perf", "lease_gemm_gluon.py"), "--list"],
+                  parse=_gemm_gluon_dry),
             Stage("kernels-tiny", 120, _lease_checks("checks", out, "--shapes", "tiny"), env=interp,
                   parse=_rows_result(out, "checks")),
             Stage("graphs", 60, _pytest("-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")),
@@ -154,9 +209,12 @@ def stages(out: str, dry: bool) -> list[Stage]:
         san += ["compute-sanitizer", "--tool", tool, "--error-exitcode", "0", "--print-limit", "20",
                 PY, lc, "checks", "--shapes", "small", "--only", "ll fp8", "--json", rec, "--tag", tool, ";"]
     return [
-        Stage("env", 60, _lease_checks("env", out, "--text", os.path.join(out, "env.txt")),
+        Stage("env", 30, _lease_checks("env", out, "--text", os.path.join(out, "env.txt")),
               parse=lambda rc, t: "written" if rc == 0 else f"exit {rc}"),
-        Stage("method", 150, _lease_checks("method", out, "--shapes", "dsv3"), parse=_rows_result(out, "method")),
+        Stage("method", 120, _lease_checks("method", out, "--shapes", "dsv3"), parse=_rows_result(out, "method")),
+        Stage("ll", 140, _lease_checks("ll", out, "--shapes", "dsv3", "--iters", "10"), parse=_rows_result(out, "ll")),
+        Stage("gemm-gluon", 240, [PY, os.path.join(ROOT, "perf", "lease_gemm_gluon.py"), "--json", gemm_json,
+                                  "--iters", "10"], parse=_gemm_gluon_result(gemm_json)),
         Stage("kernels-small", 150, _lease_checks("checks", out, "--shapes", "small"), parse=_rows_result(out, "checks")),
         Stage("graphs", 120, _pytest("-m", "gpu", "-k", "graph", os.path.join(ROOT, "tests")), log="pytest.log",
               parse=_pytest_result),
@@ -300,7 +358,7 @@ def compile_times(rec: str) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gpu_lease.sh", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--budget", type=float, default=420.0, help="seconds for every stage together")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for every stage together")
     p.add_argument("--dry-run", action="store_true", help="CPU: the same machinery, interpreter, tiny shapes")
     p.add_argument("--only", nargs="*", help="run only these stages (env always runs)")
     p.add_argument("--compile-times", metavar="RECORDS", help=argparse.SUPPRESS)

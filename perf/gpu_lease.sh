@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command for a short GPU lease: every stage in priority order under one budget (default 420 s),
+# The one command for a short GPU lease: every stage in priority order under one budget (default 540 s),
 # each stage's result written the moment it ends; output in $OUT or perf/out/lease-<UTC time>/ (at most 8
 # files). Uses the python3 it finds ($PYTHON overrides) and installs nothing.
 #

@@ -4,6 +4,7 @@
     python perf/lease_checks.py checks --json R [--shapes S]   # compiled kernels against their references
     python perf/lease_checks.py method --json R [--shapes S]   # the method split, then quant / map_topk
     python perf/lease_checks.py time   --json R [--shapes S]   # headline numbers, each with its limit
+    python perf/lease_checks.py ll     --json R [--shapes S]   # low-latency kernels per peer (a + b*R), decode layer
 
 Every case is one JSON line in ``R`` (appended and flushed as soon as it ends, so a timeout keeps every
 earlier row): ``{"stage", "case", "ok", "seconds", "detail", ...}``. A failing or crashing case is a row
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common  # noqa: E402
 import lease_cases as cases  # noqa: E402
+import lease_ll  # noqa: E402
 import lease_method  # noqa: E402
 import lease_timings  # noqa: E402
 
@@ -152,6 +154,15 @@ def timings(args) -> int:
     return 1 if sink.failed else 0
 
 
+def low_latency(args) -> int:
+    sink = Sink(args.json, args.stage or "ll")
+    for name, fn, kw in lease_ll.ll_cases(args.shapes, args.iters):
+        if args.only and not any(o in name for o in args.only):
+            continue
+        sink.run(name, fn, **kw)
+    return 1 if sink.failed else 0
+
+
 def method(args) -> int:
     sink = Sink(args.json, args.stage or "method")
     for name, fn, kw in lease_method.method_cases(args.shapes):
@@ -163,14 +174,15 @@ def method(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("env", "checks", "method", "time"))
+    p.add_argument("what", choices=("env", "checks", "method", "time", "ll"))
     p.add_argument("--json", help="append one JSON line per case here")
     p.add_argument("--text", help="env: also write the lines here")
     p.add_argument("--shapes", choices=tuple(cases.SHAPES), default="small",
-                   help="checks: this shape set (tiny: the CPU dry run); method, time: tiny or DeepSeek-V3 (any other)")
+                   help="checks: this shape set (tiny: the CPU dry run); method, time, ll: tiny or DeepSeek-V3 "
+                   "(any other)")
     p.add_argument("--stage", help="the stage name written in each row (default: the subcommand's)")
     p.add_argument("--tag", help="appended to each case name (e.g. the sanitizer tool running it)")
-    p.add_argument("--iters", type=int, default=10, help="time: timed calls per case")
+    p.add_argument("--iters", type=int, default=10, help="time, ll: timed calls per case")
     p.add_argument("--only", nargs="*", help="only cases whose name contains one of these")
     args = p.parse_args(argv)
     if args.what != "env" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -180,7 +192,7 @@ def main(argv=None) -> int:
             print("lease_checks.py: error: no CUDA device; set TRITON_INTERPRET=1 and pass --tiny for the CPU run",
                   file=sys.stderr)
             return 2
-    return {"env": env, "checks": checks, "method": method, "time": timings}[args.what](args)
+    return {"env": env, "checks": checks, "method": method, "time": timings, "ll": low_latency}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -171,3 +171,112 @@ def test_result_parsers_read_what_the_tools_print():
     assert kit._ok_lines(1, "OK   a\nFAIL b x\n") == "1/2 ok; FAILED: b x"
     py = "FAILED tests/t.py::test_a - AssertionError\n1 failed, 3 passed in 2.0s\n"
     assert kit._pytest_result(1, py) == "1 failed, 3 passed in 2.0s; FAILED: tests/t.py::test_a"
+
+
+def _ll():
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    import lease_ll
+
+    return lease_ll
+
+
+def test_fit_linear_is_exact_on_a_line_and_least_squares_otherwise():
+    fit = _ll().fit_linear
+    f = fit([(r, 3.25 + 0.75 * r) for r in (2, 4, 8)])
+    assert f["a"] == pytest.approx(3.25, abs=1e-12) and f["b"] == pytest.approx(0.75, abs=1e-12)
+    assert f["residual"] == pytest.approx(0.0, abs=1e-12) and f["max_residual"] < 1e-12 and f["n"] == 3
+    # off the line: (2, 1), (4, 4), (8, 6) by hand: mean x 14/3, mean y 11/3, Sxx 168/9, Sxy 132/9, so b = 11/14
+    # and a = 11/3 - b * 14/3 = 0
+    f = fit([(2, 1.0), (4, 4.0), (8, 6.0)])
+    assert f["b"] == pytest.approx(11 / 14) and f["a"] == pytest.approx(0.0, abs=1e-12)
+    res = [y - (f["a"] + f["b"] * x) for x, y in [(2, 1.0), (4, 4.0), (8, 6.0)]]
+    assert sum(res) == pytest.approx(0.0, abs=1e-12)
+    assert f["residual"] == pytest.approx((sum(r * r for r in res) / 3) ** 0.5)
+    assert f["residual"] > 0.5
+    for bad in ([(2, 1.0)], [(4, 1.0), (4, 2.0)]):
+        with pytest.raises(ValueError):
+            fit(bad)
+
+
+def test_ll_fit_rows_per_phase_and_kernel():
+    ll = _ll()
+    # per virtual rank: a send kernel of 5 + 2 R us, a fill of 1 us (no R term) seen at every R, one seen once
+    box = {r: {p: {"send_kernel": 5.0 + 2.0 * r, "fill": 1.0} for p in ll.PHASES} for r in (2, 4, 8)}
+    box[8]["dispatch send"]["only_at_8"] = 9.0
+    row = ll.ll_fit("dispatch send", box)
+    assert row["ok"] and row["method"] in ("profiler-kernels", "cpu-wall")
+    assert row["points"] == [[2, 10.0], [4, 14.0], [8, 31.0]]
+    assert set(row["kernels"]) == {"send_kernel", "fill"}  # a kernel not seen at every R is not fitted
+    assert row["kernels"]["send_kernel"] == {"a_us": 5.0, "b_us": 2.0, "residual_us": 0.0}
+    assert row["kernels"]["fill"] == {"a_us": 1.0, "b_us": 0.0, "residual_us": 0.0}
+    assert row["residual_us"] > 0  # the total is off the line by the kernel seen only at EP8
+    exact = ll.ll_fit("combine recv", box)
+    assert (exact["a_us"], exact["b_us"], exact["residual_us"]) == (6.0, 2.0, 0.0)
+    assert not ll.ll_fit("combine recv", {2: box[2]})["ok"]
+
+
+def test_plan_order_and_caps_fit_one_device_command(tmp_path):
+    kit = _kit()
+    first = ["env", "method", "ll", "gemm-gluon"]
+    for dry in (False, True):
+        names = [st.name for st in kit.stages(str(tmp_path), dry)]
+        assert names[:4] == first, names
+        assert len(names) == len(set(names))
+    plan = kit.stages(str(tmp_path), False)
+    assert [st.name for st in plan] == first + ["kernels-small", "graphs", "gemm-api", "time", "kernels-dsv3",
+                                                "sanitizer", "pytest-gpu"]
+    # the default budget bounds the whole run (every deadline is min(cap, what is left)): 9 minutes, so one
+    # 10-minute device command holds it; the priority stages' caps fit in it together
+    assert kit.DEFAULT_BUDGET_S <= 540
+    assert sum(st.cap_s for st in plan[:4]) <= kit.DEFAULT_BUDGET_S - kit.RESERVE_S
+    gemm = plan[3]
+    assert gemm.cap_s == 240 and "--json" in gemm.cmd and gemm.cmd[gemm.cmd.index("--json") + 1] == \
+        str(tmp_path / "gemm_gluon.jsonl") and gemm.cmd[gemm.cmd.index("--iters") + 1] == "10"
+    assert "gemm_gluon.jsonl" in kit.FILES and len(kit.FILES) <= 8
+    dry_gemm = kit.stages(str(tmp_path), True)[3]
+    assert "--list" in dry_gemm.cmd and "--json" not in dry_gemm.cmd  # no Gluon compile on a CPU
+    assert not any("gluon" in f for fs in kit.COMPILE_FILTERS.values() for f in fs)
+
+
+def test_gemm_gluon_parsers(tmp_path):
+    kit = _kit()
+    path = tmp_path / "gemm_gluon.jsonl"
+    rows = [{"shape": "m", "kernel": "gluon", "check": "reference", "ok": True},
+            {"shape": "m", "kernel": "tl", "check": "reference", "ok": False},
+            {"shape": "c", "kernel": "gluon", "check": "psum == m_indices bitwise", "ok": True},
+            {"shape": "m", "kernel": "gluon", "us": 10.0, "tflops": 700.0, "of_scaled_mm": 0.5},
+            {"shape": "c", "kernel": "gluon", "us": 10.0, "tflops": 800.0, "of_scaled_mm": 0.61},
+            {"shape": "m", "kernel": "bf16 bmm", "us": 20.0, "tflops": 350.0, "of_scaled_mm": 0.25}]
+    parse = kit._gemm_gluon_result(str(path))
+    assert parse(2, "error") == "no rows (exit 2)"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{cut")
+    assert parse(1, "") == ("2/3 checks ok over 2 shapes, 3 timed rows; best of scaled_mm: gluon 0.61; "
+                            "FAILED: m tl reference")
+    listed = subprocess.run([sys.executable, "perf/lease_gemm_gluon.py", "--list"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert listed.returncode == 0
+    n = len(listed.stdout.strip().splitlines()) - 2
+    assert kit._gemm_gluon_dry(0, listed.stdout).endswith(f"(dry run: --list, {n} shapes)") and n >= 8
+    assert kit._gemm_gluon_dry(2, "") == "exit 2"
+
+
+def test_dry_run_ll_and_gemm_stages(tmp_path):
+    out = tmp_path / "lease"
+    env = {**os.environ, "OUT": str(out), "TRITON_INTERPRET": "1", "PYTHON": sys.executable}
+    p = subprocess.run(["bash", "perf/gpu_lease.sh", "--dry-run", "--only", "ll", "gemm-gluon"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-2000:]
+    tail = p.stdout.strip().splitlines()
+    assert tail[-2].startswith("| ll | 7/7 ok"), tail[-3:]
+    assert tail[-1].startswith("| gemm-gluon | skipped: the Gluon GEMM") and "8 shapes" in tail[-1], tail[-1]
+    rows = [json.loads(ln) for ln in (out / "records.jsonl").read_text().splitlines()]
+    ll = [r for r in rows if r["stage"] == "ll"]
+    assert [r["case"].split()[:2] for r in ll] == [["ll", "EP2"], ["ll", "EP4"]] + [["ll", "fit"]] * 4 + \
+        [["layer", "decode"]]
+    assert all(r["method"] == "cpu-wall" for r in ll)
+    assert [r["world"] for r in ll[:2]] == [2, 4]
+    assert all(set(r["per_rank_us"]) == set(_ll().PHASES) for r in ll[:2])
+    assert all({"a_us", "b_us", "residual_us", "points", "kernels"} <= set(r) for r in ll[2:6])
+    assert [pt[0] for pt in ll[2]["points"]] == [2, 4]
+    assert "bitwise" in ll[6]["detail"] and "eager_us" in ll[6]
+    assert not (out / "gemm_gluon.jsonl").exists()
