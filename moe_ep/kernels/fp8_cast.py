@@ -1,9 +1,24 @@
 """Triton device helpers for the FP8 (e4m3fn) numerics shared by every quantizing kernel.
 
-Every kernel that quantizes calls :func:`group_scale` and :func:`e4m3_byte` (or :func:`e4m3_bits`)
-so that the compiled kernels, the Triton interpreter and :mod:`moe_ep.fp8` agree bitwise. Divide
-``x / scale`` with ``tl.math.div_rn``: a plain float32 ``/`` compiles to ``div.full.f32``, which is
-not correctly rounded.
+Every kernel that quantizes calls :func:`group_scale`, :func:`div_by_scale` and :func:`e4m3_byte` (or
+:func:`e4m3_bits`) so that the compiled kernels, the Triton interpreter and :mod:`moe_ep.fp8` agree
+bitwise; the low-latency dispatch send calls :func:`ll_group_scales` instead (DeepEP's cast, see
+:func:`moe_ep.fp8.ll_dispatch_quant_ref`). Never write a float32 ``/``: compiled Triton lowers it to
+``div.full.f32``, which is not correctly rounded.
+
+``x / scale`` is correctly rounded (IEEE ``div.rn``) without a division per element:
+:func:`div_by_scale` takes one IEEE reciprocal per group, ``r = 1 / s``, and per element
+``q0 = x * r; rem = fma(-s, q0, x); q = fma(rem, r, q0)`` (Markstein's correction; the remainder is
+formed negated so that ``x = -0`` gives ``-0``). With ``r``
+correctly rounded, ``q0`` is within an ulp of ``x / s``, ``rem`` is exact and ``q`` is the correctly
+rounded quotient, as long as ``r`` is normal and nothing underflows: the quant's scales lie in
+``[1e-4 / 448, FLT_MAX / 448]`` and ``|q| <= 448``. A subnormal ``x`` (whose remainder underflows) may
+get a quotient some ulps off ``div.rn``'s, below ``2^-104`` at these scales: the same e4m3 byte (a signed
+zero) either way.
+An infinite scale (an infinite ``x`` in the group) gives ``r = 0``, a zero scale ``r = inf``: ``q0`` is
+the IEEE quotient there (``+-0`` / ``+-inf``, NaN for ``inf / inf`` and ``0 / 0``), selected per group;
+a NaN scale gives NaN as IEEE does. (A finite scale never meets an infinite ``x``: that ``x`` is its
+group's amax.)
 
 NOTES: the interpreter's own ``float32 -> tl.float8e4nv`` cast is wrong (ties, large values and
 subnormals), so under the interpreter (and wherever :func:`native_e4m3_supported` says no) kernels
@@ -24,6 +39,25 @@ import triton.language as tl
 # (``FP8_MAX: tl.constexpr = 448.0``) runs in the interpreter but fails to compile.
 FP8_MAX = tl.constexpr(448.0)
 AMAX_MIN = tl.constexpr(1e-4)
+# float32(1) / float32(448), correctly rounded in float32 (C's ``1 / 448.0f``); exactly representable in a double.
+FP8_MAX_INV = tl.constexpr(float.fromhex("0x1.24924ap-9"))
+
+
+def _fma_rounds_once() -> bool:
+    """Whether ``tl.fma`` rounds once where these kernels run: always compiled (``fma.rn.f32``); in the
+    interpreter only from the Triton that ships a float32 fma in it (older ones multiply, then add)."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return True
+    try:
+        from triton._C.libtriton import interpreter
+    except ImportError:
+        return False
+    return hasattr(interpreter, "fma_fp32")
+
+
+# NOTES: where tl.fma rounds twice, the correction is not exact: div_by_scale divides per element there
+# (the interpreter only, where a division costs what a multiply does).
+EXACT_FMA = tl.constexpr(_fma_rounds_once())
 
 
 @triton.jit
@@ -49,6 +83,60 @@ def group_scale(amax, ROUND_SCALE: tl.constexpr):
     if ROUND_SCALE:
         scale = ceil_pow2(scale)
     return scale
+
+
+@triton.jit
+def div_by_scale(y, scale):
+    """``y / scale`` correctly rounded (the bits of ``tl.math.div_rn(y, scale)``) for float32 ``y``
+    `[BT, G, GROUP]` and its groups' ``scale`` `[BT, G]` (a quant scale: see the module notes), at one IEEE
+    division per group and three float32 operations per element."""
+    if not EXACT_FMA:
+        return tl.math.div_rn(y, scale[:, :, None])
+    r = tl.math.div_rn(1.0, scale)[:, :, None]
+    s = scale[:, :, None]
+    q0 = y * r
+    # NOTES: the remainder is formed negated, s * q0 - y, so that y = +-0 keeps its sign (q0 + (-rem) * r
+    # is then -0 + -0 for y = -0; the textbook y - s * q0 gives +0 + -0 = +0). The negations are free
+    # (FFMA operand modifiers).
+    nrem = tl.fma(s, q0, -y)  # exact: q0 is within an ulp of y / s
+    q = tl.fma(-nrem, r, q0)  # the correctly rounded quotient
+    # NOTES: s = inf gives r = 0 and s = 0 gives r = inf, and rem = NaN; q0 is then IEEE's quotient
+    # (y / inf = +-0, NaN for +-inf; y / 0 = +-inf, NaN for 0). Tested per group, not per element.
+    finite = ((scale > 0.0) & (scale < float("inf")))[:, :, None]
+    return tl.where(finite, q, q0)
+
+
+@triton.jit
+def div_by_scale_approx(y, scale):
+    """``y * (1 / scale)``: one rounding more than :func:`div_by_scale` (1 ulp off ``y / scale`` for
+    some values, as sgl-kernel's and vLLM's quant kernels are). Only for measuring the price of the
+    exact quotient; no shipped path uses it."""
+    return y * tl.math.div_rn(1.0, scale)[:, :, None]
+
+
+@triton.jit
+def ll_group_scales(y, ROUND_SCALE: tl.constexpr):
+    """DeepEP's low-latency dispatch cast of float32 groups ``y`` `[BT, G, GROUP]`: returns
+    ``(v, scale_inv)`` with ``v`` the values to cast to e4m3 (saturating) and ``scale_inv`` `[BT, G]`
+    the scale the receiver multiplies by (:func:`moe_ep.fp8.ll_dispatch_quant_ref`).
+
+    ``amax = max(1e-4, max|y|)`` ignoring NaN (``fmaxf``); without ``ROUND_SCALE``
+    ``scale_inv = amax * fl(1/448)`` and ``v = y * (448 / amax)``; with it ``e = ceil(log2(amax * fl(1/448)))``
+    read off the float's bits, ``scale_inv = 2^e`` and ``v = y * 2^-e`` (both built from bits).
+    """
+    abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    abs_bits = tl.where(abs_bits > 0x7F800000, 0, abs_bits)  # fmaxf drops NaN
+    amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)
+    amax = tl.where(amax < AMAX_MIN, AMAX_MIN, amax)
+    if ROUND_SCALE:
+        bits = (amax * FP8_MAX_INV).to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        scale_inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    else:
+        scale_inv = amax * FP8_MAX_INV
+        scale = tl.math.div_rn(FP8_MAX, amax)
+    return y * scale[:, :, None], scale_inv
 
 
 @triton.jit

@@ -13,7 +13,8 @@ the consumer reads:
 
 Numerics come from :mod:`moe_ep.kernels.fp8_cast` (shared with every quantizing kernel) and equal
 ``moe_ep.fp8.per_token_group_quant_fp8_ref`` bitwise: float32 amax (NaN propagates), IEEE division
-for the scale and for ``x / scale`` (a multiply by the exact reciprocal for power-of-two scales),
+for the scale and IEEE ``x / scale`` (one reciprocal per group and a two-FMA correction,
+:func:`moe_ep.kernels.fp8_cast.div_by_scale`; a multiply by the exact reciprocal for power-of-two scales),
 round-to-nearest-even onto the e4m3 grid (hardware cvt on sm90+, integer arithmetic elsewhere).
 
 Masked 3D input: rows at or past ``masked_m[l]`` (clamped to [0, T]) are neither loaded nor stored,
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_cast import e4m3_byte, group_scale, native_e4m3_supported
+from .fp8_cast import div_by_scale, e4m3_byte, group_scale, native_e4m3_supported
 from .pdl import INTERPRET, pdl_launch_kwargs
 
 __all__ = ["KEEP_PADDING", "MASK_ROWS", "ZERO_MASKED_SCALES", "choose_config", "launch_per_token_group_quant",
@@ -70,7 +71,7 @@ def quantize_tile(
         # division at one multiply per value.
         q = y * tl.math.div_rn(1.0, scale)[:, :, None]
     else:
-        q = tl.math.div_rn(y, scale[:, :, None])
+        q = div_by_scale(y, scale)  # IEEE y / scale, one division per group
     byte = e4m3_byte(q, NATIVE_FP8)
 
     # Step 2: FP8 bytes. Column index k = g * GROUP_SIZE + c; with transpose_out stride_qt is 1.
