@@ -47,8 +47,9 @@ def _markstein(y: np.ndarray, s: np.ndarray) -> np.ndarray:
     with np.errstate(all="ignore"):
         r = F32(1) / s
         q0 = y * r
-        nrem = _fma32(s, q0, -y)
-        q = _fma32(-nrem, r, q0)
+        rem = _fma32(-s, q0, y)
+        q = _fma32(rem, r, q0)
+        q = (q.view(np.int32) | (q0.view(np.int32) & np.int32(-(2**31)))).view(F32)
     return np.where((s > 0) & (s < np.inf), q, q0)
 
 

@@ -8,8 +8,8 @@ bitwise; the low-latency dispatch send calls :func:`ll_group_scales` instead (De
 
 ``x / scale`` is correctly rounded (IEEE ``div.rn``) without a division per element:
 :func:`div_by_scale` takes one IEEE reciprocal per group, ``r = 1 / s``, and per element
-``q0 = x * r; rem = fma(-s, q0, x); q = fma(rem, r, q0)`` (Markstein's correction; the remainder is
-formed negated so that ``x = -0`` gives ``-0``). With ``r``
+``q0 = x * r; rem = fma(-s, q0, x); q = fma(rem, r, q0)`` (Markstein's correction), then ``q0``'s sign
+bit ORed into ``q`` so that ``x = -0`` gives ``-0``. With ``r``
 correctly rounded, ``q0`` is within an ulp of ``x / s``, ``rem`` is exact and ``q`` is the correctly
 rounded quotient, as long as ``r`` is normal and nothing underflows: the quant's scales lie in
 ``[1e-4 / 448, FLT_MAX / 448]`` and ``|q| <= 448``. A subnormal ``x`` (whose remainder underflows) may
@@ -41,6 +41,7 @@ FP8_MAX = tl.constexpr(448.0)
 AMAX_MIN = tl.constexpr(1e-4)
 # float32(1) / float32(448), correctly rounded in float32 (C's ``1 / 448.0f``); exactly representable in a double.
 FP8_MAX_INV = tl.constexpr(float.fromhex("0x1.24924ap-9"))
+SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
 
 
 def _fma_rounds_once() -> bool:
@@ -95,11 +96,12 @@ def div_by_scale(y, scale):
     r = tl.math.div_rn(1.0, scale)[:, :, None]
     s = scale[:, :, None]
     q0 = y * r
-    # NOTES: the remainder is formed negated, s * q0 - y, so that y = +-0 keeps its sign (q0 + (-rem) * r
-    # is then -0 + -0 for y = -0; the textbook y - s * q0 gives +0 + -0 = +0). The negations are free
-    # (FFMA operand modifiers).
-    nrem = tl.fma(s, q0, -y)  # exact: q0 is within an ulp of y / s
-    q = tl.fma(-nrem, r, q0)  # the correctly rounded quotient
+    rem = tl.fma(-s, q0, y)  # exact: q0 is within an ulp of y / s
+    q = tl.fma(rem, r, q0)  # the correctly rounded quotient...
+    # ... except for y = -0: rem = -0 + 0 = +0 and q = +0 + -0 = +0. q0 has the quotient's sign whenever it
+    # is a number, so its sign bit is ORed in (one LOP3). NOTES: not -y or -rem instead: Triton 3.6 lowers a
+    # float negation to 0 - x, which is +0 for x = +0 and costs an FADD and registers per element.
+    q = (q.to(tl.int32, bitcast=True) | (q0.to(tl.int32, bitcast=True) & SIGN_BIT)).to(tl.float32, bitcast=True)
     # NOTES: s = inf gives r = 0 and s = 0 gives r = inf, and rem = NaN; q0 is then IEEE's quotient
     # (y / inf = +-0, NaN for +-inf; y / 0 = +-inf, NaN for 0). Tested per group, not per element.
     finite = ((scale > 0.0) & (scale < float("inf")))[:, :, None]
