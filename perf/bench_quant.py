@@ -3,6 +3,8 @@
 Per (M, K), BF16 input, DeepGEMM's scale layout (float32, column-major, M padded to a multiple of 4):
 
 - ``ours``: per_token_group_quant_fp8(x, tma_aligned_scales=True), one kernel.
+- ``x*(1/s)``: the same kernel with ``x * (1 / scale)`` for ``x / scale`` (``reciprocal_multiply_quant_fp8``:
+  sgl-kernel's and vLLM's arithmetic, not bitwise): beside ``ours``, the price of the exact quotient.
 - ``eager`` / ``compile``: moe_ep.fp8.per_token_group_quant_fp8_ref in eager torch / torch.compile
   (row-major scales: the wrong layout for the GEMM), and ``eager+T`` / ``compile+T``: the same
   followed by the separate scale transpose the GEMM needs (moe_ep.fp8.to_column_major).
@@ -155,6 +157,7 @@ def _quant_rows(args, op_name, dev, rec):
     from moe_ep.fp8 import per_token_group_quant_fp8_ref, to_column_major
     from moe_ep.quant import (
         per_token_group_quant_fp8,
+        reciprocal_multiply_quant_fp8,
         silu_and_mul_fp32,
         silu_and_mul_quant_fp8,
     )
@@ -176,7 +179,7 @@ def _quant_rows(args, op_name, dev, rec):
 
     copy_gbs = LIMITS.get("copy_gbps")
     resident = None if dev.type != "cuda" else False  # flushed before every timed call
-    header = ["M", "K", "ours us", "p10-p90 us", "GB/s", "% copy", "eager us", "compile us",
+    header = ["M", "K", "ours us", "p10-p90 us", "GB/s", "% copy", "x*(1/s) us", "eager us", "compile us",
               "eager+T us", "compile+T us", "x compile+T", "x eager+T", "x best torch", "timed as", "check"]
     what = "silu_and_mul_quant_fp8 (input [M, 2K])" if silu else "per_token_group_quant_fp8"
     table = Table(f"{what}, BF16 in, TMA-aligned column-major scales; % copy: of the device copy bandwidth "
@@ -195,6 +198,10 @@ def _quant_rows(args, op_name, dev, rec):
             timing = _bench(run_ours, args.iters)
             how = _bench.how
             t_ours = timing.median
+            # the same kernel with x * (1 / scale) (sgl-kernel's / vLLM's arithmetic, not bitwise): what the
+            # IEEE quotient costs
+            t_recip = _try_bench(lambda x=x: reciprocal_multiply_quant_fp8(x, silu=silu, tma_aligned_scales=True),
+                                 args.iters)
             t_eager = _try_bench(lambda x=x: ref(x), args.iters)
             t_eager_t = _try_bench(lambda x=x: ref_t(x), args.iters)
             t_comp = _try_bench(lambda x=x: ref_c(x), args.iters) if ref_c else None
@@ -208,7 +215,7 @@ def _quant_rows(args, op_name, dev, rec):
             fits = _common.fits_l2(total, dev)
             note = f"timed as {how}" + ("; bytes fit in L2 but L2 was flushed before each call" if fits else "")
             table.row([str(m), str(k), f"{t_ours:.1f}", f"{timing.p10:.1f}-{timing.p90:.1f}", f"{gbs:.0f}",
-                       f"{100 * gbs / copy_gbs:.0f}%" if copy_gbs else "n/a", _fmt(t_eager), _fmt(t_comp),
+                       f"{100 * gbs / copy_gbs:.0f}%" if copy_gbs else "n/a", _fmt(t_recip), _fmt(t_eager), _fmt(t_comp),
                        _fmt(t_eager_t), _fmt(t_comp_t), _fmt(t_comp_t / t_ours if t_comp_t else None, ".2f"),
                        _fmt(t_eager_t / t_ours if t_eager_t else None, ".2f"),
                        _fmt(best / t_ours if best else None, ".2f"), how,
@@ -216,7 +223,8 @@ def _quant_rows(args, op_name, dev, rec):
             case = f"{op_name} M={m} K={k}"
             rec.add(case, "time", t_ours, "us", p10=timing.p10, p90=timing.p90, iterations=timing.n, baseline=best,
                     ratio=best / t_ours if best else None, valid=valid, l2_resident=resident, note=note, rel_err=err,
-                    eager_us=t_eager, eager_t_us=t_eager_t, compile_us=t_comp, compile_t_us=t_comp_t, bytes=total,
+                    recip_multiply_us=t_recip, eager_us=t_eager, eager_t_us=t_eager_t, compile_us=t_comp,
+                    compile_t_us=t_comp_t, bytes=total,
                     timed_as=how)
             rec.add(case, "bandwidth", gbs, "GB/s", p10=total / timing.p90 / 1e3, p90=total / timing.p10 / 1e3,
                     iterations=timing.n, limit=copy_gbs, ratio=gbs / copy_gbs if copy_gbs else None, valid=valid,

@@ -204,11 +204,10 @@ def test_div_by_scale_edge_cases():
     assert bool(same.all()), (q[~same], ref[~same])
 
 
-def test_quant_kernel_bitwise_at_midpoints():
-    """The whole per-token-group quant (its tile code is the SiLU face's too) on groups whose quotients
-    land on and beside the e4m3 rounding midpoints: each group holds its amax, 448 * s, so its scale is s."""
-    from moe_ep.quant import per_token_group_quant_fp8
-    rng = np.random.default_rng(3)
+def _midpoint_groups(seed: int = 3):
+    """`[rows, G * 128]` float32 groups whose quotients land on and beside the e4m3 rounding midpoints: each
+    group holds its amax, 448 * s, so its scale is s; and the scales ``s`` `[rows]`."""
+    rng = np.random.default_rng(seed)
     amax = (_scales(13, rng) * F32(448)).astype(F32)
     amax = amax[(amax >= F32(AMAX_MIN)) & (amax < F32(1e37))]
     sc = (amax / F32(448)).astype(F32)  # the scale the quant computes
@@ -217,7 +216,15 @@ def test_quant_kernel_bitwise_at_midpoints():
     groups = y.shape[1] // 127
     y = y[:, : groups * 127].reshape(len(sc), groups, 127)
     y = np.concatenate([np.broadcast_to(amax[:, None, None], (len(sc), groups, 1)), y], axis=2).astype(F32)
-    x = torch.from_numpy(np.ascontiguousarray(y.reshape(len(sc), groups * 128))).to(DEV)
+    return np.ascontiguousarray(y.reshape(len(sc), groups * 128)), sc
+
+
+def test_quant_kernel_bitwise_at_midpoints():
+    """The whole per-token-group quant (its tile code is the SiLU face's too) at the e4m3 rounding midpoints."""
+    from moe_ep.quant import per_token_group_quant_fp8
+    y, sc = _midpoint_groups()
+    groups = y.shape[1] // 128
+    x = torch.from_numpy(y).to(DEV)
     q, s = per_token_group_quant_fp8(x, 128)
     rq, rs = per_token_group_quant_fp8_ref(x.cpu(), 128)
     assert torch.equal(rs, torch.from_numpy(np.repeat(sc[:, None], groups, axis=1)))
@@ -287,3 +294,21 @@ def test_ll_group_scales_equals_reference(round_scale):
     rq, rs = ll_dispatch_quant_ref(x, round_scale=round_scale)
     assert torch.equal(s.cpu().view(torch.int32), rs.view(torch.int32))
     assert torch.equal(q.cpu().reshape(rows, k), rq.view(torch.uint8))
+
+
+def test_reciprocal_multiply_variant_is_not_bitwise():
+    """The bench-only x * (1 / s) variant: same scales, bytes one e4m3 step off at some midpoints (what the
+    exact quotient buys), never more."""
+    from moe_ep.quant import reciprocal_multiply_quant_fp8
+    y, _ = _midpoint_groups()
+    x = torch.from_numpy(y).to(DEV)
+    q, s = reciprocal_multiply_quant_fp8(x, 128)
+    rq, rs = per_token_group_quant_fp8_ref(x.cpu(), 128)
+    assert torch.equal(s.cpu().view(torch.int32), rs.view(torch.int32))
+    a, b = q.cpu().view(torch.uint8).long(), rq.view(torch.uint8).long()
+    diff = a != b
+    assert int(diff.sum()) > 0
+    # one step: same sign bit, magnitudes one code apart
+    assert bool(((a ^ b)[diff] & 0x80 == 0).all()) and int(((a & 0x7F) - (b & 0x7F)).abs().max()) == 1
+    with pytest.raises(TypeError):
+        reciprocal_multiply_quant_fp8(x, 128, exact=True)

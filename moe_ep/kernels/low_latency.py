@@ -5,9 +5,10 @@ symmetric memory; every difference lives in :mod:`moe_ep.kernels.transport`). Fo
 the signalling protocol (a launch only waits on signals written by earlier launches, DESIGN.md "Phase rule"),
 plus, on the NVSHMEM transport, :func:`_ll_release_kernel` after each receive (so the receives link no NVSHMEM code):
 
-- :func:`_ll_dispatch_send_kernel` (source rank ``s``): casts BF16 tokens to FP8 (1x128 groups, DeepEP's
-  numerics: :func:`moe_ep.kernels.fp8_cast.ll_group_scales`, bitwise equal to :func:`moe_ep.fp8.ll_dispatch_quant_ref`) and writes each token ONCE per
-  destination rank (not per expert) into slot ``(s, t)`` of that rank's message area, with a header
+- :func:`_ll_dispatch_send_kernel` (source rank ``s``): casts BF16 tokens to FP8 (1x128 groups, DeepEP's numerics:
+  :func:`moe_ep.kernels.fp8_cast.ll_group_scales`, bitwise equal to :func:`moe_ep.fp8.ll_dispatch_quant_ref`) and
+  writes each token ONCE per destination rank (not per expert) into slot ``(s, t)`` of that rank's message area,
+  with a header
   holding the token's top-k experts (+1; 0 = none) and, per k, its position among ``s``'s tokens of that expert
   (only ranks that hold one of its experts get the message; a receiver clears the headers it read);
   extra "count" programs write ``s``'s per-expert token counts into each destination's count table.
