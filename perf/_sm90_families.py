@@ -64,6 +64,12 @@ def _quant_cases() -> list[Case]:
                          "USE_UE8M0": ue8m0, "HAS_MASK": masked, "NATIVE_FP8": True, "USE_PDL": pdl,
                          "NUM_STAGES": cfg.num_stages},
                         num_warps=warps))
+        # The bench-only variant (x * (1 / scale), reciprocal_multiply_quant_fp8) of the prefill quant: its
+        # instruction mix next to the exact quotient's.
+        exact = next(c for c in cases if c.name == "quant" and c.config.startswith("H=7168 M=4096")
+                     and "UE8M0" not in c.config and "PDL" not in c.config)
+        cases.append(dataclasses.replace(exact, config=exact.config + " RECIP_MULTIPLY",
+                                         constexprs={**exact.constexprs, "HAS_MASK": quant.RECIP_MULTIPLY}))
         return cases
     finally:
         quant._num_sms = real_num_sms

@@ -189,11 +189,13 @@ def test_gpu_config_invariants(monkeypatch, ue8m0, transpose_out):
                 assert gpp & (gpp - 1) == 0 and gpp >= (4 if ue8m0 else 1)
                 assert num_warps in (4, 8)
                 tiles = triton.cdiv(m, block_m) * triton.cdiv(g, gpp)
-                # persistent: at most the resident programs; pipelined exactly when a program loops
-                assert 1 <= programs == min(tiles, quant_kernels.PROGRAMS_PER_SM[inputs] * 132)
-                assert stages == (3 if tiles > programs else 1)
+                # decode: one program per tile in one wave; else persistent and pipelined
+                if tiles <= quant_kernels.SINGLE_WAVE_PER_SM * 132:
+                    assert (programs, stages) == (tiles, 1)
+                else:
+                    assert (programs, stages) == (quant_kernels.PROGRAMS_PER_SM[inputs] * 132, 3)
                 if m >= 4096 and k >= 2048 and not transpose_out:
-                    assert block_m == 16 and block_m * gpp * 128 >= 2048 and stages == 3
+                    assert block_m == (16 if inputs == 1 else 8) and block_m * gpp * 128 >= 2048 and stages == 3
 
 
 def test_pdl_gating_on_cpu():

@@ -228,10 +228,13 @@ class QuantConfig(NamedTuple):
 
 
 # Persistent programs per SM (``inputs`` -> programs): what stays resident on an H100 with the sm90 compile of
-# the pipelined loop (perf/sm90_report.py, Triton 3.6: quant 16 x 4 x 128 tiles, 8 warps, 93-103 registers,
-# 33 KB shared; SiLU quant 102-126 registers, 65 KB): 2 CTAs, i.e. 2 x 2 prefetched 16 KB tiles (x 2 for the
-# SiLU quant's gate and up) in flight per SM while 2 are quantized.
-PROGRAMS_PER_SM = {1: 2, 2: 2}
+# the pipelined loop (perf/sm90_report.py, Triton 3.6 and 3.9: quant 16 x 4 x 128 tiles, 8 warps, 80-103
+# registers, 33 KB shared: 2 CTAs; SiLU quant 8 x 4 x 128 tiles of gate and up, 54-80 registers, 33 KB: 3),
+# i.e. 4-6 prefetched 16 KB tiles in flight per SM while 2-3 are quantized.
+PROGRAMS_PER_SM = {1: 2, 2: 3}
+# Up to this many tiles per SM, one program per tile (no loop, no pipelining): the unpipelined decode programs
+# (<= 4 warps, <= 64 registers) all fit on the SMs at once.
+SINGLE_WAVE_PER_SM = 4
 
 
 def choose_config(L: int, T: int, G: int, group_size: int, use_ue8m0: bool, transpose_out: bool,
@@ -267,9 +270,15 @@ def choose_config(L: int, T: int, G: int, group_size: int, use_ue8m0: bool, tran
         block_m //= 2
     num_warps = 8 if block_m * gpp * group_size >= 8192 else 4
     n = tiles(block_m, gpp)
-    programs = min(n, PROGRAMS_PER_SM.get(inputs, 2) * num_sms)
-    # One tile per program (decode): plain loads (a cp.async stage would only add a trip through shared memory).
-    return QuantConfig(block_m, gpp, num_warps, 3 if n > programs else 1, programs)
+    if n <= SINGLE_WAVE_PER_SM * num_sms:
+        # Decode: one tile per program, all resident in one wave, plain loads (a cp.async stage would only add
+        # a trip through shared memory to the latency).
+        return QuantConfig(block_m, gpp, num_warps, 1, n)
+    if inputs == 2 and not transpose_out and block_m * gpp * group_size >= 8192:
+        # Gate and up: half the rows, so that 3 stages of both tiles fit in registers without spilling.
+        block_m, num_warps = block_m // 2, 8
+        n = tiles(block_m, gpp)
+    return QuantConfig(block_m, gpp, num_warps, 3, min(n, PROGRAMS_PER_SM.get(inputs, 2) * num_sms))
 
 
 def launch_per_token_group_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple[int, int, int],
