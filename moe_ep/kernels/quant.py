@@ -228,10 +228,10 @@ class QuantConfig(NamedTuple):
 
 
 # Persistent programs per SM (``inputs`` -> programs): what stays resident on an H100 with the sm90 compile of
-# the pipelined loop (perf/sm90_report.py, Triton 3.6 and 3.9: quant 16 x 4 x 128 tiles, 8 warps, 80-103
-# registers, 33 KB shared: 2 CTAs; SiLU quant 8 x 4 x 128 tiles of gate and up, 54-80 registers, 33 KB: 3),
-# i.e. 4-6 prefetched 16 KB tiles in flight per SM while 2-3 are quantized.
-PROGRAMS_PER_SM = {1: 2, 2: 3}
+# the pipelined loop under Triton 3.6 and 3.9 (perf/sm90_report.py: quant 16 x 4 x 128 tiles, 8 warps, 80-116
+# registers, 33 KB shared; SiLU quant 8 x 4 x 128 tiles of gate and up, 54-91 registers, 33 KB): 2 CTAs, i.e.
+# 4 prefetched 16 KB tiles in flight per SM while 2 are quantized.
+PROGRAMS_PER_SM = {1: 2, 2: 2}
 # Up to this many tiles per SM, one program per tile (no loop, no pipelining): the unpipelined decode programs
 # (<= 4 warps, <= 64 registers) all fit on the SMs at once.
 SINGLE_WAVE_PER_SM = 4
