@@ -3,7 +3,7 @@
 - ``div_by_scale`` (one reciprocal per group + two FMAs) against IEEE ``y / s``: an exact emulation of the
   scheme in numpy over a large sweep (every e4m3 rounding midpoint and its float32 neighbours, e4m3
   subnormals, random BF16 groups, the whole scale range the quant produces), then the Triton helper itself
-  (the interpreter) on the cases that matter and the edge cases (inf / zero / NaN scales);
+  (the interpreter) on the cases that matter and the edge cases (infinite and NaN scales, signed zeros);
 - ``ll_group_scales`` (the low-latency dispatch send) against ``ll_dispatch_quant_ref`` (DeepEP's cast),
   and that reference against a float32 numpy spelling of DeepEP's ``calculate_fp8_scales``.
 """
