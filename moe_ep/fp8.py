@@ -13,6 +13,10 @@ These functions define the numerics that every kernel must reproduce bitwise:
 
 NaN inputs make their group's scale NaN and the group's FP8 values NaN; an ``inf`` makes its group's
 scale ``inf``, the ``inf`` entries NaN (``inf / inf``) and the finite entries zero.
+
+The low-latency dispatch casts as DeepEP's does instead (:func:`ll_dispatch_quant_ref`): a multiply
+by ``448 / amax``, not a division by ``amax / 448``, so its scales and bytes differ from the above by an
+ulp for some groups, and a NaN does not spread to its group.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ __all__ = [
     "ceil_div",
     "ceil_to_pow2",
     "per_token_group_quant_fp8_ref",
+    "ll_dispatch_quant_ref",
     "dequant_fp8_ref",
     "pack_ue8m0",
     "unpack_ue8m0",
@@ -101,6 +106,37 @@ def per_token_group_quant_fp8_ref(
     if use_ue8m0:
         return q, pack_ue8m0(scale)
     return q, scale
+
+
+def ll_dispatch_quant_ref(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low-latency dispatch's cast of ``x`` `[..., K]` in 1x128 groups: DeepEP's
+    (``csrc/kernels/internode_ll.cu``, ``calculate_fp8_scales``), all float32:
+
+    - ``amax = fmaxf(1e-4, max|x_group|)``: a NaN is ignored (its own value still casts to NaN);
+    - ``scale_inv = amax * fl(1/448)`` and ``q = e4m3_satfinite(x * fl(448 / amax))``;
+    - with ``round_scale``: ``e = ceil(log2(amax * fl(1/448)))`` from the float's bits (exponent, +1 if
+      any mantissa bit), ``scale_inv = 2^e``, ``q = e4m3_satfinite(x * 2^-e)`` (both built as bits,
+      so an infinite amax gives ``scale_inv = inf`` and a multiplier of ``-inf``, as there).
+
+    Returns ``(q float8_e4m3fn [..., K], scale_inv float32 [..., K / 128])`` (the receiver's scales; pack
+    them with :func:`pack_ue8m0` for UE8M0).
+    """
+    if not x.is_floating_point() or x.dtype == FP8_DTYPE:
+        raise TypeError(f"ll_dispatch_quant_ref expects a float input, got {x.dtype}")
+    xg = _group_view(x.float(), 128)
+    a = xg.abs()
+    amax = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=-1).clamp(min=AMAX_MIN)
+    # NOTES: tensors, not Python scalars, so that CUDA runs the same float32 multiply / IEEE division.
+    scale_inv = amax * torch.full_like(amax, 1.0 / FP8_MAX)  # the float32 constant: 1/448 rounded once
+    if round_scale:
+        bits = scale_inv.view(torch.int32)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        scale = ((127 - e) << 23).view(torch.float32)
+        scale_inv = ((e + 127) << 23).view(torch.float32)
+    else:
+        scale = torch.full_like(amax, FP8_MAX) / amax
+    q = (xg * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(x.shape), scale_inv
 
 
 def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:

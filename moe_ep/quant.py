@@ -45,6 +45,8 @@ its finite values. UE8M0 stores 0xFF for NaN and inf scales.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .fp8 import (
@@ -354,6 +356,27 @@ def silu_and_mul_quant_fp8(
     """
     return _quant_op(launch_silu_and_mul_quant, x, 2, group_size, column_major_scales, tma_aligned_scales,
                      round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales)
+
+
+def reciprocal_multiply_quant_fp8(x: torch.Tensor, group_size: int = 128, *, silu: bool = False,
+                                  **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`per_token_group_quant_fp8` (or, with ``silu``, :func:`silu_and_mul_quant_fp8`) with ``x * (1 / scale)``
+    in place of ``x / scale``: the arithmetic of sgl-kernel's and vLLM's quant kernels, one rounding more, so
+    NOT bitwise equal to the reference (an e4m3 step off where the quotient sits on a rounding boundary).
+    For benchmarks only: its time next to the exact op's is the price of the IEEE quotient. ``options``: the
+    keyword arguments of the exact op."""
+    launch = launch_silu_and_mul_quant if silu else launch_per_token_group_quant
+    o = {"column_major_scales": False, "tma_aligned_scales": False, "round_scale": False, "use_ue8m0": False,
+         "transpose_out": False, "out": None, "out_scales": None, "masked_m": None, "use_pdl": False,
+         "zero_masked_scales": False}
+    unknown = set(options) - set(o)
+    if unknown:
+        raise TypeError(f"reciprocal_multiply_quant_fp8: unknown options {sorted(unknown)}")
+    o.update(options)
+    return _quant_op(functools.partial(launch, recip_multiply=True), x, 2 if silu else 1, group_size,
+                     o["column_major_scales"], o["tma_aligned_scales"], o["round_scale"], o["use_ue8m0"],
+                     o["transpose_out"], o["out"], o["out_scales"], o["masked_m"], o["use_pdl"],
+                     o["zero_masked_scales"])
 
 
 def silu_and_mul_fp32(x: torch.Tensor) -> torch.Tensor:

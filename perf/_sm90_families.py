@@ -18,7 +18,8 @@ from _sm90_case import _RANK, _SYMM_PTRS, _TIMEOUT_NS, H100, TARGET_CC, Case, _c
 
 def _quant_cases() -> list[Case]:
     """Per-token-group quant and SiLU-and-mul quant: BF16 in, column-major TMA-aligned scales (DeepGEMM's
-    layout), the ``(BLOCK_M, GROUPS_PER_PROG, num_warps)`` that ``choose_config`` picks on an H100."""
+    layout), the configuration ``choose_config`` picks on an H100 (tile ``BLOCK_M x GPP`` groups, warps, the
+    persistent loop's stages ``S`` and programs ``P``)."""
     import torch
 
     from moe_ep.fp8 import tma_aligned_size
@@ -38,26 +39,37 @@ def _quant_cases() -> list[Case]:
             G = K // 128
             for ue8m0 in (False, True):
                 W = (G + 3) // 4 if ue8m0 else 0
-                block_m, gpp, warps = quant.choose_config(L, T, G, 128, ue8m0, False, torch.device("cuda", 0),
-                                                          interpret=False)
+                cfg = quant.choose_config(L, T, G, 128, ue8m0, False, torch.device("cuda", 0), interpret=False,
+                                          inputs=1 if op == "quant" else 2,
+                                          tiles_for=lambda bm, gp: quant.num_tiles(
+                                              L, T, G, bm, gp, (0, 1, tma_aligned_size(T)), False))
+                block_m, gpp, warps = cfg.block_m, cfg.gpp, cfg.num_warps
                 for pdl in (False, True):
                     kern = quant._per_token_group_quant_kernel if op == "quant" else _silu_and_mul_quant_kernel
                     x_cols = K if op == "quant" else 2 * K
                     tm = tma_aligned_size(T)
                     cols = (W if ue8m0 else G)
                     label = (f"{'H' if op == 'quant' else 'N'}={K} {'L=%d ' % L if L > 1 else ''}M={T} "
-                             f"{'masked ' if masked else ''}BM={block_m} GPP={gpp}{' UE8M0' if ue8m0 else ''}"
+                             f"{'masked ' if masked else ''}BM={block_m} GPP={gpp} S={cfg.num_stages} "
+                             f"P={cfg.programs}{' UE8M0' if ue8m0 else ''}"
                              f"{' PDL' if pdl else ''}")
                     cases.append(_case(
                         op, label, kern,
                         {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*i32" if ue8m0 else "*fp32",
                          "masked_m_ptr": "*i32" if masked else "*bf16"},
-                        {"T": T, "G": G, "W": W, "stride_xl": T * x_cols, "stride_xt": x_cols,
+                        {"L": L, "T": T, "G": G, "W": W, "stride_xl": T * x_cols, "stride_xt": x_cols,
                          "stride_ql": T * K, "stride_qt": K, "stride_qk": 1,
                          "stride_sl": cols * tm, "stride_st": 1, "stride_sg": tm},
                         {"GROUP_SIZE": 128, "BLOCK_M": block_m, "GROUPS_PER_PROG": gpp, "ROUND_SCALE": ue8m0,
-                         "USE_UE8M0": ue8m0, "HAS_MASK": masked, "NATIVE_FP8": True, "USE_PDL": pdl},
+                         "USE_UE8M0": ue8m0, "HAS_MASK": masked, "NATIVE_FP8": True, "USE_PDL": pdl,
+                         "NUM_STAGES": cfg.num_stages},
                         num_warps=warps))
+        # The bench-only variant (x * (1 / scale), reciprocal_multiply_quant_fp8) of the prefill quant: its
+        # instruction mix next to the exact quotient's.
+        exact = next(c for c in cases if c.name == "quant" and c.config.startswith("H=7168 M=4096")
+                     and "UE8M0" not in c.config and "PDL" not in c.config)
+        cases.append(dataclasses.replace(exact, config=exact.config + " RECIP_MULTIPLY",
+                                         constexprs={**exact.constexprs, "HAS_MASK": quant.RECIP_MULTIPLY}))
         return cases
     finally:
         quant._num_sms = real_num_sms

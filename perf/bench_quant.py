@@ -3,6 +3,8 @@
 Per (M, K), BF16 input, DeepGEMM's scale layout (float32, column-major, M padded to a multiple of 4):
 
 - ``ours``: per_token_group_quant_fp8(x, tma_aligned_scales=True), one kernel.
+- ``x*(1/s)``: the same kernel with ``x * (1 / scale)`` for ``x / scale`` (``reciprocal_multiply_quant_fp8``:
+  sgl-kernel's and vLLM's arithmetic, not bitwise): beside ``ours``, the price of the exact quotient.
 - ``eager`` / ``compile``: moe_ep.fp8.per_token_group_quant_fp8_ref in eager torch / torch.compile
   (row-major scales: the wrong layout for the GEMM), and ``eager+T`` / ``compile+T``: the same
   followed by the separate scale transpose the GEMM needs (moe_ep.fp8.to_column_major).
@@ -156,6 +158,7 @@ def _quant_rows(args, op_name, dev, rec):
     from moe_ep.fp8 import per_token_group_quant_fp8_ref, to_column_major
     from moe_ep.quant import (
         per_token_group_quant_fp8,
+        reciprocal_multiply_quant_fp8,
         silu_and_mul_fp32,
         silu_and_mul_quant_fp8,
     )
@@ -176,7 +179,7 @@ def _quant_rows(args, op_name, dev, rec):
     ref_c_t = _compile(ref_t) if not args.no_compile else None
 
     resident = None if dev.type != "cuda" else False  # rotated out of L2 / flushed before every timed call
-    header = ["M", "K", "ours us", "p10-p90 us", "GB/s", "copy us", "% copy", "method", "ours eager us",
+    header = ["M", "K", "ours us", "p10-p90 us", "GB/s", "copy us", "% copy", "method", "ours eager us", "x*(1/s) us",
               "eager us", "compile us", "eager+T us", "compile+T us", "x compile+T", "x eager+T", "x best torch",
               "baselines timed as", "check"]
     what = "silu_and_mul_quant_fp8 (input [M, 2K])" if silu else "per_token_group_quant_fp8"
@@ -202,6 +205,17 @@ def _quant_rows(args, op_name, dev, rec):
             t_ours = meas["us"]
             t_ours_eager = _common.time_us(run_ours, dev if dev.type == "cuda" else None, iters=args.iters,
                                            warmup=0 if SMOKE_RUN else 3).median
+            # the same kernel with x * (1 / scale) (sgl-kernel's / vLLM's arithmetic, not bitwise), by the same
+            # method: what the IEEE quotient costs
+            def make_recip(i, m=m, width=width):
+                xi = torch.randn(m, width, device=dev, dtype=torch.bfloat16)
+                return lambda: reciprocal_multiply_quant_fp8(xi, silu=silu, tma_aligned_scales=True)
+
+            try:
+                t_recip = _common.measure(make_recip, total, dev, iters=args.iters, n=3 if SMOKE_RUN else 20,
+                                          replays=1 if SMOKE_RUN else 5)["us"]
+            except Exception:  # noqa: BLE001 - a bench column, not a check
+                t_recip = None
             _bench.how = None
             t_eager = _try_bench(lambda x=x: ref(x), args.iters)
             t_eager_t = _try_bench(lambda x=x: ref_t(x), args.iters)
@@ -218,7 +232,7 @@ def _quant_rows(args, op_name, dev, rec):
             note = f"{meas['method_detail']}; baselines timed as {how}"
             table.row([str(m), str(k), f"{t_ours:.1f}", f"{meas['p10']:.1f}-{meas['p90']:.1f}", f"{gbs:.0f}",
                        f"{meas['limit_us']:.1f}", f"{100 * meas['ratio']:.0f}%", meas["method"],
-                       f"{t_ours_eager:.1f}", _fmt(t_eager), _fmt(t_comp),
+                       f"{t_ours_eager:.1f}", _fmt(t_recip), _fmt(t_eager), _fmt(t_comp),
                        _fmt(t_eager_t), _fmt(t_comp_t), _fmt(t_comp_t / t_ours if t_comp_t else None, ".2f"),
                        _fmt(t_eager_t / t_ours if t_eager_t else None, ".2f"),
                        _fmt(best / t_ours if best else None, ".2f"), how,
@@ -228,7 +242,7 @@ def _quant_rows(args, op_name, dev, rec):
                                              "flush_bytes") if k in meas}
             rec.add(case, "time", t_ours, "us", p10=meas["p10"], p90=meas["p90"], iterations=meas["iterations"],
                     baseline=best, ratio=best / t_ours if best else None, valid=valid, l2_resident=resident, note=note,
-                    rel_err=err, method=meas["method"], ours_eager_us=t_ours_eager, eager_us=t_eager,
+                    rel_err=err, method=meas["method"], ours_eager_us=t_ours_eager, recip_multiply_us=t_recip, eager_us=t_eager,
                     eager_t_us=t_eager_t, compile_us=t_comp, compile_t_us=t_comp_t, bytes=total,
                     baseline_method=_common.how_method(how), timed_as=meas["method_detail"], **plan)
             rec.add(case, "bandwidth", gbs, "GB/s", p10=total / meas["p90"] / 1e3, p90=total / meas["p10"] / 1e3,

@@ -223,8 +223,10 @@ def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, nu
     Returns:
         ``kernel, num_warps, num_stages, regs, spill_stores, spill_loads, stack, local, shared_dynamic,
         shared_static, shared, resident_warps, resident_blocks, mma, mma_shape, tma, ld_bytes, st_bytes, pdl,
-        sys_acquire, sys_release, globaltimer, compile_s`` (``sys_acquire`` / ``sys_release``: :func:`_sys_sync`;
-        ``globaltimer``: the kernel reads ``%globaltimer``, as the bounded waits do); plus ``nvshmem``
+        sys_acquire, sys_release, globaltimer, div_rn, cp_async, compile_s`` (``sys_acquire`` / ``sys_release``:
+        :func:`_sys_sync`; ``globaltimer``: the kernel reads ``%globaltimer``, as the bounded waits do; ``div_rn``:
+        IEEE float32 divisions (``div.rn.f32``) in the PTX; ``cp_async``: ``cp.async.ca/cg`` copies, the
+        software-pipelined loads of ``tl.range(num_stages=...)``); plus ``nvshmem``
         (:func:`moe_ep.testing.nvshmem_ptx.scan_nvshmem_ptx` of the PTX and TTIR) when ``options["extern_libs"]``
         links ``libnvshmem_device``.
     """
@@ -260,7 +262,9 @@ def compile_report(kernel, signature: dict, constexprs: dict, num_warps: int, nu
         "resident_warps": warps, "resident_blocks": warps // num_warps, "mma": _mma_kind(ptx),
         "mma_shape": _mma_shape(ptx), "tma": "cp.async.bulk.tensor" in ptx, "ld_bytes": _widest(ptx, "ld"),
         "st_bytes": _widest(ptx, "st"), "pdl": _pdl(ptx), "sys_acquire": _sys_sync(ptx, "acquire"),
-        "sys_release": _sys_sync(ptx, "release"), "globaltimer": "%globaltimer" in ptx, "compile_s": round(compile_s, 2),
+        "sys_release": _sys_sync(ptx, "release"), "globaltimer": "%globaltimer" in ptx,
+        "div_rn": ptx.count("div.rn.f32"), "cp_async": len(re.findall(r"\bcp\.async\.c[ag]\.", ptx)),
+        "compile_s": round(compile_s, 2),
         # warp specialisation: the wgmma.wait_group pendings (1: an MMA stays in flight while the previous
         # block is consumed) and the setmaxnreg register moves between partitions ("dec 40" / "inc 232")
         "wgmma_wait": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),

@@ -230,10 +230,10 @@ def test_zero_masked_variant_compiles_for_sm90(keep_padding):
 
     mod = _compile_module()
     flags = mask_flags(True, True, keep_padding)
-    cases = [("quant", "bf16", 16, 4, False, False, flags, True, False, True, False),
-             ("silu", "bf16", 16, 4, True, True, flags, True, True, True, False)]
+    cases = [("quant", "bf16", 16, 4, False, False, flags, True, False, True, False, 3),
+             ("silu", "bf16", 8, 4, True, True, flags, True, True, True, False, 3)]
     for ops in compile_in_subprocess(mod.SCRIPT, cases, "the zero_masked_scales variants"):
-        assert ops.get("ld.global.v4.b32", 0) + ops.get("ld.global.v2.b32", 0) > 0, ops
+        assert ops.get("cp.async.cg.shared.global", 0) + ops.get("cp.async.ca.shared.global", 0) > 0, ops
         assert ops.get("st.global.b8", 0) == 0 and ops.get("st.global.v4.b32", 0) > 0, ops
         assert ops.get("cvt.rn.satfinite.e4m3x2.f32", 0) > 0, ops
 

@@ -182,13 +182,20 @@ def test_gpu_config_invariants(monkeypatch, ue8m0, transpose_out):
     for m in (1, 3, 64, 128, 512, 4096, 16384):
         for k in (128, 384, 2048, 4096, 7168):
             g = k // 128
-            block_m, gpp, num_warps = quant_kernels.choose_config(1, m, g, 128, ue8m0, transpose_out, cuda,
-                                                                  interpret=False)
-            assert block_m & (block_m - 1) == 0 and 4 <= block_m <= 64
-            assert gpp & (gpp - 1) == 0 and gpp >= (4 if ue8m0 else 1)
-            assert num_warps in (4, 8)
-            if m >= 4096 and k >= 2048 and not transpose_out:
-                assert block_m == 16 and block_m * gpp * 128 >= 2048
+            for inputs in (1, 2):
+                block_m, gpp, num_warps, stages, programs = quant_kernels.choose_config(
+                    1, m, g, 128, ue8m0, transpose_out, cuda, interpret=False, inputs=inputs)
+                assert block_m & (block_m - 1) == 0 and 4 <= block_m <= 64
+                assert gpp & (gpp - 1) == 0 and gpp >= (4 if ue8m0 else 1)
+                assert num_warps in (4, 8)
+                tiles = triton.cdiv(m, block_m) * triton.cdiv(g, gpp)
+                # decode: one program per tile in one wave; else persistent and pipelined
+                if tiles <= quant_kernels.SINGLE_WAVE_PER_SM * 132:
+                    assert (programs, stages) == (tiles, 1)
+                else:
+                    assert (programs, stages) == (quant_kernels.PROGRAMS_PER_SM[inputs] * 132, 3)
+                if m >= 4096 and k >= 2048 and not transpose_out:
+                    assert block_m == (16 if inputs == 1 else 8) and block_m * gpp * 128 >= 2048 and stages == 3
 
 
 def test_pdl_gating_on_cpu():

@@ -97,6 +97,36 @@ def test_mega_moe_rows(rows):
     assert mega["PHASE=3 T=2048"]["sys_release"] == "-", "the combine never signals a peer"
 
 
+@pytest.fixture(scope="module")
+def quant_rows():
+    return compile_in_subprocess(SCRIPT, ["--filter", "quant"], "the sm90 report's quant rows", timeout_s=240.0)["rows"]
+
+
+def test_quant_rows(quant_rows):
+    """The per-token-group quant and SiLU quant rows: every configuration choose_config ships for the report's
+    shapes; no division per element (the 4096 x 7168 prefill case had 34 div.rn.f32 per thread when x / scale
+    was divided element by element); the persistent loop pipelined (cp.async) where a program walks several
+    tiles (S=3), plain loads where it has one (S=1); no spills; the bench-only reciprocal-multiply row has no
+    per-group reciprocal correction, so fewer instructions but the same loads."""
+    by_config = {(r["kernel"], r["config"]): r for r in quant_rows}
+    assert {k for k, _ in by_config} == {"_per_token_group_quant_kernel", "_silu_and_mul_quant_kernel"}
+    for (_kernel, config), r in by_config.items():
+        assert "error" not in r, r
+        assert r["spill_stores"] == r["spill_loads"] == 0, r
+        assert r["div_rn"] <= 4, f"x / scale divided per element: {r}"
+        stages = int(config.split(" S=")[1].split()[0])
+        assert (r["cp_async"] > 0) == (stages > 1), r
+        programs = int(config.split(" P=")[1].split()[0])
+        if stages > 1:  # persistent: every program resident at once
+            assert programs <= 132 * r["resident_blocks"], r
+    prefill = by_config[("_per_token_group_quant_kernel", next(
+        c for k, c in by_config if c.startswith("H=7168 M=4096") and "UE8M0" not in c and "PDL" not in c
+        and "RECIP" not in c))]
+    assert "S=3" in prefill["config"] and prefill["div_rn"] <= 4 and prefill["cp_async"] > 0, prefill
+    recip = [r for (_k, c), r in by_config.items() if c.endswith("RECIP_MULTIPLY")]
+    assert len(recip) == 1 and recip[0]["cp_async"] == prefill["cp_async"], recip
+
+
 def test_script_reexecs_without_interpreter():
     """Run as a script with TRITON_INTERPRET=1, the report re-executes itself without it and compiles."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="this Triton has no NVIDIA backend")

@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_group_quant_fp8_ref, tma_aligned_size
+from ..fp8 import FP8_DTYPE, ll_dispatch_quant_ref, pack_ue8m0, tma_aligned_size
 from ..kernels.logfmt import FMT_BF16, FMT_FP8, FMT_FP16, FMT_LOGFMT, check_hidden, decode_rows, encode_rows
 from ..kernels.logfmt import row_bytes as wire_row_bytes
 from ..sync import ArrivalCheck, RankTimeoutError, host_group
@@ -336,7 +336,7 @@ class TorchBackend(Backend):
         self._add_wait(wait_recv_cost_stats, wait_ns)
         # Step 1: quantize on the sender (1x128 groups) and build this rank's slab [T, row].
         if use_fp8:
-            q, s = per_token_group_quant_fp8_ref(x, 128, round_scale=round_scale)
+            q, s = ll_dispatch_quant_ref(x, round_scale=round_scale)
             parts = [_bytes(q), _bytes(s)]
         else:
             parts = [_bytes(x)]

@@ -1,9 +1,24 @@
 """Triton device helpers for the FP8 (e4m3fn) numerics shared by every quantizing kernel.
 
-Every kernel that quantizes calls :func:`group_scale` and :func:`e4m3_byte` (or :func:`e4m3_bits`)
-so that the compiled kernels, the Triton interpreter and :mod:`moe_ep.fp8` agree bitwise. Divide
-``x / scale`` with ``tl.math.div_rn``: a plain float32 ``/`` compiles to ``div.full.f32``, which is
-not correctly rounded.
+Every kernel that quantizes calls :func:`group_scale`, :func:`div_by_scale` and :func:`e4m3_byte` (or
+:func:`e4m3_bits`) so that the compiled kernels, the Triton interpreter and :mod:`moe_ep.fp8` agree
+bitwise; the low-latency dispatch send calls :func:`ll_group_scales` instead (DeepEP's cast, see
+:func:`moe_ep.fp8.ll_dispatch_quant_ref`). Never write a float32 ``/``: compiled Triton lowers it to
+``div.full.f32``, which is not correctly rounded.
+
+``x / scale`` is correctly rounded (IEEE ``div.rn``) without a division per element:
+:func:`div_by_scale` takes one IEEE reciprocal per group, ``r = 1 / s``, and per element
+``q0 = x * r; rem = fma(-s, q0, x); q = fma(rem, r, q0)`` (Markstein's correction), then ``q0``'s sign
+bit ORed into ``q`` so that ``x = -0`` gives ``-0``. With ``r``
+correctly rounded, ``q0`` is within an ulp of ``x / s``, ``rem`` is exact and ``q`` is the correctly
+rounded quotient, as long as ``r`` is normal and nothing underflows: the quant's scales lie in
+``[1e-4 / 448, FLT_MAX / 448]`` and ``|q| <= 448``. A subnormal ``x`` (whose remainder underflows) may
+get a quotient some ulps off ``div.rn``'s, below ``2^-104`` at these scales: the same e4m3 byte (a signed
+zero) either way.
+An infinite scale (an infinite ``x`` in the group) gives ``r = 0`` and is replaced by 0 in the remainder,
+so ``q = q0``, the IEEE quotient (``+-0``; NaN for ``inf / inf``); a NaN scale gives NaN as IEEE does. A quant
+scale is never 0 (amax is floored at 1e-4) nor meets an infinite ``x`` while finite (that ``x`` is its
+group's amax): both are outside the helper's domain.
 
 NOTES: the interpreter's own ``float32 -> tl.float8e4nv`` cast is wrong (ties, large values and
 subnormals), so under the interpreter (and wherever :func:`native_e4m3_supported` says no) kernels
@@ -24,6 +39,26 @@ import triton.language as tl
 # (``FP8_MAX: tl.constexpr = 448.0``) runs in the interpreter but fails to compile.
 FP8_MAX = tl.constexpr(448.0)
 AMAX_MIN = tl.constexpr(1e-4)
+# float32(1) / float32(448), correctly rounded in float32 (C's ``1 / 448.0f``); exactly representable in a double.
+FP8_MAX_INV = tl.constexpr(float.fromhex("0x1.24924ap-9"))
+SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
+
+
+def _fma_rounds_once() -> bool:
+    """Whether ``tl.fma`` rounds once where these kernels run: always compiled (``fma.rn.f32``); in the
+    interpreter only from the Triton that ships a float32 fma in it (older ones multiply, then add)."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return True
+    try:
+        from triton._C.libtriton import interpreter
+    except ImportError:
+        return False
+    return hasattr(interpreter, "fma_fp32")
+
+
+# NOTES: where tl.fma rounds twice, the correction is not exact: div_by_scale divides per element there
+# (the interpreter only, where a division costs what a multiply does).
+EXACT_FMA = tl.constexpr(_fma_rounds_once())
 
 
 @triton.jit
@@ -49,6 +84,59 @@ def group_scale(amax, ROUND_SCALE: tl.constexpr):
     if ROUND_SCALE:
         scale = ceil_pow2(scale)
     return scale
+
+
+@triton.jit
+def div_by_scale(y, scale):
+    """``y / scale`` correctly rounded (the bits of ``tl.math.div_rn(y, scale)``) for float32 ``y``
+    `[BT, G, GROUP]` and its groups' ``scale`` `[BT, G]` (a quant scale: see the module notes), at one IEEE
+    division per group and three float32 operations and a LOP3 per element."""
+    if not EXACT_FMA:
+        return tl.math.div_rn(y, scale[:, :, None])
+    r = tl.math.div_rn(1.0, scale)[:, :, None]
+    # NOTES: an infinite scale (r = 0) takes 0 in the remainder: rem = y and q = y * 0 + q0 = q0, IEEE's
+    # y / inf (+-0; NaN for y = +-inf through q0 = inf * 0). Chosen per group: no per-element select.
+    s = tl.where(scale < float("inf"), scale, 0.0)[:, :, None]
+    q0 = y * r
+    rem = tl.fma(-s, q0, y)  # exact: q0 is within an ulp of y / s
+    q = tl.fma(rem, r, q0)  # the correctly rounded quotient...
+    # ... except for y = -0: rem = -0 + 0 = +0 and q = +0 + -0 = +0. q0 has the quotient's sign whenever it
+    # is a number, so its sign bit is ORed in (one LOP3). NOTES: not -y or -rem instead: Triton 3.6 lowers a
+    # float negation to 0 - x, which is +0 for x = +0 and costs an FADD and registers per element.
+    return (q.to(tl.int32, bitcast=True) | (q0.to(tl.int32, bitcast=True) & SIGN_BIT)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def div_by_scale_approx(y, scale):
+    """``y * (1 / scale)``: one rounding more than :func:`div_by_scale` (1 ulp off ``y / scale`` for
+    some values, as sgl-kernel's and vLLM's quant kernels are). Only for measuring the price of the
+    exact quotient; no shipped path uses it."""
+    return y * tl.math.div_rn(1.0, scale)[:, :, None]
+
+
+@triton.jit
+def ll_group_scales(y, ROUND_SCALE: tl.constexpr):
+    """DeepEP's low-latency dispatch cast of float32 groups ``y`` `[BT, G, GROUP]`: returns
+    ``(v, scale_inv)`` with ``v`` the values to cast to e4m3 (saturating) and ``scale_inv`` `[BT, G]`
+    the scale the receiver multiplies by (:func:`moe_ep.fp8.ll_dispatch_quant_ref`).
+
+    ``amax = max(1e-4, max|y|)`` ignoring NaN (``fmaxf``); without ``ROUND_SCALE``
+    ``scale_inv = amax * fl(1/448)`` and ``v = y * (448 / amax)``; with it ``e = ceil(log2(amax * fl(1/448)))``
+    read off the float's bits, ``scale_inv = 2^e`` and ``v = y * 2^-e`` (both built from bits).
+    """
+    abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    abs_bits = tl.where(abs_bits > 0x7F800000, 0, abs_bits)  # fmaxf drops NaN
+    amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)
+    amax = tl.where(amax < AMAX_MIN, AMAX_MIN, amax)
+    if ROUND_SCALE:
+        bits = (amax * FP8_MAX_INV).to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        scale_inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    else:
+        scale_inv = amax * FP8_MAX_INV
+        scale = tl.math.div_rn(FP8_MAX, amax)
+    return y * scale[:, :, None], scale_inv
 
 
 @triton.jit

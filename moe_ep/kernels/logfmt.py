@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8_DTYPE, per_token_group_quant_fp8_ref
-from .fp8_cast import e4m3_byte, group_scale
+from .fp8_cast import div_by_scale, e4m3_byte, group_scale
 
 __all__ = ["FORMATS", "FMT_BF16", "FMT_FP16", "FMT_FP8", "FMT_LOGFMT", "row_bytes", "encode_rows", "decode_rows",
            "logfmt_encode", "logfmt_decode"]
@@ -185,7 +185,7 @@ def fp8_encode_groups(y, NATIVE_FP8: tl.constexpr):
     abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)
     scale = group_scale(amax, False)
-    q = tl.math.div_rn(y, scale[:, :, None])
+    q = div_by_scale(y, scale)  # IEEE y / scale, one division per group
     return e4m3_byte(q, NATIVE_FP8), scale
 
 

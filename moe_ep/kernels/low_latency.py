@@ -5,9 +5,10 @@ symmetric memory; every difference lives in :mod:`moe_ep.kernels.transport`). Fo
 the signalling protocol (a launch only waits on signals written by earlier launches, DESIGN.md "Phase rule"),
 plus, on the NVSHMEM transport, :func:`_ll_release_kernel` after each receive (so the receives link no NVSHMEM code):
 
-- :func:`_ll_dispatch_send_kernel` (source rank ``s``): casts BF16 tokens to FP8 (1x128 groups, numerics
-  of :mod:`moe_ep.kernels.fp8_cast`, bitwise equal to :mod:`moe_ep.fp8`) and writes each token ONCE per
-  destination rank (not per expert) into slot ``(s, t)`` of that rank's message area, with a header
+- :func:`_ll_dispatch_send_kernel` (source rank ``s``): casts BF16 tokens to FP8 (1x128 groups, DeepEP's numerics:
+  :func:`moe_ep.kernels.fp8_cast.ll_group_scales`, bitwise equal to :func:`moe_ep.fp8.ll_dispatch_quant_ref`) and
+  writes each token ONCE per destination rank (not per expert) into slot ``(s, t)`` of that rank's message area,
+  with a header
   holding the token's top-k experts (+1; 0 = none) and, per k, its position among ``s``'s tokens of that expert
   (only ranks that hold one of its experts get the message; a receiver clears the headers it read);
   extra "count" programs write ``s``'s per-expert token counts into each destination's count table.
@@ -48,7 +49,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp8_cast import e4m3_byte, group_scale
+from .fp8_cast import e4m3_byte, ll_group_scales
 from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layout: the API of this module
     GROUP,
     SIG_WORDS,
@@ -102,16 +103,10 @@ __all__ = [
 def _quant_groups(y, ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """``y`` float32 `[BT, GC, 128]` -> (e4m3 bytes uint8 `[BT, GC, 128]`, scales float32 `[BT, GC]`).
 
-    The same steps as :func:`moe_ep.kernels.quant.quantize_tile` (integer amax keeps NaN, IEEE division,
-    exact reciprocal for power-of-two scales), so the bytes equal ``moe_ep.fp8`` bitwise."""
-    abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)
-    scale = group_scale(amax, ROUND_SCALE)
-    if ROUND_SCALE:
-        q = y * tl.math.div_rn(1.0, scale)[:, :, None]
-    else:
-        q = tl.math.div_rn(y, scale[:, :, None])
-    return e4m3_byte(q, NATIVE_FP8), scale
+    DeepEP's cast (``scale_inv = amax * (1 / 448)``, bytes of ``x * (448 / amax)``;
+    :func:`moe_ep.kernels.fp8_cast.ll_group_scales`), bitwise equal to :func:`moe_ep.fp8.ll_dispatch_quant_ref`."""
+    v, scale_inv = ll_group_scales(y, ROUND_SCALE)
+    return e4m3_byte(v, NATIVE_FP8), scale_inv
 
 
 @triton.jit

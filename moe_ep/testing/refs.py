@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..fp8 import pack_ue8m0, per_token_group_quant_fp8_ref
+from ..fp8 import ll_dispatch_quant_ref, pack_ue8m0, per_token_group_quant_fp8_ref
 
 __all__ = ["ref_dispatch", "ref_combine", "ref_low_latency_dispatch", "ref_low_latency_combine", "ref_routes",
            "ref_moe"]
@@ -115,7 +115,7 @@ def ref_low_latency_dispatch(rank: int, xs: list, topk_idxs: list, num_max_dispa
     src_info = [[] for _ in range(num_local)]
     for src in range(world):
         if use_fp8:
-            q, s = per_token_group_quant_fp8_ref(xs[src], 128, round_scale=round_scale or use_ue8m0)
+            q, s = ll_dispatch_quant_ref(xs[src], round_scale=round_scale or use_ue8m0)
         for t in range(xs[src].shape[0]):
             for j in range(topk_idxs[src].shape[1]):
                 e = int(topk_idxs[src][t, j])
