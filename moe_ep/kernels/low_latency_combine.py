@@ -12,18 +12,18 @@ from .low_latency_common import (
     _bf16_bits,
     _clear_signature,
     _comb_sig_word,
-    _decided,
+    _adopted_like,
+    _decide,
+    _decided_live,
     _decision_base,
     _decision_reset,
+    _decision_words,
     _live,
     _live_like,
     _sig_payload_words,
     _sig_stride,
-    _signature_differs,
     _status_ok,
     _wait,
-    _wait_decided,
-    _wait_landed,
     _write_mask_bits,
 )
 from .signals import (
@@ -31,7 +31,6 @@ from .signals import (
     SEQ_MASK,
     SEQ_STALE_ROW,
     STATUS_BAD_EXPERT,
-    STATUS_MASK,
     STATUS_SEQ,
     STATUS_SHRINK,
     STATUS_STALE_ROW,
@@ -250,34 +249,21 @@ def _comb_recv_body_ll(
     num_progs = tl.num_programs(0) * tl.num_programs(1)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
-    # Step 1: every expert rank has published its outputs for us, or is masked. Liveness is decided once for the
-    # whole launch (docs/protocols.md, "A late or dead peer"): program (0, 0) alone waits (only it can mask a rank
-    # during this launch), reports per rank how long it waited from its start until that rank had published,
-    # checks the call signatures (an expert rank that combined a different call sets the status word: the output
-    # below is then NaN and the host raises naming it), and publishes the decision; the other programs wait for it.
+    # Step 1: every expert rank has published its outputs for us, or is not live. Each program polls every rank
+    # itself; the launch's verdict on each rank is made once, by the first program to reach one (compare-and-swap in
+    # the rank's decision word, after the call-signature check: a rank that combined a different call sets the status
+    # word, the output below is then NaN and the host raises naming it), and adopted by the others (docs/protocols.md,
+    # "A late or dead peer"): no program waits for another program of this launch.
     base = _decision_base(tl.load(stamp_ptr + R), 1)  # stamp_ptr[R]: this rank's stamp of this call
-    if (pid_t == 0) & (pid_h == 0):
-        if HAS_WAIT_STATS:
-            t_start = now_ns()
-        for d in range(R):
-            _wait(my_sig + COMB_FULL + 2 * d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
-            _wait_landed(my_sig, COMB_FULL + 2 * d, status_ptr, rank, d, timeout_ns, signal_ptrs, TRANSPORT)
-            if HAS_WAIT_STATS:
-                tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
-        # enable_shrink: and adopt the ranks each live expert rank (same call) masked by timeout (bits with its
-        # signature), in rank order, before the decision: every program of this launch, and the mask after it,
-        # count them as masked.
-        sig_ss = _sig_stride(R)
-        sig_sb = _comb_sig_word(R)
-        shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0
-        for d in range(R):
-            if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
-                if _signature_differs(my_sig, sig_sb, rank, d, sig_ss):
-                    report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
-                elif shrink:
-                    _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)
-        _decided(status_ptr, R, base + R)
-    _wait_decided(status_ptr, rank, R, base + R, base + R, timeout_ns)
+    dec = _decision_words(status_ptr, R, sig_off, 1)
+    sig_ss = _sig_stride(R)
+    sig_sb = _comb_sig_word(R)
+    t_start = 0
+    if HAS_WAIT_STATS:
+        t_start = now_ns()
+    for d in range(R):
+        _decide(dec, base, my_sig, COMB_FULL + 2 * d, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R, sig_sb,
+                sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS, TRANSPORT)
     tl.debug_barrier()
 
     # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
@@ -308,7 +294,11 @@ def _comb_recv_body_ll(
     e2 = tl.load(topk_ptr + offs_t[:, None] * K + kk[None, :], mask=tk, other=-1)
     in_e = (e2 >= 0) & (e2 < E) & tk
     d2 = tl.where(in_e, e2 // L, 0).to(tl.int32)
-    live2 = in_e & (tl.load(status_ptr + STATUS_MASK + d2, mask=in_e, other=1, volatile=True) == 0)
+    # enable_shrink: the ranks the live expert ranks (same call) masked by timeout (bits with their signatures) count as
+    # masked in this launch: every program ORs the same bits (fixed during the launch: a sender rewrites its entry only
+    # after this receive released it); the last program writes them into the mask words.
+    d2m = tl.where(in_e, d2, -1)
+    live2 = in_e & _decided_live(dec, d2m) & ~_adopted_like(my_sig, sig_sb, sig_ss, dec, status_ptr, rank, R, d2m)
     slot2 = offs_t.to(tl.int64)[:, None] * K + kk[None, :]
     st2 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
     v2 = live2 & (st2 == (own | (d2 + 1)))
@@ -359,9 +349,11 @@ def _comb_recv_body_ll(
     # Step 3: the last program resets the full words and frees our area on every expert rank.
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
-        _decision_reset(status_ptr, R)
-        sig_ss = _sig_stride(R)
-        sig_sb = _comb_sig_word(R)
+        if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+            for d in range(R):
+                if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, d):
+                    _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)
+        _decision_reset(dec, R)
         for d in range(R):
             tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:
