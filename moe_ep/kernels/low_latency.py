@@ -71,6 +71,7 @@ from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layou
     _wait,
     _wait_landed,
     _write_mask_bits,
+    _write_signature,
     signal_layout,
 )
 from .signals import (
@@ -144,6 +145,7 @@ def _ll_dispatch_send_kernel(
     stage_off=0,  # bytes: [E] int32 count staging of this slot (TRANSPORT == NVSHMEM)
     TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024,  # PEER / NVSHMEM (moe_ep.kernels.transport); copy chunk
     sig_copy_off=0,  # bytes: this slot's 16-byte copy of the signature, the publish put's source (NVSHMEM)
+    call_sig0=0, call_sig1=0, call_sig2=0, call_sig3=0,  # this call's signature (hidden, T, E * 256 + K, flags)
 ):
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -320,11 +322,14 @@ def _ll_dispatch_send_kernel(
         seq = w & SEQ_MASK
         tl.store(status_ptr + STATUS_SEQ, (w - seq) | ((seq + 1) & SEQ_MASK))
         tl.store(stamp_ptr + R, seq)
+        # This call's signature into this rank's own entry (this rank's receive compares every source's with it; the
+        # publish below copies it to every peer): written here, no host write per call.
+        sig_ss = _sig_stride(R)
+        sig_sb = _disp_sig_word(R)
+        _write_signature(my_sig, sig_sb, rank, sig_ss, call_sig0, call_sig1, call_sig2, call_sig3)
         if tl.load(status_ptr, volatile=True) == 0:
             # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md,
             # "Agreement across survivors")
-            sig_ss = _sig_stride(R)
-            sig_sb = _disp_sig_word(R)
             _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
             nw = _sig_payload_words(status_ptr, R)
             if TRANSPORT == NVSHMEM:

@@ -25,6 +25,7 @@ from .low_latency_common import (
     _status_ok,
     _wait,
     _write_mask_bits,
+    _write_signature,
 )
 from .signals import (
     SEQ_BAD_EXPERT,
@@ -125,6 +126,7 @@ def _comb_send_body_ll(
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
     FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
     stage_off, TRANSPORT: tl.constexpr, CH: tl.constexpr, ROW_BYTES: tl.constexpr, sig_copy_off=0,
+    call_sig0=0, call_sig1=0, call_sig2=0, call_sig3=0,
 ):
     CS: tl.constexpr = (2 * H + 15) // 16 * 16 + 16
     s = tl.program_id(0)
@@ -207,10 +209,13 @@ def _comb_send_body_ll(
     # until that many have landed (docs/protocols.md, "NVSHMEM: no quiet on the hot path").
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
+        # This call's signature into this rank's own entry (the same four words from each source's publishing program;
+        # this rank's receive compares every expert rank's with it, the publish below copies it to s).
+        sig_ss = _sig_stride(R)
+        sig_sb = _comb_sig_word(R)
+        _write_signature(my_sig, sig_sb, rank, sig_ss, call_sig0, call_sig1, call_sig2, call_sig3)
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
             # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md)
-            sig_ss = _sig_stride(R)
-            sig_sb = _comb_sig_word(R)
             _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
             nw = _sig_payload_words(status_ptr, R)
             puts = 0
@@ -379,12 +384,14 @@ def _ll_combine_send_kernel(
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+    call_sig0=0, call_sig1=0, call_sig2=0, call_sig3=0,  # this call's signature (hidden, T, E * 256 + K, flags)
 ):
     """BF16 payloads: see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, stamp_ptr, buffer_ptrs,
                        signal_ptrs,
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
-                       COMB_FULL, COMB_SEND_CNT, 0, False, False, 0, 0, 1, 2 * H)
+                       COMB_FULL, COMB_SEND_CNT, 0, False, False, 0, 0, 1, 2 * H, 0, call_sig0, call_sig1, call_sig2,
+                       call_sig3)
 
 
 @triton.jit
@@ -400,13 +407,14 @@ def _ll_combine_send_fmt_kernel(
     stage_off=0,  # bytes: [L * R*T, 16 + 2H] combine staging of this slot (stamp header + row) (NVSHMEM)
     TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024, ROW_BYTES: tl.constexpr = 0,  # ROW_BYTES: wire bytes per row
     sig_copy_off=0,  # bytes: this slot's [R, 4 sig_stride(R) bytes] signature copies, the publish puts' sources (NVSHMEM)
+    call_sig0=0, call_sig1=0, call_sig2=0, call_sig3=0,  # this call's signature (hidden, T, E * 256 + K, flags)
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, stamp_ptr, buffer_ptrs,
                        signal_ptrs,
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
                        COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8, stage_off, TRANSPORT, CH, ROW_BYTES,
-                       sig_copy_off)
+                       sig_copy_off, call_sig0, call_sig1, call_sig2, call_sig3)
 
 
 @triton.jit

@@ -103,6 +103,17 @@ def _clear_signature(my_sig, base, r, stride):
 
 
 @triton.jit
+def _write_signature(my_sig, base, rank, stride, w0, w1, w2, w3):
+    """This rank's call signature (4 words) into its own entry of a signature area (the send's publishing program,
+    before it publishes: the publish copies the entry to the peers)."""
+    at = my_sig + base + stride * rank
+    tl.store(at, w0)
+    tl.store(at + 1, w1)
+    tl.store(at + 2, w2)
+    tl.store(at + 3, w3)
+
+
+@triton.jit
 def _signature_differs(my_sig, base, rank, src, stride=4):
     """Whether source ``src``'s published call signature differs from this rank's (after the FULL acquire);
     ``stride``: words per entry (4 in normal mode, ``_sig_stride(R)`` in low latency)."""
