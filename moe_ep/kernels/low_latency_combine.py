@@ -64,11 +64,12 @@ def _cs(H):
 
 
 @triton.jit
-def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT,
+def _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT,
                           H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
                           FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, GS: tl.constexpr,
                           STAGED: tl.constexpr):
-    """Encode the rows of (t, k) selections (16-bit ``x`` as int16) into slot ``(t, k)`` of ``dst8`` (``GS``: channels
+    """Encode the rows of (t, k) selections (16-bit ``x`` as int16; ``srow``: the tokens' ``slot_row`` rows, ``t_ok``:
+    the tokens to send) into slot ``(t, k)`` of ``dst8`` (``GS``: channels
     per group, 128 for FP8, 64 for LogFMT); ``STAGED``: into the staging row of the expert row instead (``2H`` bytes
     per row of ``x``'s ``[L, R*T]`` rows)."""
     NG: tl.constexpr = HC // GS
@@ -76,7 +77,7 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, R
     dst32 = dst8.to(tl.pointer_type(tl.int32), bitcast=True)
     offs_c = tl.arange(0, GS)
     for k in tl.static_range(K):
-        src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+        src = tl.load(srow + k, mask=t_ok, other=-1)  # (a vector read per k: see _comb_send_body_ll)
         v_ok = src >= 0
         e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
         r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
@@ -143,8 +144,10 @@ def _comb_send_body_ll(
     kk = tl.arange(0, KP)
     offs_t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t) & _live_like(status_ptr, rank, s, offs_t)
-    slot = tl.load(slot_row_ptr + (s * T + offs_t)[:, None] * K + kk[None, :], mask=t_ok[:, None] & (kk < K)[None, :],
-                   other=-1)
+    # NOTES: each k's expert row is read from global as a [BLOCK_T] vector (``srow + k``), never extracted from a
+    # [BLOCK_T, KP] tile by a cross-thread reduction (``tl.sum(tl.where(kk == k, ...))``): on an H200 with triton 3.6
+    # those reductions raced in shared memory in the dispatch receive and sent rows to the wrong place.
+    srow = slot_row_ptr + (s * T + offs_t).to(tl.int64) * K
     # NVSHMEM: every row is written to this rank's staging row of its expert row first (step 2b moves it).
     if TRANSPORT == PEER:
         dst_rank = s
@@ -157,7 +160,7 @@ def _comb_send_body_ll(
     stamp = (tl.load(stamp_ptr + s) << 16) | (rank + 1)
     dst32s = _peer(buffer_ptrs, dst_rank, dst_off, tl.int32)
     for k in tl.static_range(K):
-        sel = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+        sel = tl.load(srow + k, mask=t_ok, other=-1)
         if TRANSPORT == PEER:
             at_s = offs_t.to(tl.int64) * K + k
         else:
@@ -171,7 +174,7 @@ def _comb_send_body_ll(
             offs_h = h0 + tl.arange(0, HC)
             h_ok = offs_h < H
             for k in tl.static_range(K):
-                src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+                src = tl.load(srow + k, mask=t_ok, other=-1)
                 v_ok = src >= 0
                 e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
                 r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
@@ -187,10 +190,10 @@ def _comb_send_body_ll(
         # keeps its 2H bytes, the encoded row uses the first row_bytes(FMT, H) of them.
         dst8 = _peer(buffer_ptrs, dst_rank, dst_off, tl.uint8)
         if FMT == 2:
-            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
                                   NATIVE_FP8, 128, TRANSPORT == NVSHMEM)
         else:
-            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
                                   NATIVE_FP8, 64, TRANSPORT == NVSHMEM)
     if TRANSPORT == NVSHMEM:
         # Step 2b: each staged row (its wire bytes) to slot (t, k) of source s.
