@@ -199,9 +199,10 @@ def _live_vec(status_ptr, rank, peers, R):
 @triton.jit
 def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_off, R):
     """``wait_ne``, or with enable_shrink ``wait_ne_masked``: skip masked peers, mask on timeout (the heartbeat
-    words are word ``_hb_word(R)`` of this slot, :func:`signal_layout`)."""
+    words are word ``_hb_word(R)`` of slot 0, :func:`signal_layout`, whatever slot and kind the wait is in: a peer
+    still waiting in the previous call, or in the other operation, beats in the word this wait reads)."""
     if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
-        hb = sig_off + _hb_word(R)
+        hb = _hb_word(R)  # (one word per rank, not per slot: readable across the call boundary)
         # A peer with no load/store mapping (table entry 0: the nvshmem transport across nodes) has no readable
         # heartbeat: a word nobody writes during a launch is read instead (this rank's local STATUS_SHRINK word,
         # 1 here), so the wait is a plain timeout_s. (Not this rank's own heartbeat word: the wait itself rewrites
