@@ -19,11 +19,12 @@ Region of one rank (``SymmBuffer.buffer`` and ``SymmBuffer.signals`` are views i
     [0, nbytes)                               data (uint8), carved by the backend
     [nbytes_aligned, + 4 * num_signals)       signals (int32), zero at creation
 
-``status`` (int32 ``[5 + R]``, local, never addressed by peers): word 0 is ``peer + 1`` of the first wait
+``status`` (int32 ``[4 + 5 R]``, local, never addressed by peers): word 0 is ``peer + 1`` of the first wait
 that timed out (:mod:`moe_ep.kernels.signals`); :meth:`SymmBuffer.check_status` turns it into a
 :class:`moe_ep.RankTimeoutError`. Word 1 = 1 turns rank masking on (``enable_shrink``) and words ``4 + r``
-hold rank r's mask word (low-latency kernels read them; a timed-out wait sets one instead of word 0). Word
-``4 + R``: the low-latency receives' liveness decision word (0 between launches, docs/protocols.md).
+hold rank r's mask word (low-latency kernels read them; a timed-out wait sets one instead of word 0). Words
+``4 + R + (2 kind + slot) R + p``: the low-latency receives' verdicts on source ``p`` (kind 0 dispatch, 1 combine,
+double-buffer slot; 0 between launches, docs/protocols.md).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class SymmBuffer:
         self.signal_ptrs = torch.tensor([a + sig_off for a in peer_addrs], dtype=torch.int64).to(self.device)
         # word 0: timeout / error report; word 1: enable_shrink flag; words 4..4+R: the rank mask (low-latency);
         # word 4+R: the low-latency receives' per-launch liveness decision (zero between launches)
-        self.status = torch.zeros(5 + world_size, dtype=torch.int32, device=self.device)
+        self.status = torch.zeros(4 + 5 * world_size, dtype=torch.int32, device=self.device)
         self._keepalive = keepalive  # mmaps / symmetric-memory handles that must outlive the tables
         self._arrival = arrival
         self._pending: list = []  # (event, pinned status copy, what) for CUDA status checks

@@ -26,6 +26,10 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("MOE_EP_PROGRAM_ORDER"):  # forward / reverse / random[:SEED]: moe_ep.testing.program_order
+        from moe_ep.testing.program_order import set_program_order_from_env
+
+        set_program_order_from_env()
 
 import pytest  # noqa: E402
 

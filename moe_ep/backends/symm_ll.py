@@ -204,9 +204,7 @@ class SymmLowLatency(_LowLatencyControl):
         # flags: dispatch kind (1), FP8 / rounding / UE8M0, and the 16-bit dtype of a BF16/FP16 send (bits are copied
         # as they are, so BF16 on one rank and FP16 on another must not match)
         f16 = int(not use_fp8 and x.dtype == torch.float16)
-        self._write_signature(slot, "DISP_SIG", (hidden, T, E * 256 + K,
-                                                 1 | int(use_fp8) << 1 | int(round_scale) << 2 | int(use_ue8m0) << 3
-                                                 | f16 << 4))
+        call_sig = (hidden, T, E * 256 + K, 1 | int(use_fp8) << 1 | int(round_scale) << 2 | int(use_ue8m0) << 3 | f16 << 4)
         _ll_dispatch_send_kernel[grid](
             x_arg, topk, symm.buffer_ptrs, symm.signal_ptrs, symm.status, handle.call_stamps,
             symm.rank, n, T, L, E, R, num_token_progs, symm.timeout_ns,
@@ -216,7 +214,8 @@ class SymmLowLatency(_LowLatencyControl):
             NATIVE_FP8=use_fp8 and native_e4m3_supported(dev),
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"],
             stage_off=self._stage_base(lay, slot) + lay.cnt_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
-            sig_copy_off=self._stage_base(lay, slot), num_warps=warps, **self._nvshmem_launch(dev))
+            sig_copy_off=self._stage_base(lay, slot), **self._call_signature(call_sig), num_warps=warps,
+            **self._nvshmem_launch(dev))
         symm.check_status("low_latency_dispatch (send)")
         self._dispatch_slot ^= 1
         self._open["DISP"] += 1
@@ -324,8 +323,7 @@ class SymmLowLatency(_LowLatencyControl):
         base = self._slot_base(slot, lay)
         s = self.sig
         x16 = x.view(torch.int16)
-        self._write_signature(slot, "COMB_SIG", (hidden, T, handle.num_experts * 256 + K,
-                                                 16 | int(fmt) << 5 | int(in_f16) << 9))
+        call_sig = (hidden, T, handle.num_experts * 256 + K, 16 | int(fmt) << 5 | int(in_f16) << 9)
         _ll_combine_send_fmt_kernel[(R, triton.cdiv(T, block_t))](
             x16, x16.stride(0), x16.stride(1), handle.slot_row, handle.recv_tokens, handle.call_stamps,
             symm.buffer_ptrs, symm.signal_ptrs, symm.status,
@@ -335,7 +333,7 @@ class SymmLowLatency(_LowLatencyControl):
             FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev),
             stage_off=self._stage_base(lay, slot) + lay.comb_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
             ROW_BYTES=row_bytes(fmt, hidden), sig_copy_off=self._stage_base(lay, slot) + 4 * self.sig["SIG_STRIDE"],
-            num_warps=warps, **self._nvshmem_launch(dev))
+            **self._call_signature(call_sig), num_warps=warps, **self._nvshmem_launch(dev))
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1
         self._open["COMB"] += 1

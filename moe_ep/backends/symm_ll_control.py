@@ -6,7 +6,7 @@ attributes it uses: ``symm``, ``sig``, ``transport``, ``mask``, ``_api``, ``_shr
 
 - sizes: signal words and data bytes per rank, the capacity check of a call's shapes, where each slot and each
   nvshmem staging area starts in the data region;
-- call signatures: this rank's signature into its slot, and the status check that names the fields two ranks
+- call signatures: the send kernels' signature arguments, and the status check that names the fields two ranks
   disagree on, or (error path, docs/protocols.md) the peer that called the other operation;
 - launches: interpreter or compiled, the nvshmem launch options and copy chunk, the BUSY release of the nvshmem
   transport;
@@ -44,13 +44,12 @@ class _LowLatencyControl:
 
     _SIG_FIELDS = ("hidden", "T (num_max_dispatch_tokens_per_rank)", "num_experts * 256 + top-k", "kind/format flags")
 
-    def _write_signature(self, slot: int, which: str, values: tuple) -> None:
-        """This rank's call signature into its own entry of the slot (device writes, no host read; the
-        send kernel copies it to every peer before it releases FULL, the receive kernel compares)."""
-        rank = self.symm.rank
-        at = slot * self.sig["SLOT_WORDS"] + self.sig[which] + self.sig["SIG_STRIDE"] * rank
-        for w, v in enumerate(values):
-            self.symm.signals[at + w].fill_(int(v))
+    @staticmethod
+    def _call_signature(values: tuple) -> dict:
+        """The send kernels' arguments of this call's signature: the kernel's publishing program writes it into this
+        rank's own entry of the slot before it copies it to the peers (no host write per call; the receive kernel
+        compares)."""
+        return {f"call_sig{w}": int(v) for w, v in enumerate(values)}
 
     def _check_status_naming_fields(self, what: str, slot: int, which: str) -> None:
         """``check_status``; a call-signature mismatch is re-raised naming the fields that differ (error path

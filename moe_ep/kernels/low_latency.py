@@ -34,7 +34,7 @@ Signals (int32 words of each rank's signal region; ``sig_off`` selects the doubl
     DISP_SIG / COMB_SIG + SIG_STRIDE r   on every receiver: the call signature of rank r (hidden, T,
                      E * 256 + K, flags), then (enable_shrink) r's timeout-masked ranks as bits, copied there by r
                      before it releases FULL; the receiver compares the signature with its own entry (written by its
-                     host before its send) and reports a mismatch in its status word (``STATUS_SIG_MISMATCH - r``)
+                     own send's publishing program, from the kernel's ``call_sig*`` arguments) and reports a mismatch in its status word (``STATUS_SIG_MISMATCH - r``)
                      instead of reading rows laid out for another call; it adopts the mask bits of live senders
                      (docs/protocols.md, "Agreement across survivors")
 
@@ -63,14 +63,16 @@ from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layou
     _sig_stride,
     _signature_differs,
     _clear_signature,
-    _decided,
+    _decide,
+    _decided_live,
     _decision_base,
     _decision_reset,
+    _decision_words,
     _status_ok,
     _wait,
-    _wait_decided,
     _wait_landed,
     _write_mask_bits,
+    _write_signature,
     signal_layout,
 )
 from .signals import (
@@ -138,6 +140,7 @@ def _ll_dispatch_send_kernel(
     stage_off=0,  # bytes: [E] int32 count staging of this slot (TRANSPORT == NVSHMEM)
     TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024,  # PEER / NVSHMEM (moe_ep.kernels.transport); copy chunk
     sig_copy_off=0,  # bytes: this slot's 16-byte copy of the signature, the publish put's source (NVSHMEM)
+    call_sig0=0, call_sig1=0, call_sig2=0, call_sig3=0,  # this call's signature (hidden, T, E * 256 + K, flags)
 ):
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -314,11 +317,14 @@ def _ll_dispatch_send_kernel(
         seq = w & SEQ_MASK
         tl.store(status_ptr + STATUS_SEQ, (w - seq) | ((seq + 1) & SEQ_MASK))
         tl.store(stamp_ptr + R, seq)
+        # This call's signature into this rank's own entry (this rank's receive compares every source's with it; the
+        # publish below copies it to every peer): written here, no host write per call.
+        sig_ss = _sig_stride(R)
+        sig_sb = _disp_sig_word(R)
+        _write_signature(my_sig, sig_sb, rank, sig_ss, call_sig0, call_sig1, call_sig2, call_sig3)
         if tl.load(status_ptr, volatile=True) == 0:
             # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md,
             # "Agreement across survivors")
-            sig_ss = _sig_stride(R)
-            sig_sb = _disp_sig_word(R)
             _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
             nw = _sig_payload_words(status_ptr, R)
             if TRANSPORT == NVSHMEM:
@@ -359,31 +365,25 @@ def _ll_dispatch_recv_kernel(
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
     buf32 = buf_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
 
-    # Step 1: liveness is decided once for the whole launch (docs/protocols.md, "A late or dead peer"): program
-    # (0, 0) alone waits on every source in order (only it can mask one), checks its call signature, and publishes
-    # "sources 0..sp decided" after each; program (s, b) goes on once sources 0..s are decided (the offsets need
-    # the earlier sources' counts), so copying source s's tokens still overlaps with waiting for later sources.
+    # Step 1: sources 0..s (the offsets need the earlier sources' counts, this program copies source s's rows). Each
+    # program polls them itself; the launch's verdict on each source is made once, by the first program to reach one
+    # (compare-and-swap in the source's decision word), and adopted by the others (docs/protocols.md, "A late or dead
+    # peer"): no program waits for another program of this launch.
     base = _decision_base(tl.load(stamp_ptr + R), 0)  # stamp_ptr[R]: this call's stamp (this rank's send wrote it)
-    if (s == 0) & (b == 0):
-        if HAS_WAIT_STATS:
-            t_start = now_ns()
-        sig_ss = _sig_stride(R)
-        sig_sb = _disp_sig_word(R)
-        for sp in range(R):
-            _wait(my_sig + DISP_FULL + 2 * sp, 0, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R)
-            # NVSHMEM: and every data put of sp has landed (the FULL word's high half is back to 0)
-            _wait_landed(my_sig, DISP_FULL + 2 * sp, status_ptr, rank, sp, timeout_ns, signal_ptrs, TRANSPORT)
-            if HAS_WAIT_STATS:  # how long this receive waited (from its start) until source sp had sent
-                tl.atomic_add(wait_stats_ptr + sp, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
-            # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
-            if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
-                if _signature_differs(my_sig, sig_sb, rank, sp, sig_ss):
-                    report_error(status_ptr, -16 - sp)  # STATUS_SIG_MISMATCH - sp
-            _decided(status_ptr, R, base + sp + 1)
-    _wait_decided(status_ptr, rank, R, base + s + 1, base + R, timeout_ns)
+    dec = _decision_words(status_ptr, R, sig_off, 0)
+    sig_ss = _sig_stride(R)
+    sig_sb = _disp_sig_word(R)
+    t_start = 0
+    if HAS_WAIT_STATS:
+        t_start = now_ns()
+    live_s = _decide(dec, base, my_sig, DISP_FULL + 2 * s, status_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R,
+                     sig_sb, sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS, TRANSPORT)
+    for sp in range(s):  # (program (R-1, 0) thus has every source decided: it counts their rows, step 2)
+        _decide(dec, base, my_sig, DISP_FULL + 2 * sp, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R,
+                sig_sb, sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS, TRANSPORT)
     v_s = load_acquire(my_sig + DISP_FULL + 2 * s)
     n_s = (v_s & 0xFFFF) - 1  # FULL = stamp << 16 | (N + 1)
-    ok = (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s)
+    ok = (tl.load(status_ptr, volatile=True) == 0) & live_s
     n_s = tl.where(ok, tl.minimum(tl.maximum(n_s, 0), T), 0)
     tl.debug_barrier()
     RT = R * T
@@ -393,7 +393,7 @@ def _ll_dispatch_recv_kernel(
         rr = tl.arange(0, RP)
         ll = tl.arange(0, LP)
         cnt = tl.load(buf32 + cnt_off // 4 + rr[:, None] * L + ll[None, :],
-                      mask=((rr < R) & _status_ok(status_ptr, rr) & _live_vec(status_ptr, rank, rr, R))[:, None]
+                      mask=((rr < R) & _status_ok(status_ptr, rr) & _decided_live(dec, tl.where(rr < R, rr, -1)))[:, None]
                       & (ll < L)[None, :],
                       other=0)
         total = tl.sum(cnt, axis=0)
@@ -426,8 +426,7 @@ def _ll_dispatch_recv_kernel(
     le = tl.where(is_local, idx - lo, 0)
     off = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
     for sp in range(s):
-        off += tl.load(buf32 + cnt_off // 4 + sp * L + le, mask=is_local & _live_like(status_ptr, rank, sp, le),
-                       other=0)
+        off += tl.load(buf32 + cnt_off // 4 + sp * L + le, mask=is_local & _decided_live(dec, sp + le * 0), other=0)
     row = off + pos
     # NOTES: bounds-checked so that stale or missing data (after a timeout) never writes out of range.
     valid = is_local & (pos >= 0) & (row >= 0) & (row < RT)
@@ -471,11 +470,10 @@ def _ll_dispatch_recv_kernel(
                      mask=d_ok[:, None] & w_ok[None, :])
 
     # Step 5: the last program resets the full words and frees every source's slot (busy = 0 there).
-    # NOTES: every program arrives after its _wait_decided and program (0, 0) waited on every source, so when
-    # the last one arrives every full word has been observed and every read is done.
+    # NOTES: every program arrives after its verdicts and program (R-1, 0) needed every source, so when the last one
+    # arrives every source is decided and every read is done.
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
-        _decision_reset(status_ptr, R)
         # enable_shrink: adopt the ranks each live source masked by timeout (its bits came with its signature). Here,
         # after every program's reads, so the launch kept one live set; they count from the next phase on (this
         # rank's combine neither sends to them nor waits for them). Before the releases: they get none.
@@ -483,8 +481,9 @@ def _ll_dispatch_recv_kernel(
         sig_sb = _disp_sig_word(R)
         if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
             for sp in range(R):
-                if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, sp):
+                if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, sp):
                     _adopt_masks(my_sig, sig_sb, rank, sp, status_ptr, R, sig_ss)
+        _decision_reset(dec, R)
         for sp in range(R):
             tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)

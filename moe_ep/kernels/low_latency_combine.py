@@ -12,26 +12,26 @@ from .low_latency_common import (
     _bf16_bits,
     _clear_signature,
     _comb_sig_word,
-    _decided,
+    _adopted_like,
+    _decide,
+    _decided_live,
     _decision_base,
     _decision_reset,
+    _decision_words,
     _live,
     _live_like,
     _sig_payload_words,
     _sig_stride,
-    _signature_differs,
     _status_ok,
     _wait,
-    _wait_decided,
-    _wait_landed,
     _write_mask_bits,
+    _write_signature,
 )
 from .signals import (
     SEQ_BAD_EXPERT,
     SEQ_MASK,
     SEQ_STALE_ROW,
     STATUS_BAD_EXPERT,
-    STATUS_MASK,
     STATUS_SEQ,
     STATUS_SHRINK,
     STATUS_STALE_ROW,
@@ -64,11 +64,12 @@ def _cs(H):
 
 
 @triton.jit
-def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT,
+def _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT,
                           H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
                           FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, GS: tl.constexpr,
                           STAGED: tl.constexpr):
-    """Encode the rows of (t, k) selections (16-bit ``x`` as int16) into slot ``(t, k)`` of ``dst8`` (``GS``: channels
+    """Encode the rows of (t, k) selections (16-bit ``x`` as int16; ``srow``: the tokens' ``slot_row`` rows, ``t_ok``:
+    the tokens to send) into slot ``(t, k)`` of ``dst8`` (``GS``: channels
     per group, 128 for FP8, 64 for LogFMT); ``STAGED``: into the staging row of the expert row instead (``2H`` bytes
     per row of ``x``'s ``[L, R*T]`` rows)."""
     NG: tl.constexpr = HC // GS
@@ -76,7 +77,7 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, R
     dst32 = dst8.to(tl.pointer_type(tl.int32), bitcast=True)
     offs_c = tl.arange(0, GS)
     for k in tl.static_range(K):
-        src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+        src = tl.load(srow + k, mask=t_ok, other=-1)  # (a vector read per k: see _comb_send_body_ll)
         v_ok = src >= 0
         e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
         r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
@@ -126,6 +127,7 @@ def _comb_send_body_ll(
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
     FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr,
     stage_off, TRANSPORT: tl.constexpr, CH: tl.constexpr, ROW_BYTES: tl.constexpr, sig_copy_off=0,
+    call_sig0=0, call_sig1=0, call_sig2=0, call_sig3=0,
 ):
     CS: tl.constexpr = (2 * H + 15) // 16 * 16 + 16
     s = tl.program_id(0)
@@ -142,8 +144,10 @@ def _comb_send_body_ll(
     kk = tl.arange(0, KP)
     offs_t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t) & _live_like(status_ptr, rank, s, offs_t)
-    slot = tl.load(slot_row_ptr + (s * T + offs_t)[:, None] * K + kk[None, :], mask=t_ok[:, None] & (kk < K)[None, :],
-                   other=-1)
+    # NOTES: each k's expert row is read from global as a [BLOCK_T] vector (``srow + k``), never extracted from a
+    # [BLOCK_T, KP] tile by a cross-thread reduction (``tl.sum(tl.where(kk == k, ...))``): on an H200 with triton 3.6
+    # those reductions raced in shared memory in the dispatch receive and sent rows to the wrong place.
+    srow = slot_row_ptr + (s * T + offs_t).to(tl.int64) * K
     # NVSHMEM: every row is written to this rank's staging row of its expert row first (step 2b moves it).
     if TRANSPORT == PEER:
         dst_rank = s
@@ -156,7 +160,7 @@ def _comb_send_body_ll(
     stamp = (tl.load(stamp_ptr + s) << 16) | (rank + 1)
     dst32s = _peer(buffer_ptrs, dst_rank, dst_off, tl.int32)
     for k in tl.static_range(K):
-        sel = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+        sel = tl.load(srow + k, mask=t_ok, other=-1)
         if TRANSPORT == PEER:
             at_s = offs_t.to(tl.int64) * K + k
         else:
@@ -170,7 +174,7 @@ def _comb_send_body_ll(
             offs_h = h0 + tl.arange(0, HC)
             h_ok = offs_h < H
             for k in tl.static_range(K):
-                src = tl.sum(tl.where(kk[None, :] == k, slot, 0), axis=1)
+                src = tl.load(srow + k, mask=t_ok, other=-1)
                 v_ok = src >= 0
                 e_k = tl.where(v_ok, src // RT, 0).to(tl.int64)
                 r_k = tl.where(v_ok, src % RT, 0).to(tl.int64)
@@ -186,10 +190,10 @@ def _comb_send_body_ll(
         # keeps its 2H bytes, the encoded row uses the first row_bytes(FMT, H) of them.
         dst8 = _peer(buffer_ptrs, dst_rank, dst_off, tl.uint8)
         if FMT == 2:
-            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
                                   NATIVE_FP8, 128, TRANSPORT == NVSHMEM)
         else:
-            _combine_send_encoded(x_ptr, stride_xl, stride_xr, slot, kk, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
                                   NATIVE_FP8, 64, TRANSPORT == NVSHMEM)
     if TRANSPORT == NVSHMEM:
         # Step 2b: each staged row (its wire bytes) to slot (t, k) of source s.
@@ -208,10 +212,13 @@ def _comb_send_body_ll(
     # until that many have landed (docs/protocols.md, "NVSHMEM: no quiet on the hot path").
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
+        # This call's signature into this rank's own entry (the same four words from each source's publishing program;
+        # this rank's receive compares every expert rank's with it, the publish below copies it to s).
+        sig_ss = _sig_stride(R)
+        sig_sb = _comb_sig_word(R)
+        _write_signature(my_sig, sig_sb, rank, sig_ss, call_sig0, call_sig1, call_sig2, call_sig3)
         if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
             # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md)
-            sig_ss = _sig_stride(R)
-            sig_sb = _comb_sig_word(R)
             _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
             nw = _sig_payload_words(status_ptr, R)
             puts = 0
@@ -250,34 +257,21 @@ def _comb_recv_body_ll(
     num_progs = tl.num_programs(0) * tl.num_programs(1)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
-    # Step 1: every expert rank has published its outputs for us, or is masked. Liveness is decided once for the
-    # whole launch (docs/protocols.md, "A late or dead peer"): program (0, 0) alone waits (only it can mask a rank
-    # during this launch), reports per rank how long it waited from its start until that rank had published,
-    # checks the call signatures (an expert rank that combined a different call sets the status word: the output
-    # below is then NaN and the host raises naming it), and publishes the decision; the other programs wait for it.
+    # Step 1: every expert rank has published its outputs for us, or is not live. Each program polls every rank
+    # itself; the launch's verdict on each rank is made once, by the first program to reach one (compare-and-swap in
+    # the rank's decision word, after the call-signature check: a rank that combined a different call sets the status
+    # word, the output below is then NaN and the host raises naming it), and adopted by the others (docs/protocols.md,
+    # "A late or dead peer"): no program waits for another program of this launch.
     base = _decision_base(tl.load(stamp_ptr + R), 1)  # stamp_ptr[R]: this rank's stamp of this call
-    if (pid_t == 0) & (pid_h == 0):
-        if HAS_WAIT_STATS:
-            t_start = now_ns()
-        for d in range(R):
-            _wait(my_sig + COMB_FULL + 2 * d, 0, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
-            _wait_landed(my_sig, COMB_FULL + 2 * d, status_ptr, rank, d, timeout_ns, signal_ptrs, TRANSPORT)
-            if HAS_WAIT_STATS:
-                tl.atomic_add(wait_stats_ptr + d, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
-        # enable_shrink: and adopt the ranks each live expert rank (same call) masked by timeout (bits with its
-        # signature), in rank order, before the decision: every program of this launch, and the mask after it,
-        # count them as masked.
-        sig_ss = _sig_stride(R)
-        sig_sb = _comb_sig_word(R)
-        shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0
-        for d in range(R):
-            if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, d):
-                if _signature_differs(my_sig, sig_sb, rank, d, sig_ss):
-                    report_error(status_ptr, -16 - d)  # STATUS_SIG_MISMATCH - d
-                elif shrink:
-                    _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)
-        _decided(status_ptr, R, base + R)
-    _wait_decided(status_ptr, rank, R, base + R, base + R, timeout_ns)
+    dec = _decision_words(status_ptr, R, sig_off, 1)
+    sig_ss = _sig_stride(R)
+    sig_sb = _comb_sig_word(R)
+    t_start = 0
+    if HAS_WAIT_STATS:
+        t_start = now_ns()
+    for d in range(R):
+        _decide(dec, base, my_sig, COMB_FULL + 2 * d, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R, sig_sb,
+                sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS, TRANSPORT)
     tl.debug_barrier()
 
     # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
@@ -308,7 +302,11 @@ def _comb_recv_body_ll(
     e2 = tl.load(topk_ptr + offs_t[:, None] * K + kk[None, :], mask=tk, other=-1)
     in_e = (e2 >= 0) & (e2 < E) & tk
     d2 = tl.where(in_e, e2 // L, 0).to(tl.int32)
-    live2 = in_e & (tl.load(status_ptr + STATUS_MASK + d2, mask=in_e, other=1, volatile=True) == 0)
+    # enable_shrink: the ranks the live expert ranks (same call) masked by timeout (bits with their signatures) count as
+    # masked in this launch: every program ORs the same bits (fixed during the launch: a sender rewrites its entry only
+    # after this receive released it); the last program writes them into the mask words.
+    d2m = tl.where(in_e, d2, -1)
+    live2 = in_e & _decided_live(dec, d2m) & ~_adopted_like(my_sig, sig_sb, sig_ss, dec, status_ptr, rank, R, d2m)
     slot2 = offs_t.to(tl.int64)[:, None] * K + kk[None, :]
     st2 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
     v2 = live2 & (st2 == (own | (d2 + 1)))
@@ -359,9 +357,11 @@ def _comb_recv_body_ll(
     # Step 3: the last program resets the full words and frees our area on every expert rank.
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
-        _decision_reset(status_ptr, R)
-        sig_ss = _sig_stride(R)
-        sig_sb = _comb_sig_word(R)
+        if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+            for d in range(R):
+                if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, d):
+                    _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)
+        _decision_reset(dec, R)
         for d in range(R):
             tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:
@@ -387,12 +387,14 @@ def _ll_combine_send_kernel(
     comb_off, sig_off,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
     COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
+    call_sig0=0, call_sig1=0, call_sig2=0, call_sig3=0,  # this call's signature (hidden, T, E * 256 + K, flags)
 ):
     """BF16 payloads: see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, stamp_ptr, buffer_ptrs,
                        signal_ptrs,
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
-                       COMB_FULL, COMB_SEND_CNT, 0, False, False, 0, 0, 1, 2 * H)
+                       COMB_FULL, COMB_SEND_CNT, 0, False, False, 0, 0, 1, 2 * H, 0, call_sig0, call_sig1, call_sig2,
+                       call_sig3)
 
 
 @triton.jit
@@ -408,13 +410,14 @@ def _ll_combine_send_fmt_kernel(
     stage_off=0,  # bytes: [L * R*T, 16 + 2H] combine staging of this slot (stamp header + row) (NVSHMEM)
     TRANSPORT: tl.constexpr = 0, CH: tl.constexpr = 1024, ROW_BYTES: tl.constexpr = 0,  # ROW_BYTES: wire bytes per row
     sig_copy_off=0,  # bytes: this slot's [R, 4 sig_stride(R) bytes] signature copies, the publish puts' sources (NVSHMEM)
+    call_sig0=0, call_sig1=0, call_sig2=0, call_sig3=0,  # this call's signature (hidden, T, E * 256 + K, flags)
 ):
     """Any combine format (``FMT``: :mod:`moe_ep.kernels.logfmt` codes) and transport: see :func:`_comb_send_body_ll`."""
     _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, stamp_ptr, buffer_ptrs,
                        signal_ptrs,
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
                        COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8, stage_off, TRANSPORT, CH, ROW_BYTES,
-                       sig_copy_off)
+                       sig_copy_off, call_sig0, call_sig1, call_sig2, call_sig3)
 
 
 @triton.jit

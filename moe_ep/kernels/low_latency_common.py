@@ -15,8 +15,8 @@ from .signals import (
     load_acquire,
     now_ns,
     peer_masked,
+    report_error,
     report_timeout,
-    signal_release,
     wait_ne,
     wait_ne_masked,
 )
@@ -100,6 +100,17 @@ def _clear_signature(my_sig, base, r, stride):
     for w0 in range(0, stride, 16):  # (one vector store up to 352 ranks)
         w = w0 + tl.arange(0, 16)
         tl.store(my_sig + base + stride * r + w, tl.zeros([16], tl.int32), mask=w < stride)
+
+
+@triton.jit
+def _write_signature(my_sig, base, rank, stride, w0, w1, w2, w3):
+    """This rank's call signature (4 words) into its own entry of a signature area (the send's publishing program,
+    before it publishes: the publish copies the entry to the peers)."""
+    at = my_sig + base + stride * rank
+    tl.store(at, w0)
+    tl.store(at + 1, w1)
+    tl.store(at + 2, w2)
+    tl.store(at + 3, w3)
 
 
 @triton.jit
@@ -188,9 +199,10 @@ def _live_vec(status_ptr, rank, peers, R):
 @triton.jit
 def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_off, R):
     """``wait_ne``, or with enable_shrink ``wait_ne_masked``: skip masked peers, mask on timeout (the heartbeat
-    words are word ``_hb_word(R)`` of this slot, :func:`signal_layout`)."""
+    words are word ``_hb_word(R)`` of slot 0, :func:`signal_layout`, whatever slot and kind the wait is in: a peer
+    still waiting in the previous call, or in the other operation, beats in the word this wait reads)."""
     if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
-        hb = sig_off + _hb_word(R)
+        hb = _hb_word(R)  # (one word per rank, not per slot: readable across the call boundary)
         # A peer with no load/store mapping (table entry 0: the nvshmem transport across nodes) has no readable
         # heartbeat: a word nobody writes during a launch is read instead (this rank's local STATUS_SHRINK word,
         # 1 here), so the wait is a plain timeout_s. (Not this rank's own heartbeat word: the wait itself rewrites
@@ -207,49 +219,82 @@ def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_o
     return v
 
 
-# Liveness decided once per launch (docs/protocols.md, "A late or dead peer"): in a low-latency RECEIVE only the
-# launch's first program waits on the peers' FULL words (so only it can mask a peer during the launch); after each
-# peer it publishes how far it has decided in the status word ``STATUS_MASK + R`` (local, 0 between launches:
-# the receive's last program resets it), as ``_decision_base(stamp, kind) + peers decided``. Every other program
-# spins (acquire) until the peers it needs are decided, then reads the mask and status words, which no program of
-# the launch changes after that: every program of the launch sees the same live set. Waiting on program (0, 0) of
-# the own launch is safe: it is the first program the interpreter runs, and the first block a GPU schedules.
+# Liveness decided once per launch and source (docs/protocols.md, "A late or dead peer"): no program of a receive
+# waits for another program of its launch. Every program polls the sources it needs itself; the first to reach a
+# verdict on source p publishes it with a compare-and-swap in p's decision word (local status words, one per receive
+# kind, double-buffer slot and source), every other program adopts it. Value: ``_decision_base(stamp, kind) | state``
+# (1 live, 2 not); a value without this call's stamp, kind and bit 14 is not this receive's. The receive's last program
+# zeroes the words of its kind and slot (every program has read the words it needs by then).
 @triton.jit
 def _decision_base(stamp, KIND: tl.constexpr):
-    """Value of the decision word before any peer is decided: this call's stamp (15 bits), the receive kind
-    (0 dispatch, 1 combine) and a count of 0 (peer counts < 2**14)."""
-    return ((stamp & 0x7FFF) << 16) | (KIND << 15)
+    """High bits of this receive's decision words: this call's stamp (15 bits), the receive kind (0 dispatch,
+    1 combine) and bit 14 set (a zeroed word is never this call's, stamp 0 included); the state is in the low 2 bits."""
+    return ((stamp & 0x7FFF) << 16) | (KIND << 15) | (1 << 14)
 
 
 @triton.jit
-def _decided(status_ptr, R, value):
-    """(The deciding program) publish ``value`` (= base + peers decided) with release semantics: the peers' FULL
-    acquires, the mask words and the status word it saw are visible to the programs that observe it."""
-    signal_release(status_ptr + STATUS_MASK + R, value)
+def _decision_words(status_ptr, R, sig_off, KIND: tl.constexpr):
+    """This receive's ``R`` decision words: ``status[4 + R + (2 KIND + slot) R]`` (``sig_off`` is 0 for slot 0)."""
+    slot = (sig_off > 0).to(tl.int32)
+    return status_ptr + STATUS_MASK + R + (2 * KIND + slot) * R
 
 
 @triton.jit
-def _wait_decided(status_ptr, rank, R, lo, hi, timeout_ns):
-    """Spin (acquire) until the decision word is in ``[lo, hi]`` (the peers this program needs are decided).
-    Bounded: the deciding program waits at most ``HB_CAP`` timeouts per peer; past ``HB_CAP * R + 1`` timeouts
-    (it never ran: not possible when the first block is scheduled first) the rank's status names itself."""
-    w = load_acquire(status_ptr + STATUS_MASK + R)
-    if (w < lo) | (w > hi):
-        start = now_ns()
-        done = False
-        while not done:
-            w = load_acquire(status_ptr + STATUS_MASK + R)
-            if (w >= lo) & (w <= hi):
-                done = True
-            elif now_ns() - start > timeout_ns.to(tl.int64) * (HB_CAP * R + 1):
-                report_timeout(status_ptr, rank)
-                done = True
+def _decide(dec_ptr, base, my_sig, full_word, status_ptr, rank, p, timeout_ns, signal_ptrs, sig_off, R,
+            sig_sb, sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS: tl.constexpr, TRANSPORT: tl.constexpr):
+    """Scalar bool: source ``p`` is live for this launch. Adopts the launch's verdict on ``p`` if one is published;
+    otherwise waits on ``p``'s FULL word (``full_word``) itself, checks its call signature, and proposes its verdict
+    with one compare-and-swap (the first proposal of the launch wins, a loser adopts the winner's)."""
+    w = load_acquire(dec_ptr + p)
+    if (w >> 14) != (base >> 14):
+        v = _wait(my_sig + full_word, 0, status_ptr, rank, p, timeout_ns, signal_ptrs, sig_off, R)
+        # NVSHMEM: and every data put of p has landed (the FULL word's high half is back to 0)
+        _wait_landed(my_sig, full_word, status_ptr, rank, p, timeout_ns, signal_ptrs, TRANSPORT)
+        came = (v != 0) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, p)
+        # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
+        differs = _signature_differs(my_sig, sig_sb, rank, p, sig_ss)
+        if came & differs:
+            report_error(status_ptr, -16 - p)  # STATUS_SIG_MISMATCH - p
+        came = came & ~differs
+        prop = base | tl.where(came, 1, 2)
+        old = tl.atomic_cas(dec_ptr + p, w, prop, sem="acq_rel", scope="gpu")
+        if old == w:
+            w = prop
+            if HAS_WAIT_STATS:  # how long the deciding program waited (from its start) until p had sent
+                tl.atomic_add(wait_stats_ptr + p, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
+        else:
+            w = old
+    return (w & 3) == 1
 
 
 @triton.jit
-def _decision_reset(status_ptr, R):
-    """(The receive's last program, every program has passed its ``_wait_decided``) back to 0 for the next launch."""
-    tl.atomic_xchg(status_ptr + STATUS_MASK + R, 0, sem="relaxed", scope="gpu")
+def _decided_live(dec_ptr, p):
+    """(``p`` decided by this program's ``_decide`` already) whether the launch's verdict on ``p`` is live; ``p``
+    may be a tensor of ranks (masked lanes: ``p < 0``)."""
+    return (tl.load(dec_ptr + p, mask=p >= 0, other=0, volatile=True) & 3) == 1
+
+
+@triton.jit
+def _adopted_like(my_sig, base, stride, dec_ptr, status_ptr, rank, R, ranks):
+    """(enable_shrink, every source decided) bool tensor shaped like the int tensor ``ranks``: the rank is among those
+    a source with a live verdict in ``dec_ptr`` published as masked by timeout (its signature entry's mask bits), and
+    is not this rank. Every program of a launch computes the same answer (the entries stay put during the launch)."""
+    adopted = ranks < 0
+    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+        ok = (ranks >= 0) & (ranks < R) & (ranks != rank)
+        for src in range(R):
+            if (src != rank) & _decided_live(dec_ptr, src):
+                bits = tl.load(my_sig + base + stride * src + 4 + ranks // 32, mask=ok, other=0, volatile=True)
+                adopted = adopted | (ok & (((bits >> (ranks % 32)) & 1) != 0))
+    return adopted
+
+
+@triton.jit
+def _decision_reset(dec_ptr, R):
+    """(The receive's last program, every program has read the words it needs) zero this receive's ``R`` words."""
+    for r0 in range(0, R, 32):
+        r = r0 + tl.arange(0, 32)
+        tl.store(dec_ptr + r, tl.zeros([32], tl.int32), mask=r < R)
 
 
 @triton.jit

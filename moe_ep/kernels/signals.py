@@ -20,9 +20,9 @@ raises :class:`moe_ep.RankTimeoutError` naming the peer.
 
 NOTES: the phase rule (DESIGN.md): a kernel only waits on signals written by *earlier* launches
 (of any rank), never by other programs of its own launch. Completion counters in the
-"last program done" pattern (:func:`arrive_last`) are allowed: nobody waits on them. One exception, in the
-low-latency receives: the other programs wait on program (0, 0)'s liveness decision word (the first program the
-interpreter runs and the first block a GPU schedules, never a later one; ``low_latency_common._wait_decided``).
+"last program done" pattern (:func:`arrive_last`) are allowed: nobody waits on them. Launch-wide verdicts (the
+low-latency receives' liveness per source) are published by whichever program reaches one first, with a
+compare-and-swap, and adopted by the others; no program waits for a particular program.
 """
 
 from __future__ import annotations
