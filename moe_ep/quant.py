@@ -16,9 +16,11 @@ options                           scales of a `[.., T, K]` input (G = K / group_
 ================================  ============================================================
 
 TMA padding: the rows ``T .. ceil4(T) - 1`` of every column of a TMA-aligned scale storage are
-written as zeros by the kernel itself (no memset), where the storage is the op's own or ends exactly
-at the padded end (DeepGEMM's ``get_mn_major_tma_aligned_tensor``, a slice of ``torch.empty(G, ceil4(T))``);
-caller storage that stops short of it or goes on past it (a workspace) keeps its padding untouched.
+zeros. The kernel writes them itself (no memset) where the storage is the op's own or ends exactly
+at the padded end (DeepGEMM's ``get_mn_major_tma_aligned_tensor``, a slice of ``torch.empty(G, ceil4(T))``).
+Caller storage that stops short of it (vLLM's ``torch.empty_strided((T, G), (1, ceil4(T)))``) or goes on
+past it (a workspace) gets the padding between its columns zeroed (it lies inside the tensor's extent;
+one small fill after the kernel) and the last column's left untouched (it may be someone else's).
 
 Keywords, as the engines name them:
 
@@ -133,6 +135,17 @@ def _owns_tma_padding(s3: torch.Tensor, strides: tuple) -> bool:
     only: no device access."""
     end = s3.storage_offset() + (s3.shape[0] - 1) * strides[0] + s3.shape[2] * strides[2]
     return end * s3.element_size() == s3.untyped_storage().nbytes()
+
+
+def _zero_inner_padding(s3: torch.Tensor, strides: tuple) -> None:
+    """Zero the TMA padding rows between the columns of ``s3`` `[L, T, cols]` (column stride ``strides[2]``
+    > T): inside the tensor's extent, so caller storage that does not hold the last column's padding holds
+    these. One strided fill, no host synchronisation."""
+    num_rows, cols, col_stride = s3.shape[1], s3.shape[2], strides[2]
+    if cols <= 1 or col_stride <= num_rows or s3.numel() == 0:
+        return
+    torch.as_strided(s3, (s3.shape[0], cols - 1, col_stride - num_rows), (strides[0], col_stride, 1),
+                     s3.storage_offset() + num_rows).zero_()
 
 
 def _same_strides(t: torch.Tensor, strides: tuple) -> bool:
@@ -261,9 +274,12 @@ def _quant_op(launch, x, width_factor, group_size, column_major_scales, tma_alig
     # dim's stride (free in torch) would otherwise move the TMA padding rows the kernel zeroes.
     s_strides = scale_layout((x3.shape[0],), num_rows, num_groups, column_major=column_major_scales,
                              tma_aligned=tma_aligned_scales, use_ue8m0=use_ue8m0)[2]
+    keep_padding = tma_aligned_scales and not _owns_tma_padding(s3, s_strides)
     launch(x3, q3, tuple(q_strides), s3, masked_m, group_size, round_scale, use_ue8m0, transpose_out, use_pdl,
            s_strides=s_strides, zero_masked_scales=zero_masked_scales and masked_m is not None,
-           keep_padding=tma_aligned_scales and not _owns_tma_padding(s3, s_strides))
+           keep_padding=keep_padding)
+    if keep_padding:
+        _zero_inner_padding(s3, s_strides)
     return out, out_scales
 
 

@@ -90,17 +90,17 @@ def test_tma_padding_zero_with_mask():
 
 
 @pytest.mark.parametrize("extra", [-3, 2], ids=["stops_short", "goes_on"])
-def test_tma_padding_left_alone_in_foreign_storage(extra):
-    # Storage that ends at the last valid row (torch.empty_strided) has no room for the last column's
-    # padding; storage that goes on past it (a workspace) may hold someone else's data there. Both are
-    # accepted as before, and the padding rows are not written.
+def test_tma_padding_in_foreign_storage(extra):
+    # Storage that ends at the last valid row (torch.empty_strided, vLLM's allocation) has no room for the
+    # last column's padding; storage that goes on past it (a workspace) may hold someone else's data there:
+    # that padding is not written. The padding between columns lies inside the tensor: zeroed.
     dtype, shape, strides = scale_layout((), 5, 2, tma_aligned=True)
     backing = torch.full((2 * 8 + extra,), float("nan"), device=DEV)
     out_scales = backing.as_strided(shape, strides)
     x, y = make_x("quant", (5,), 256, seed=1)
     _, s = per_token_group_quant_fp8(x, tma_aligned_scales=True, out_scales=out_scales)
     assert torch.equal(s.cpu(), ref_scales(y)[1])
-    assert bool(backing[5:8].isnan().all()) and bool(backing[13:].isnan().all())
+    assert bool((backing[5:8] == 0).all()) and bool(backing[13:].isnan().all())
 
 
 # ---------------------------------------------------------------------------------------------

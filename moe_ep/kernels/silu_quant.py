@@ -22,6 +22,20 @@ __all__ = ["launch_silu_and_mul_quant"]
 
 
 @triton.jit
+def _round_to_input_dtype(y, DTYPE: tl.constexpr):
+    """float32 ``y`` rounded to nearest-even in ``DTYPE`` (bf16, fp16 or fp32), as float32. BF16 by integer
+    arithmetic on the bits: the interpreter's float32 -> bf16 cast truncates, the GPU's rounds."""
+    if DTYPE == tl.bfloat16:
+        bits = y.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(y != y, y, rounded)  # NaN stays NaN (its low bits could carry into inf)
+    elif DTYPE == tl.float16:
+        return y.to(tl.float16).to(tl.float32)
+    else:
+        return y
+
+
+@triton.jit
 def _silu_and_mul_quant_kernel(
     x_ptr, q_ptr, s_ptr, masked_m_ptr,
     L, T, G, W,
@@ -60,9 +74,10 @@ def _silu_and_mul_quant_kernel(
         # and 1 / d is div.full (a few ulp, far below FP8's 3 mantissa bits); an IEEE division here
         # would double the ALU work of a kernel that must run at HBM speed.
         if (HAS_MASK & 16) != 0:  # ROUND_PRODUCT: SiLU(gate), then the product, rounded to x's dtype
-            dt = x_ptr.dtype.element_ty
-            act = (gate * (1.0 / (1.0 + tl.exp(-gate)))).to(dt).to(tl.float32)
-            y = (act * up).to(dt).to(tl.float32)
+            # SGLang's expression, term for term (gate / (1 + exp(-gate))); act * up is exact in float32
+            # for 16-bit inputs, so rounding it once more is the 16-bit multiply.
+            act = _round_to_input_dtype(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty)
+            y = _round_to_input_dtype(act * up, x_ptr.dtype.element_ty)
         else:
             y = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
 
