@@ -139,13 +139,14 @@ def _owns_tma_padding(s3: torch.Tensor, strides: tuple) -> bool:
 
 def _zero_inner_padding(s3: torch.Tensor, strides: tuple) -> None:
     """Zero the TMA padding rows between the columns of ``s3`` `[L, T, cols]` (column stride ``strides[2]``
-    > T): inside the tensor's extent, so caller storage that does not hold the last column's padding holds
-    these. One strided fill, no host synchronisation."""
-    num_rows, cols, col_stride = s3.shape[1], s3.shape[2], strides[2]
-    if cols <= 1 or col_stride <= num_rows or s3.numel() == 0:
+    > T, expert stride ``cols * strides[2]``), every column's but the very last: inside the tensor's extent,
+    so caller storage that does not hold the last column's padding holds these. One strided fill, no host
+    synchronisation."""
+    num_rows, col_stride = s3.shape[1], strides[2]
+    columns = s3.shape[0] * s3.shape[2]  # the canonical layout: experts' columns follow one another
+    if columns <= 1 or col_stride <= num_rows or s3.numel() == 0:
         return
-    torch.as_strided(s3, (s3.shape[0], cols - 1, col_stride - num_rows), (strides[0], col_stride, 1),
-                     s3.storage_offset() + num_rows).zero_()
+    torch.as_strided(s3, (columns - 1, col_stride - num_rows), (col_stride, 1), s3.storage_offset() + num_rows).zero_()
 
 
 def _same_strides(t: torch.Tensor, strides: tuple) -> bool:

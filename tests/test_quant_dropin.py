@@ -259,3 +259,15 @@ def test_int64_masked_m_is_clamped_before_narrowing():
     ref_q, ref_s = per_token_group_quant_fp8(x.reshape(16, 128))
     assert torch.equal(q[0].view(torch.uint8), ref_q[:8].view(torch.uint8))
     assert torch.equal(s[0], ref_s[:8])
+
+
+def test_tma_padding_between_experts_in_foreign_storage():
+    # 3D: the padding rows after every column but the very last (experts' columns follow one another) are
+    # inside the tensor; storage stopping at the last valid row gets them zeroed, and nothing past its end.
+    dtype, shape, strides = scale_layout((2,), 3, 2, tma_aligned=True)
+    backing = torch.full((3 * 4 + 3,), float("nan"), device=DEV)
+    out_scales = backing.as_strided(shape, strides)
+    x, y = make_x("quant", (2, 3), 256, seed=6)
+    _, s = per_token_group_quant_fp8(x, tma_aligned_scales=True, out_scales=out_scales)
+    assert torch.equal(s.cpu(), ref_scales(y)[1])
+    assert torch.equal(backing[3::4].cpu(), torch.zeros(3))
