@@ -87,7 +87,7 @@ def _as_fp8(x, masked_m=None):
     """``x`` as (fp8, TMA-aligned M-major scales): BF16 is quantized here; an FP8 pair passes."""
     if isinstance(x, (tuple, list)):
         return x[0], x[1]
-    return per_token_group_quant_fp8(x, tma_aligned_scales=True, masked_m=masked_m)
+    return per_token_group_quant_fp8(x, tma_aligned_scales=True, masked_m=masked_m, zero_masked_scales=False)
 
 
 def masked_experts(recv_x, recv_count: torch.Tensor, weights: ExpertWeights, *, expected_m: int | None = None,
@@ -115,7 +115,8 @@ def masked_experts(recv_x, recv_count: torch.Tensor, weights: ExpertWeights, *, 
     inter = weights.intermediate
     h1 = torch.empty(num_local, slots, 2 * inter, dtype=torch.bfloat16, device=xq.device)
     m_grouped_fp8_gemm_nt_masked((xq, xs), weights.w13, h1, recv_count, expected_m, use_pdl=use_pdl)
-    aq, as_ = silu_and_mul_quant_fp8(h1, tma_aligned_scales=True, masked_m=recv_count, use_pdl=use_pdl)
+    aq, as_ = silu_and_mul_quant_fp8(h1, tma_aligned_scales=True, masked_m=recv_count, use_pdl=use_pdl,
+                                    zero_masked_scales=False)
     out = torch.empty(num_local, slots, hidden, dtype=torch.bfloat16, device=xq.device)
     m_grouped_fp8_gemm_nt_masked((aq, as_), weights.w2, out, recv_count, expected_m, use_pdl=use_pdl)
     return out

@@ -9,35 +9,42 @@ options                           scales of a `[.., T, K]` input (G = K / group_
 ``column_major_scales``           float32 `[.., T, G]`, T stride 1, column stride T
 ``tma_aligned_scales``            float32 `[.., T, G]`, T stride 1, column stride T rounded up
                                   to a multiple of 4 (16 bytes; what DeepGEMM's TMA loads)
-``use_ue8m0``                     int32 `[.., T, ceil(G / 4)]` row-major, group g's exponent byte
+``scale_ue8m0``                   int32 `[.., T, ceil(G / 4)]` row-major, group g's exponent byte
                                   in bits ``8 * (g % 4)``; with ``column_major_scales`` /
                                   ``tma_aligned_scales`` the same int32 tensor column-major
                                   (padded to a multiple of 4 rows with TMA)
 ================================  ============================================================
 
 TMA padding: the rows ``T .. ceil4(T) - 1`` of every column of a TMA-aligned scale storage are
-written as zeros by the kernel itself (no memset), where the storage is the op's own or ends exactly
-at the padded end (DeepGEMM's ``get_mn_major_tma_aligned_tensor``, a slice of ``torch.empty(G, ceil4(T))``);
-caller storage that stops short of it or goes on past it (a workspace) keeps its padding untouched.
+zeros. The kernel writes them itself (no memset) where the storage is the op's own or ends exactly
+at the padded end (DeepGEMM's ``get_mn_major_tma_aligned_tensor``, a slice of ``torch.empty(G, ceil4(T))``).
+Caller storage that stops short of it (vLLM's ``torch.empty_strided((T, G), (1, ceil4(T)))``) or goes on
+past it (a workspace) gets the padding between its columns zeroed (it lies inside the tensor's extent;
+one small fill after the kernel) and the last column's left untouched (it may be someone else's).
 
-Drop-in notes for vLLM / SGLang callers:
+Keywords, as the engines name them:
 
-- ``use_ue8m0`` here is SGLang's / DeepGEMM's: packed int32 exponents. vLLM's
-  ``per_token_group_quant_fp8(..., use_ue8m0=True)`` returns float32 power-of-two scales: pass
-  ``round_scale=True`` for that (the same ``2**ceil(log2(amax / 448))`` values).
+- ``use_ue8m0`` is vLLM's: float32 power-of-two scales (the same as ``round_scale``; vLLM's
+  ``per_token_group_quant_fp8(..., use_ue8m0=True)``). ``scale_ue8m0`` is SGLang's / DeepGEMM's: the
+  same exponents packed four to an int32 word. ``scale_tma_aligned`` (SGLang) is ``tma_aligned_scales``
+  (vLLM); here either alone also makes the scales column-major (vLLM ignores it without
+  ``column_major_scales``: the values are the same, only the strides differ).
 - The amax floor is 1e-4 (DeepGEMM's), not vLLM's ``eps=1e-10``: an all-zero (or tiny) group gets
   scale ``float32(1e-4) / 448``, deliberately (tiny groups quantize to the same bytes either way; the
   floor keeps ``1 / scale`` finite for the GEMM); there is no ``eps`` argument.
 - :func:`silu_and_mul_quant_fp8` quantizes ``silu(gate) * up`` in float32; SGLang rounds the product to
   BF16 first. Deliberate: one rounding instead of two, so an FP8 byte can differ by one step from
   SGLang's where the BF16 rounding crosses an e4m3 rounding boundary.
-- Masked rows (``>= masked_m[l]``) are not written by default (DeepGEMM's contract);
-  ``zero_masked_scales=True`` stores zero scales there (what vLLM's / SGLang's masked tests expect)
-  at 4 bytes per masked row and group (per UE8M0 word), their FP8 rows still unwritten.
+- SiLU: ``round_product=True`` rounds ``silu(gate)`` and the product to x's dtype before the
+  quantization, as SGLang's masked kernel (and vLLM's CUDA kernel) do, so its UE8M0 words match theirs.
+- Masked rows (``>= masked_m[l]``): their FP8 rows are never written; their scales are stored as zeros
+  (float32 +0.0, all-zero UE8M0 words), what vLLM's and SGLang's masked kernels write and their tests
+  compare, at 4 bytes per masked row and group (per UE8M0 word). DeepGEMM's masked GEMM never reads
+  those rows, so ``zero_masked_scales=False`` skips the stores (moe-ep's own expert path does).
 
 Numerics (bitwise equal to :func:`moe_ep.fp8.per_token_group_quant_fp8_ref`): float32
 ``amax = max|x_group|`` clamped to at least 1e-4, ``scale = amax / 448`` (rounded up to a power of
-two with ``round_scale``; ``use_ue8m0`` implies it), ``q = e4m3(x / scale)`` round-to-nearest-even,
+two with ``round_scale`` / ``use_ue8m0``; ``scale_ue8m0`` implies it), ``q = e4m3(x / scale)`` round-to-nearest-even,
 saturating at +-448. A group holding a NaN gets a NaN scale and NaN bytes (0x7F or 0xFF: the sign of
 a NaN is not specified); a group holding an inf gets an inf scale, NaN where x is +-inf and +-0 for
 its finite values. UE8M0 stores 0xFF for NaN and inf scales.
@@ -82,12 +89,15 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ---------------------------------------------------------------------------------------------
 
 def scale_layout(lead: tuple[int, ...], num_rows: int, num_groups: int, *, column_major: bool = False,
-                 tma_aligned: bool = False, use_ue8m0: bool = False) -> tuple[torch.dtype, tuple, tuple]:
+                 tma_aligned: bool = False, scale_ue8m0: bool = False,
+                 use_ue8m0: bool = False) -> tuple[torch.dtype, tuple, tuple]:
     """``(dtype, shape, strides)`` of the scales for `[*lead, num_rows, num_groups * group_size]` input.
 
     Column-major means, per leading index, the row dim has stride 1 and the column stride is
     ``num_rows`` (rounded up to a multiple of 4 with ``tma_aligned``); leading dims are outermost.
+    ``scale_ue8m0`` (here also spelled ``use_ue8m0``): the packed int32 words.
     """
+    use_ue8m0 = scale_ue8m0 or use_ue8m0
     dtype = torch.int32 if use_ue8m0 else torch.float32
     cols = ceil_div(num_groups, 4) if use_ue8m0 else num_groups
     shape = (*lead, num_rows, cols)
@@ -125,6 +135,18 @@ def _owns_tma_padding(s3: torch.Tensor, strides: tuple) -> bool:
     only: no device access."""
     end = s3.storage_offset() + (s3.shape[0] - 1) * strides[0] + s3.shape[2] * strides[2]
     return end * s3.element_size() == s3.untyped_storage().nbytes()
+
+
+def _zero_inner_padding(s3: torch.Tensor, strides: tuple) -> None:
+    """Zero the TMA padding rows between the columns of ``s3`` `[L, T, cols]` (column stride ``strides[2]``
+    > T, expert stride ``cols * strides[2]``), every column's but the very last: inside the tensor's extent,
+    so caller storage that does not hold the last column's padding holds these. One strided fill, no host
+    synchronisation."""
+    num_rows, col_stride = s3.shape[1], strides[2]
+    columns = s3.shape[0] * s3.shape[2]  # the canonical layout: experts' columns follow one another
+    if columns <= 1 or col_stride <= num_rows or s3.numel() == 0:
+        return
+    torch.as_strided(s3, (columns - 1, col_stride - num_rows), (col_stride, 1), s3.storage_offset() + num_rows).zero_()
 
 
 def _same_strides(t: torch.Tensor, strides: tuple) -> bool:
@@ -216,6 +238,7 @@ def _check_out_scales(out_scales: torch.Tensor, lead, num_rows, num_groups, devi
 
 def _quant_op(launch, x, width_factor, group_size, column_major_scales, tma_aligned_scales, round_scale,
               use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales):
+    """``use_ue8m0`` here: the packed words (the public ops' ``scale_ue8m0``)."""
     name = "x"
     _check_input(x, name, group_size, width_factor)
     masked_m = _check_masked_m(masked_m, x)
@@ -252,10 +275,24 @@ def _quant_op(launch, x, width_factor, group_size, column_major_scales, tma_alig
     # dim's stride (free in torch) would otherwise move the TMA padding rows the kernel zeroes.
     s_strides = scale_layout((x3.shape[0],), num_rows, num_groups, column_major=column_major_scales,
                              tma_aligned=tma_aligned_scales, use_ue8m0=use_ue8m0)[2]
+    keep_padding = tma_aligned_scales and not _owns_tma_padding(s3, s_strides)
     launch(x3, q3, tuple(q_strides), s3, masked_m, group_size, round_scale, use_ue8m0, transpose_out, use_pdl,
            s_strides=s_strides, zero_masked_scales=zero_masked_scales and masked_m is not None,
-           keep_padding=tma_aligned_scales and not _owns_tma_padding(s3, s_strides))
+           keep_padding=keep_padding)
+    if keep_padding:
+        _zero_inner_padding(s3, s_strides)
     return out, out_scales
+
+
+def _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale, use_ue8m0, scale_ue8m0):
+    """The engines' spellings onto the kernels' options: ``(column_major, tma_aligned, round_scale, packed)``."""
+    for key, val in (("column_major_scales", column_major_scales), ("tma_aligned_scales", tma_aligned_scales),
+                     ("scale_tma_aligned", scale_tma_aligned), ("round_scale", round_scale),
+                     ("use_ue8m0", use_ue8m0), ("scale_ue8m0", scale_ue8m0)):
+        if not isinstance(val, bool):
+            raise TypeError(f"{key} must be a bool, got {type(val).__name__}")
+    return (column_major_scales, tma_aligned_scales or scale_tma_aligned,
+            round_scale or use_ue8m0 or scale_ue8m0, scale_ue8m0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,12 +307,14 @@ def per_token_group_quant_fp8(
     tma_aligned_scales: bool = False,
     round_scale: bool = False,
     use_ue8m0: bool = False,
+    scale_ue8m0: bool = False,
+    scale_tma_aligned: bool = False,
     transpose_out: bool = False,
     out: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     masked_m: torch.Tensor | None = None,
     use_pdl: bool = False,
-    zero_masked_scales: bool = False,
+    zero_masked_scales: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations to FP8 with one scale per ``group_size`` consecutive channels of a row.
 
@@ -285,27 +324,27 @@ def per_token_group_quant_fp8(
             last dim is copied first.
         group_size: channels per scale, a power of two (128 for DeepGEMM).
         column_major_scales: scales column-major (the row dim has stride 1).
-        tma_aligned_scales: column-major with the column stride padded to a multiple of 4.
+        tma_aligned_scales: column-major with the column stride padded to a multiple of 4 (also
+            spelled ``scale_tma_aligned``, SGLang's name).
         round_scale: round scales up to a power of two.
-        use_ue8m0: pack power-of-two scales as UE8M0 bytes, four per int32 (implies ``round_scale``).
+        use_ue8m0: vLLM's meaning: float32 scales rounded up to a power of two (= ``round_scale``).
+        scale_ue8m0: SGLang's / DeepGEMM's meaning: power-of-two scales packed as UE8M0 bytes, four
+            per int32 word.
         transpose_out: write the FP8 tensor transposed, `[K, M]` (`[L, K, T]` for 3D), contiguous.
         out: optional FP8 output of the shape above; padded rows allowed, contiguous last dim.
         out_scales: optional scales output with exactly the layout the options select.
         masked_m: `[L]` int32/int64 on x's device, 3D input only: rows ``t >= masked_m[l]`` (values
-            clamped to [0, T]) are neither read nor written, in ``x``, the FP8 output and the scales
-            (unless ``zero_masked_scales``). Read on the device: no host synchronisation (CUDA-graph safe).
+            clamped to [0, T]) are neither read nor FP8-written; their scales are zeros (see
+            ``zero_masked_scales``). Read on the device: no host synchronisation (CUDA-graph safe).
         use_pdl: launch with programmatic dependent launch where supported (Hopper+, Triton >= 3.4);
             ignored elsewhere. Results are identical either way.
         zero_masked_scales: with ``masked_m``, store zero scales (float32 +0.0, or all-zero UE8M0
-            words) for the masked rows, as vLLM's and SGLang's masked ops do; the FP8 rows stay
-            unwritten. Costs only those scale stores (4 bytes per masked row and group, 1/33 of a
-            valid row's stores for groups of 128) in the same launch; off by default (DeepGEMM's
-            contract: masked rows are not written). Ignored without ``masked_m``.
+            words) for the masked rows, as vLLM's and SGLang's masked ops do (the default). False
+            leaves them unwritten (DeepGEMM's masked GEMM never reads them), saving 4 bytes per
+            masked row and group. Ignored without ``masked_m``.
 
-    Scales with ``round_scale`` are float32 ``2**ceil(log2(amax / 448))``: what vLLM's
-    ``use_ue8m0=True`` returns. Our ``use_ue8m0`` is SGLang's / DeepGEMM's packed int32 exponents
-    (the same values, ``2**(byte - 127)``). ``amax`` is floored at 1e-4 (DeepGEMM's; vLLM's ``eps`` is
-    1e-10): an all-zero group gets scale ``float32(1e-4) / 448`` and zero bytes, deliberately.
+    ``amax`` is floored at 1e-4 (DeepGEMM's; vLLM's ``eps`` is 1e-10): an all-zero group gets scale
+    ``float32(1e-4) / 448`` and zero bytes, deliberately.
     With ``tma_aligned_scales`` the padding rows of the storage (T rounded up to a multiple of 4, in
     every column) are zeros, written by the kernel, when the storage is the op's own or ends exactly at
     the padded end (a slice of a `[.., cols, ceil4(T)]` allocation); other caller storage keeps them.
@@ -313,10 +352,12 @@ def per_token_group_quant_fp8(
     Returns:
         x_fp8: `[M, K]` (or `[K, M]` with ``transpose_out``; 3D likewise) with `torch.float8_e4m3fn`.
         scales: `[M, K / group_size]` `torch.float32`, or `[M, ceil(K / group_size / 4)]` `torch.int32`
-            with ``use_ue8m0``; leading `L` for 3D input; layout per the options.
+            with ``scale_ue8m0``; leading `L` for 3D input; layout per the options.
     """
-    return _quant_op(launch_per_token_group_quant, x, 1, group_size, column_major_scales, tma_aligned_scales,
-                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales)
+    col, tma, rnd, packed = _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale,
+                                   use_ue8m0, scale_ue8m0)
+    return _quant_op(launch_per_token_group_quant, x, 1, group_size, col, tma, rnd, packed, transpose_out, out,
+                     out_scales, masked_m, use_pdl, zero_masked_scales)
 
 
 def silu_and_mul_quant_fp8(
@@ -327,18 +368,24 @@ def silu_and_mul_quant_fp8(
     tma_aligned_scales: bool = False,
     round_scale: bool = False,
     use_ue8m0: bool = False,
+    scale_ue8m0: bool = False,
+    scale_tma_aligned: bool = False,
     transpose_out: bool = False,
     out: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     masked_m: torch.Tensor | None = None,
     use_pdl: bool = False,
-    zero_masked_scales: bool = False,
+    zero_masked_scales: bool = True,
+    round_product: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``per_token_group_quant_fp8(silu(gate) * up)`` in one pass, the product kept in float32.
 
     Arguments:
         x: `[M, 2N]` or `[L, T, 2N]` with `torch.bfloat16`, `torch.float16` or `torch.float32`:
             ``gate = x[..., :N]``, ``up = x[..., N:]``; N a multiple of ``group_size``.
+        round_product: round ``silu(gate)`` to x's dtype, and ``silu(gate) * up`` to x's dtype, before
+            quantizing: what SGLang's masked SiLU-and-mul quant (and vLLM's CUDA one) compute, so the
+            scales (UE8M0 words) agree with theirs. Off by default: one rounding, of the float32 product.
         Every other argument as in :func:`per_token_group_quant_fp8` (with K = N).
 
     Returns:
@@ -349,13 +396,15 @@ def silu_and_mul_quant_fp8(
     :func:`silu_and_mul_fp32` to float32 rounding (the exponential differs by a few ulp between
     torch, the interpreter and the GPU), so FP8 bytes can differ by one e4m3 step where the product
     sits on a rounding boundary.
-
-    Deliberately the float32 product is quantized directly: SGLang's fused op rounds it to BF16 first,
-    so where that rounding crosses an e4m3 rounding boundary (double rounding) SGLang's byte is one
-    step off ours; ours is the single rounding of the float32 value.
     """
-    return _quant_op(launch_silu_and_mul_quant, x, 2, group_size, column_major_scales, tma_aligned_scales,
-                     round_scale, use_ue8m0, transpose_out, out, out_scales, masked_m, use_pdl, zero_masked_scales)
+    if not isinstance(round_product, bool):
+        raise TypeError(f"round_product must be a bool, got {type(round_product).__name__}")
+    col, tma, rnd, packed = _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale,
+                                   use_ue8m0, scale_ue8m0)
+    launch = functools.partial(launch_silu_and_mul_quant, round_product=True) if round_product \
+        else launch_silu_and_mul_quant
+    return _quant_op(launch, x, 2, group_size, col, tma, rnd, packed, transpose_out, out, out_scales, masked_m,
+                     use_pdl, zero_masked_scales)
 
 
 def reciprocal_multiply_quant_fp8(x: torch.Tensor, group_size: int = 128, *, silu: bool = False,
@@ -366,16 +415,17 @@ def reciprocal_multiply_quant_fp8(x: torch.Tensor, group_size: int = 128, *, sil
     For benchmarks only: its time next to the exact op's is the price of the IEEE quotient. ``options``: the
     keyword arguments of the exact op."""
     launch = launch_silu_and_mul_quant if silu else launch_per_token_group_quant
-    o = {"column_major_scales": False, "tma_aligned_scales": False, "round_scale": False, "use_ue8m0": False,
-         "transpose_out": False, "out": None, "out_scales": None, "masked_m": None, "use_pdl": False,
-         "zero_masked_scales": False}
+    o = {"column_major_scales": False, "tma_aligned_scales": False, "scale_tma_aligned": False, "round_scale": False,
+         "use_ue8m0": False, "scale_ue8m0": False, "transpose_out": False, "out": None, "out_scales": None,
+         "masked_m": None, "use_pdl": False, "zero_masked_scales": True}
     unknown = set(options) - set(o)
     if unknown:
         raise TypeError(f"reciprocal_multiply_quant_fp8: unknown options {sorted(unknown)}")
     o.update(options)
-    return _quant_op(functools.partial(launch, recip_multiply=True), x, 2 if silu else 1, group_size,
-                     o["column_major_scales"], o["tma_aligned_scales"], o["round_scale"], o["use_ue8m0"],
-                     o["transpose_out"], o["out"], o["out_scales"], o["masked_m"], o["use_pdl"],
+    col, tma, rnd, packed = _flags(o["column_major_scales"], o["tma_aligned_scales"], o["scale_tma_aligned"],
+                                   o["round_scale"], o["use_ue8m0"], o["scale_ue8m0"])
+    return _quant_op(functools.partial(launch, recip_multiply=True), x, 2 if silu else 1, group_size, col, tma, rnd,
+                     packed, o["transpose_out"], o["out"], o["out_scales"], o["masked_m"], o["use_pdl"],
                      o["zero_masked_scales"])
 
 
@@ -387,7 +437,8 @@ def silu_and_mul_fp32(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_quant_fp8_ref(x: torch.Tensor, group_size: int = 128, round_scale: bool = False,
                                use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`silu_and_mul_quant_fp8` (row-major scales)."""
+    """Torch reference of :func:`silu_and_mul_quant_fp8` (row-major scales; ``use_ue8m0`` here: packed words,
+    as :func:`moe_ep.fp8.per_token_group_quant_fp8_ref`)."""
     return per_token_group_quant_fp8_ref(silu_and_mul_fp32(x), group_size, round_scale, use_ue8m0)
 
 

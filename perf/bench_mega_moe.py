@@ -364,7 +364,7 @@ class DeepEPDeepGEMM:
         inter = self.weights.intermediate
         h1 = torch.empty(L, S, 2 * inter, dtype=torch.bfloat16, device=rq.device)
         self.gemm((rq, rs), self.weights.w13, h1, cnt, self.expected_m)
-        aq, as_ = silu_and_mul_quant_fp8(h1, tma_aligned_scales=True, masked_m=cnt)
+        aq, as_ = silu_and_mul_quant_fp8(h1, tma_aligned_scales=True, masked_m=cnt, zero_masked_scales=False)
         out = torch.empty(L, S, H, dtype=torch.bfloat16, device=rq.device)
         self.gemm((aq, as_), self.weights.w2, out, cnt, self.expected_m)
         y, _, _ = self.buf.low_latency_combine(out, idx, w, handle)

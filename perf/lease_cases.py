@@ -45,7 +45,7 @@ def _fail(what: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- quant
-QUANT_LAYOUTS = {"row": {}, "round": {"round_scale": True}, "ue8m0": {"use_ue8m0": True}}
+QUANT_LAYOUTS = {"row": {}, "round": {"round_scale": True}, "ue8m0": {"scale_ue8m0": True}}
 
 
 def _quant_input(m, k, seed):
@@ -62,7 +62,7 @@ def quant(m, k, layout):
     x = _quant_input(m, k, m + k)
     q, s = per_token_group_quant_fp8(x.to(DEV), **opts)
     q_ref, s_ref = per_token_group_quant_fp8_ref(x.float(), 128, opts.get("round_scale", False) or
-                                                 opts.get("use_ue8m0", False), opts.get("use_ue8m0", False))
+                                                 opts.get("scale_ue8m0", False), opts.get("scale_ue8m0", False))
     if not _bitwise(q, q_ref):
         return _fail(f"x_fp8 differs in {int((q.cpu().view(torch.uint8) != q_ref.view(torch.uint8)).sum())} bytes")
     if not _bitwise(s.contiguous(), s_ref):

@@ -64,7 +64,7 @@ def _contiguous_ref(xq, xs, wd, m_indices):
 def test_contiguous_matches_reference(out_dtype, scales):
     n, k = 256, 384
     quant = {"tma": {"tma_aligned_scales": True}, "row": {},
-             "ue8m0": {"tma_aligned_scales": True, "use_ue8m0": True}}[scales]
+             "ue8m0": {"tma_aligned_scales": True, "scale_ue8m0": True}}[scales]
     wq, ws, wd = _weights(3, n, k, seed=1)
     xq, xs, m_indices = _contiguous_inputs([100, 0, 129], k, seed=2, **quant)
     d = torch.full((xq.shape[0], n), POISON, dtype=out_dtype)
@@ -110,7 +110,7 @@ def _masked_inputs(g: int, t: int, k: int, seed: int, **quant):
 def test_masked_matches_reference_and_leaves_rows(expected_m, ue8m0):
     g, t, n, k = 3, 40, 256, 256
     wq, ws, wd = _weights(g, n, k, seed=7)
-    xq, xs = _masked_inputs(g, t, k, seed=8, tma_aligned_scales=True, use_ue8m0=ue8m0)
+    xq, xs = _masked_inputs(g, t, k, seed=8, tma_aligned_scales=True, scale_ue8m0=ue8m0)
     masked_m = torch.tensor([5, 0, 40], dtype=torch.int32)
     d = torch.full((g, t, n), POISON, dtype=torch.bfloat16)
     gemm.m_grouped_fp8_gemm_nt_masked((xq, xs), (wq, ws), d, masked_m, expected_m)

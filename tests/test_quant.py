@@ -38,9 +38,9 @@ LAYOUTS = {
     "col": {"column_major_scales": True},
     "tma": {"tma_aligned_scales": True},
     "round": {"round_scale": True},
-    "ue8m0": {"use_ue8m0": True},
-    "ue8m0_col": {"use_ue8m0": True, "column_major_scales": True},
-    "ue8m0_tma": {"use_ue8m0": True, "tma_aligned_scales": True},
+    "ue8m0": {"scale_ue8m0": True},
+    "ue8m0_col": {"scale_ue8m0": True, "column_major_scales": True},
+    "ue8m0_tma": {"scale_ue8m0": True, "tma_aligned_scales": True},
     "transpose": {"transpose_out": True},
     "transpose_tma_round": {"transpose_out": True, "tma_aligned_scales": True, "round_scale": True},
 }
@@ -80,11 +80,11 @@ def quantized_values(op: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def reference(y: torch.Tensor, opts: dict):
-    if y.numel() == 0 and opts.get("use_ue8m0"):
+    if y.numel() == 0 and opts.get("scale_ue8m0"):
         # moe_ep.fp8.pack_ue8m0 cannot reshape an empty tensor (reported to the lead).
         words = (y.shape[-1] // 128 + 3) // 4
         return y.to(FP8_DTYPE), torch.empty(*y.shape[:-1], words, dtype=torch.int32, device=y.device)
-    return per_token_group_quant_fp8_ref(y, 128, opts.get("round_scale", False), opts.get("use_ue8m0", False))
+    return per_token_group_quant_fp8_ref(y, 128, opts.get("round_scale", False), opts.get("scale_ue8m0", False))
 
 
 def logical_q(q: torch.Tensor, opts: dict) -> torch.Tensor:
@@ -94,7 +94,7 @@ def logical_q(q: torch.Tensor, opts: dict) -> torch.Tensor:
 def check_layout(scales: torch.Tensor, lead, rows, groups, opts: dict) -> None:
     dtype, shape, strides = scale_layout(lead, rows, groups, column_major=opts.get("column_major_scales", False),
                                          tma_aligned=opts.get("tma_aligned_scales", False),
-                                         use_ue8m0=opts.get("use_ue8m0", False))
+                                         use_ue8m0=opts.get("scale_ue8m0", False))
     assert scales.dtype == dtype and tuple(scales.shape) == shape
     if scales.numel():
         assert all(n <= 1 or s == e for n, s, e in zip(scales.shape, scales.stride(), strides, strict=True)), \
@@ -106,7 +106,7 @@ def poisoned_outputs(lead, rows, k, opts, device=DEV):
     out = torch.full(q_shape, POISON_BYTE, dtype=torch.uint8, device=device).view(FP8_DTYPE)
     dtype, shape, strides = scale_layout(lead, rows, k // 128, column_major=opts.get("column_major_scales", False),
                                          tma_aligned=opts.get("tma_aligned_scales", False),
-                                         use_ue8m0=opts.get("use_ue8m0", False))
+                                         use_ue8m0=opts.get("scale_ue8m0", False))
     out_scales = torch.empty_strided(shape, strides, dtype=dtype, device=device)
     out_scales.view(torch.int32).fill_(POISON_WORD)
     return out, out_scales
@@ -149,15 +149,16 @@ def test_input_dtypes(op, dtype):
 @pytest.mark.parametrize("group_size", [64, 256])
 def test_other_group_sizes(group_size):
     x, y = make_input("quant", (9,), 768, torch.bfloat16, seed=3)
-    for opts in ({}, {"tma_aligned_scales": True, "use_ue8m0": True}):
+    for opts in ({}, {"tma_aligned_scales": True, "scale_ue8m0": True}):
         q, s = per_token_group_quant_fp8(x, group_size, **opts)
-        q_ref, s_ref = per_token_group_quant_fp8_ref(y, group_size, use_ue8m0=opts.get("use_ue8m0", False))
+        q_ref, s_ref = per_token_group_quant_fp8_ref(y, group_size, use_ue8m0=opts.get("scale_ue8m0", False))
         assert_bitwise_equal(q, q_ref, "x_fp8")
         assert_bitwise_equal(s, s_ref, "scales")
 
 
 # ---------------------------------------------------------------------------------------------
-# 3D masked layout: rows at or past masked_m[l] untouched
+# 3D masked layout: rows at or past masked_m[l] untouched (zero_masked_scales=False; the default zeroes
+# their scales, tests/test_quant_dropin.py)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["row", "tma", "ue8m0_tma", "transpose", "col"])
@@ -170,7 +171,7 @@ def test_masked_poisoned(op, k, layout):
     # An expert with no rows, some, all, more than T (clamped to T), negative (clamped to 0).
     masked_m = torch.tensor([0, 3, rows, rows + 7, -2], dtype=torch.int32 if k == 128 else torch.int64, device=DEV)
     out, out_scales = poisoned_outputs((num_experts,), rows, k, opts)
-    q, s = OPS[op](x, out=out, out_scales=out_scales, masked_m=masked_m, **opts)
+    q, s = OPS[op](x, out=out, out_scales=out_scales, masked_m=masked_m, zero_masked_scales=False, **opts)
     assert q is out and s is out_scales
     check_layout(s, (num_experts,), rows, k // 128, opts)
     q_ref, s_ref = reference(y, opts)
@@ -258,7 +259,7 @@ def test_bad_outputs_refused():
     with pytest.raises(ValueError, match="TMA-aligned"):
         per_token_group_quant_fp8(x, tma_aligned_scales=True, out_scales=torch.empty(2, 5, device=DEV)[:, :4].t())
     with pytest.raises(TypeError, match="out_scales must be torch.int32"):
-        per_token_group_quant_fp8(x, use_ue8m0=True, out_scales=torch.empty(4, 1, device=DEV))
+        per_token_group_quant_fp8(x, scale_ue8m0=True, out_scales=torch.empty(4, 1, device=DEV))
     with pytest.raises(ValueError, match="out_scales must have shape"):
         per_token_group_quant_fp8(x, out_scales=torch.empty(4, 3, device=DEV))
 
@@ -295,7 +296,7 @@ def test_empty_input_does_not_launch(monkeypatch):
     monkeypatch.setattr(quant_mod, "launch_silu_and_mul_quant", boom)
     q, s = quant_mod.per_token_group_quant_fp8(torch.zeros(0, 256, device=DEV), tma_aligned_scales=True)
     assert q.shape == (0, 256) and s.shape == (0, 2) and s.dtype == torch.float32
-    q, s = quant_mod.per_token_group_quant_fp8(torch.zeros(0, 640, device=DEV), use_ue8m0=True, transpose_out=True)
+    q, s = quant_mod.per_token_group_quant_fp8(torch.zeros(0, 640, device=DEV), scale_ue8m0=True, transpose_out=True)
     assert q.shape == (640, 0) and s.shape == (0, 2) and s.dtype == torch.int32
     masked_m = torch.zeros(3, dtype=torch.int32, device=DEV)
     q, s = quant_mod.silu_and_mul_quant_fp8(torch.zeros(3, 0, 512, device=DEV), masked_m=masked_m)
@@ -315,7 +316,7 @@ def test_pdl_request_falls_back():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf / inf, inf * 0
-@pytest.mark.parametrize("opts", [{}, {"use_ue8m0": True}], ids=["fp32_scales", "ue8m0"])
+@pytest.mark.parametrize("opts", [{}, {"scale_ue8m0": True}], ids=["fp32_scales", "ue8m0"])
 def test_nan_inf(opts):
     x = torch.randn(3, 512, dtype=torch.bfloat16, device=DEV)
     x[0, 5] = float("nan")            # row 0, group 0: NaN
@@ -325,7 +326,7 @@ def test_nan_inf(opts):
     q_ref, s_ref = reference(x.float(), opts)
     qb = q.view(torch.uint8)
     is_nan = (qb & 0x7F) == 0x7F      # e4m3fn NaN is S.1111.111; its sign is not specified
-    if opts.get("use_ue8m0"):
+    if opts.get("scale_ue8m0"):
         exps = (s.view(torch.uint8).reshape(3, -1)[:, :4]).int()
         assert exps[0, 0] == 0xFF and exps[1, 1] == 0xFF and exps[1, 2] == 0xFF
         assert_bitwise_equal(s, s_ref, "ue8m0 scales")
@@ -393,7 +394,7 @@ def test_gpu_masked_poisoned(op, layout):
     x, y = make_input(op, (num_experts, rows), k, torch.bfloat16, device="cuda", seed=1)
     masked_m = torch.tensor([0, 1, 17, 128, 500, 1023, 1024, 4096], dtype=torch.int32, device="cuda")
     out, out_scales = poisoned_outputs((num_experts,), rows, k, opts, device="cuda")
-    q, s = OPS[op](x, out=out, out_scales=out_scales, masked_m=masked_m, **opts)
+    q, s = OPS[op](x, out=out, out_scales=out_scales, masked_m=masked_m, zero_masked_scales=False, **opts)
     q_ref, s_ref = reference(y.cuda(), opts)
     q_log = logical_q(q, opts)
     for e in range(num_experts):
@@ -430,7 +431,7 @@ def test_gpu_pdl_same_result(op):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [{}, {"use_ue8m0": True}], ids=["fp32_scales", "ue8m0"])
+@pytest.mark.parametrize("opts", [{}, {"scale_ue8m0": True}], ids=["fp32_scales", "ue8m0"])
 def test_gpu_nan_inf(opts):
     x = torch.randn(4096, 7168, dtype=torch.bfloat16, device="cuda")
     x[0, 5] = float("nan")

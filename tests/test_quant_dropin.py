@@ -1,10 +1,10 @@
 """Drop-in behaviour of the quant ops for code written against vLLM's / SGLang's quant ops.
 
 - TMA-aligned scales: the padding rows of the storage (M rounded up to 4 per column) are zeros.
-- Masked 3D input: ``zero_masked_scales=True`` stores zero scales for rows at or past ``masked_m[l]``
-  (scale stores only; the FP8 rows stay unwritten); the default leaves them untouched.
-- ``round_scale=True`` is vLLM's ``use_ue8m0=True`` (float32 power-of-two scales); our ``use_ue8m0``
-  packs the exponents (SGLang / DeepGEMM).
+- Masked 3D input: zero scales for rows at or past ``masked_m[l]`` by default (scale stores only; the
+  FP8 rows stay unwritten); ``zero_masked_scales=False`` leaves them untouched.
+- ``use_ue8m0=True`` is vLLM's (float32 power-of-two scales, = ``round_scale``); ``scale_ue8m0`` packs
+  the exponents (SGLang / DeepGEMM).
 - Deliberate numerics: amax floor 1e-4 (not vLLM's 1e-10), SiLU x up kept in float32 (not rounded to
   BF16 first as SGLang does).
 """
@@ -62,7 +62,7 @@ def test_tma_padding_zero(op, lead, rows, use_ue8m0):
     k = 256
     x, y = make_x(op, (*lead, rows), k, seed=rows)
     storage, out_scales = padded_storage(lead, rows, k // 128, use_ue8m0)
-    q, s = OPS[op](x, tma_aligned_scales=True, use_ue8m0=use_ue8m0, out_scales=out_scales)
+    q, s = OPS[op](x, tma_aligned_scales=True, scale_ue8m0=use_ue8m0, out_scales=out_scales)
     assert s is out_scales
     pad = storage.view(torch.int32)[..., rows:]
     assert pad.numel() > 0 and bool((pad == 0).all()), f"TMA padding rows not zeroed: {pad}"
@@ -70,7 +70,7 @@ def test_tma_padding_zero(op, lead, rows, use_ue8m0):
     assert torch.equal(s.cpu().contiguous().view(torch.int32), s_ref.view(torch.int32))
     assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
     # The ops' own allocation: same padding, read through the underlying storage.
-    _, s2 = OPS[op](x, tma_aligned_scales=True, use_ue8m0=use_ue8m0)
+    _, s2 = OPS[op](x, tma_aligned_scales=True, scale_ue8m0=use_ue8m0)
     full = torch.empty(0, dtype=s2.dtype, device=DEV).set_(s2.untyped_storage())
     cols, rows_padded = s2.shape[-1], s2.stride(-1)
     full = full.view(*lead, cols, rows_padded).view(torch.int32)
@@ -82,31 +82,32 @@ def test_tma_padding_zero_with_mask():
     x, y = make_x("silu", (3, 5), 128, seed=3)
     masked_m = torch.tensor([0, 2, 9], dtype=torch.int32, device=DEV)
     storage, out_scales = padded_storage((3,), 5, 1, False)
-    silu_and_mul_quant_fp8(x, tma_aligned_scales=True, out_scales=out_scales, masked_m=masked_m)
+    silu_and_mul_quant_fp8(x, tma_aligned_scales=True, out_scales=out_scales, masked_m=masked_m,
+                           zero_masked_scales=False)
     bits = storage.view(torch.int32)
     assert bool((bits[..., 5:] == 0).all())
     assert bool((bits[0, :, :5] == NAN_BITS).all()) and bool((bits[1, :, 2:5] == NAN_BITS).all())
 
 
 @pytest.mark.parametrize("extra", [-3, 2], ids=["stops_short", "goes_on"])
-def test_tma_padding_left_alone_in_foreign_storage(extra):
-    # Storage that ends at the last valid row (torch.empty_strided) has no room for the last column's
-    # padding; storage that goes on past it (a workspace) may hold someone else's data there. Both are
-    # accepted as before, and the padding rows are not written.
+def test_tma_padding_in_foreign_storage(extra):
+    # Storage that ends at the last valid row (torch.empty_strided, vLLM's allocation) has no room for the
+    # last column's padding; storage that goes on past it (a workspace) may hold someone else's data there:
+    # that padding is not written. The padding between columns lies inside the tensor: zeroed.
     dtype, shape, strides = scale_layout((), 5, 2, tma_aligned=True)
     backing = torch.full((2 * 8 + extra,), float("nan"), device=DEV)
     out_scales = backing.as_strided(shape, strides)
     x, y = make_x("quant", (5,), 256, seed=1)
     _, s = per_token_group_quant_fp8(x, tma_aligned_scales=True, out_scales=out_scales)
     assert torch.equal(s.cpu(), ref_scales(y)[1])
-    assert bool(backing[5:8].isnan().all()) and bool(backing[13:].isnan().all())
+    assert bool((backing[5:8] == 0).all()) and bool(backing[13:].isnan().all())
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. zero_masked_scales
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", [{}, {"tma_aligned_scales": True}, {"use_ue8m0": True, "tma_aligned_scales": True},
+@pytest.mark.parametrize("layout", [{}, {"tma_aligned_scales": True}, {"scale_ue8m0": True, "tma_aligned_scales": True},
                                     {"column_major_scales": True, "transpose_out": True}],
                          ids=["row", "tma", "ue8m0_tma", "col_transpose"])
 @pytest.mark.parametrize("op", list(OPS))
@@ -120,11 +121,11 @@ def test_zero_masked_scales(op, layout):
     dtype, shape, strides = scale_layout((num_experts,), rows, k // 128,
                                          column_major=layout.get("column_major_scales", False),
                                          tma_aligned=layout.get("tma_aligned_scales", False),
-                                         use_ue8m0=layout.get("use_ue8m0", False))
+                                         use_ue8m0=layout.get("scale_ue8m0", False))
     out_scales = torch.empty_strided(shape, strides, dtype=dtype, device=DEV)
     out_scales.view(torch.int32).fill_(NAN_BITS)
     q, s = OPS[op](x, out=out, out_scales=out_scales, masked_m=masked_m, zero_masked_scales=True, **layout)
-    q_ref, s_ref = ref_scales(y, layout.get("use_ue8m0", False))
+    q_ref, s_ref = ref_scales(y, layout.get("scale_ue8m0", False))
     q_log = (q.transpose(-1, -2) if transpose else q).cpu().view(torch.uint8)
     s_bits = s.cpu().view(torch.int32)
     for e in range(num_experts):
@@ -137,13 +138,18 @@ def test_zero_masked_scales(op, layout):
 
 
 @pytest.mark.parametrize("op", list(OPS))
-def test_masked_scales_untouched_by_default(op):
+def test_masked_scales_zero_by_default_untouched_on_request(op):
     x, _ = make_x(op, (2, 4), 128, seed=2)
     masked_m = torch.tensor([1, 3], dtype=torch.int32, device=DEV)
     out_scales = torch.full((2, 4, 1), float("nan"), device=DEV)
-    _, s = OPS[op](x, out_scales=out_scales, masked_m=masked_m)
+    _, s = OPS[op](x, out_scales=out_scales, masked_m=masked_m, zero_masked_scales=False)
     assert bool(s[0, 1:].isnan().all()) and bool(s[1, 3:].isnan().all())
     assert not bool(s[0, :1].isnan().any()) and not bool(s[1, :3].isnan().any())
+    out_scales.fill_(float("nan"))
+    _, s = OPS[op](x, out_scales=out_scales, masked_m=masked_m)
+    assert torch.equal(s[0, 1:].view(torch.int32).cpu(), torch.zeros(3, 1, dtype=torch.int32))
+    assert torch.equal(s[1, 3:].view(torch.int32).cpu(), torch.zeros(1, 1, dtype=torch.int32))
+    assert not bool(s.isnan().any())
     # Without masked_m the flag changes nothing; a non-bool is refused.
     _, s2 = OPS[op](x, zero_masked_scales=True)
     assert not bool((s2 == 0).any())
@@ -152,7 +158,7 @@ def test_masked_scales_untouched_by_default(op):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. round_scale = vLLM's use_ue8m0 (float32 powers of two)
+# 3. use_ue8m0 = vLLM's (float32 powers of two, = round_scale); scale_ue8m0 packs them
 # ---------------------------------------------------------------------------------------------
 
 def test_round_scale_is_vllm_ue8m0():
@@ -168,8 +174,10 @@ def test_round_scale_is_vllm_ue8m0():
     assert torch.equal(s.double(), expected)
     mant = s.view(torch.int32) & 0x7FFFFF
     assert bool((mant == 0).all()), "round_scale scales must be exact powers of two"
-    # Our use_ue8m0 packs the same exponents (SGLang / DeepGEMM's int32 words).
-    _, packed = per_token_group_quant_fp8(x, use_ue8m0=True)
+    _, s_vllm = per_token_group_quant_fp8(x, use_ue8m0=True)
+    assert s_vllm.dtype == torch.float32 and torch.equal(s_vllm.cpu(), s)
+    # scale_ue8m0 packs the same exponents (SGLang / DeepGEMM's int32 words).
+    _, packed = per_token_group_quant_fp8(x, scale_ue8m0=True)
     assert packed.dtype == torch.int32
     assert torch.equal(unpack_ue8m0(packed.cpu(), 1), s)
 
@@ -223,15 +231,18 @@ def _compile_module():
     return mod
 
 
-@pytest.mark.parametrize("keep_padding", [False, True], ids=["zero_masked", "zero_masked_keep_padding"])
-def test_zero_masked_variant_compiles_for_sm90(keep_padding):
+@pytest.mark.parametrize("keep_padding,round_product", [(False, False), (True, False), (False, True)],
+                         ids=["zero_masked", "zero_masked_keep_padding", "zero_masked_round_product"])
+def test_zero_masked_variant_compiles_for_sm90(keep_padding, round_product):
+    """The variants engines' calls select (masked rows' scales zeroed, the default; SGLang's SiLU arithmetic)."""
     from moe_ep.kernels.quant import mask_flags
     from moe_ep.testing.sm90 import compile_in_subprocess
 
     mod = _compile_module()
-    flags = mask_flags(True, True, keep_padding)
-    cases = [("quant", "bf16", 16, 4, False, False, flags, True, False, True, False, 3),
-             ("silu", "bf16", 8, 4, True, True, flags, True, True, True, False, 3)]
+    flags = mask_flags(True, True, keep_padding, round_product=round_product)
+    cases = [("silu", "bf16", 8, 4, True, True, flags, True, True, True, False, 3)]
+    if not round_product:  # the plain quant has no product to round
+        cases.insert(0, ("quant", "bf16", 16, 4, False, False, flags, True, False, True, False, 3))
     for ops in compile_in_subprocess(mod.SCRIPT, cases, "the zero_masked_scales variants"):
         assert ops.get("cp.async.cg.shared.global", 0) + ops.get("cp.async.ca.shared.global", 0) > 0, ops
         assert ops.get("st.global.b8", 0) == 0 and ops.get("st.global.v4.b32", 0) > 0, ops
@@ -248,3 +259,15 @@ def test_int64_masked_m_is_clamped_before_narrowing():
     ref_q, ref_s = per_token_group_quant_fp8(x.reshape(16, 128))
     assert torch.equal(q[0].view(torch.uint8), ref_q[:8].view(torch.uint8))
     assert torch.equal(s[0], ref_s[:8])
+
+
+def test_tma_padding_between_experts_in_foreign_storage():
+    # 3D: the padding rows after every column but the very last (experts' columns follow one another) are
+    # inside the tensor; storage stopping at the last valid row gets them zeroed, and nothing past its end.
+    dtype, shape, strides = scale_layout((2,), 3, 2, tma_aligned=True)
+    backing = torch.full((3 * 4 + 3,), float("nan"), device=DEV)
+    out_scales = backing.as_strided(shape, strides)
+    x, y = make_x("quant", (2, 3), 256, seed=6)
+    _, s = per_token_group_quant_fp8(x, tma_aligned_scales=True, out_scales=out_scales)
+    assert torch.equal(s.cpu(), ref_scales(y)[1])
+    assert torch.equal(backing[3::4].cpu(), torch.zeros(3))

@@ -113,12 +113,12 @@ def test_gpu_e4m3_byte(native):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("opts", [{}, {"column_major_scales": True}, {"tma_aligned_scales": True},
-                                  {"use_ue8m0": True, "tma_aligned_scales": True}, {"transpose_out": True}],
+                                  {"scale_ue8m0": True, "tma_aligned_scales": True}, {"transpose_out": True}],
                          ids=["row", "col", "tma", "ue8m0_tma", "transpose"])
 def test_dequant_every_layout(opts):
     x = torch.randn(7, 640, dtype=torch.bfloat16, device=DEV)
     q, s = per_token_group_quant_fp8(x, **opts)
-    q_ref, s_ref = per_token_group_quant_fp8_ref(x, use_ue8m0=opts.get("use_ue8m0", False))
+    q_ref, s_ref = per_token_group_quant_fp8_ref(x, use_ue8m0=opts.get("scale_ue8m0", False))
     deq = dequant_fp8(q, s, transposed=opts.get("transpose_out", False))
     assert deq.shape == (7, 640) and deq.dtype == torch.float32
     assert_bitwise_equal(deq, dequant_fp8(q_ref, s_ref), "dequant")

@@ -41,7 +41,7 @@ import triton.language as tl
 from .fp8_cast import div_by_scale, div_by_scale_approx, e4m3_byte, group_scale, native_e4m3_supported
 from .pdl import INTERPRET, pdl_launch_kwargs
 
-__all__ = ["KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ZERO_MASKED_SCALES", "QuantConfig", "choose_config",
+__all__ = ["KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ROUND_PRODUCT", "ZERO_MASKED_SCALES", "QuantConfig", "choose_config",
            "launch_per_token_group_quant", "mask_flags", "num_tiles", "quantize_tile", "tile_coords", "zero_scale_rows"]
 
 
@@ -117,6 +117,7 @@ MASK_ROWS = 1  # masked_m_ptr holds masked_m: rows >= masked_m[l] are neither re
 ZERO_MASKED_SCALES = 2  # ... and their scales are stored as zeros (zero_masked_scales=True)
 KEEP_PADDING = 4  # leave the TMA padding rows alone (caller storage that ends at the last valid row)
 RECIP_MULTIPLY = 8  # y * (1 / scale): one rounding more than IEEE y / scale (not bitwise; a bench row only)
+ROUND_PRODUCT = 16  # SiLU quant: SiLU(gate) and SiLU(gate) * up rounded to x's dtype first (SGLang's arithmetic)
 
 
 @triton.jit
@@ -139,12 +140,14 @@ def zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK: tl.cons
     return (offs_t >= zero_from) & (offs_t < pad_end)
 
 
-def mask_flags(has_mask: bool, zero_masked_scales: bool, keep_padding: bool, recip_multiply: bool = False) -> int:
+def mask_flags(has_mask: bool, zero_masked_scales: bool, keep_padding: bool, recip_multiply: bool = False,
+               round_product: bool = False) -> int:
     """The ``HAS_MASK`` constexpr for a launch."""
     flags = MASK_ROWS if has_mask else 0
     if has_mask and zero_masked_scales:
         flags |= ZERO_MASKED_SCALES
-    return flags | (KEEP_PADDING if keep_padding else 0) | (RECIP_MULTIPLY if recip_multiply else 0)
+    return (flags | (KEEP_PADDING if keep_padding else 0) | (RECIP_MULTIPLY if recip_multiply else 0)
+            | (ROUND_PRODUCT if round_product else 0))
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """Fused ``SiLU(gate) * up`` + per-token-group FP8 quantization: one pass between the expert GEMMs.
 
 Input `[L, T, 2N]`: ``gate = x[..., :N]``, ``up = x[..., N:]`` (the first GEMM's output). The
-product is formed in float32 and quantized directly (it is never rounded to the input dtype), then
+product is formed in float32 and quantized directly (rounded to the input dtype first, SiLU and
+product each, only with ``ROUND_PRODUCT`` in ``HAS_MASK``: SGLang's arithmetic), then
 stored through :func:`moe_ep.kernels.quant.quantize_tile`, so every output layout option of the plain
 quant kernel applies unchanged (TMA padding rows zeroed; masked rows, ``>= masked_m[l]``, neither
 read nor written, their scales zeroed with ``ZERO_MASKED_SCALES``).
@@ -18,6 +19,20 @@ from .pdl import pdl_launch_kwargs
 from .quant import choose_config, mask_flags, num_tiles, quantize_tile, tile_coords, zero_scale_rows
 
 __all__ = ["launch_silu_and_mul_quant"]
+
+
+@triton.jit
+def _round_to_input_dtype(y, DTYPE: tl.constexpr):
+    """float32 ``y`` rounded to nearest-even in ``DTYPE`` (bf16, fp16 or fp32), as float32. BF16 by integer
+    arithmetic on the bits: the interpreter's float32 -> bf16 cast truncates, the GPU's rounds."""
+    if DTYPE == tl.bfloat16:
+        bits = y.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(y != y, y, rounded)  # NaN stays NaN (its low bits could carry into inf)
+    elif DTYPE == tl.float16:
+        return y.to(tl.float16).to(tl.float32)
+    else:
+        return y
 
 
 @triton.jit
@@ -58,7 +73,13 @@ def _silu_and_mul_quant_kernel(
         # 1 + exp(-gate) rounds to 1 and SiLU(gate) is exactly gate. NOTES: compiled, exp is ex2.approx
         # and 1 / d is div.full (a few ulp, far below FP8's 3 mantissa bits); an IEEE division here
         # would double the ALU work of a kernel that must run at HBM speed.
-        y = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
+        if (HAS_MASK & 16) != 0:  # ROUND_PRODUCT: SiLU(gate), then the product, rounded to x's dtype
+            # SGLang's expression, term for term (gate / (1 + exp(-gate))); act * up is exact in float32
+            # for 16-bit inputs, so rounding it once more is the 16-bit multiply.
+            act = _round_to_input_dtype(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty)
+            y = _round_to_input_dtype(act * up, x_ptr.dtype.element_ty)
+        else:
+            y = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
 
         # Step 4: quantize and store.
         zero_row = zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK)
@@ -74,7 +95,7 @@ def launch_silu_and_mul_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple
                               round_scale: bool, use_ue8m0: bool, transpose_out: bool,
                               use_pdl: bool, s_strides: tuple[int, int, int] | None = None,
                               zero_masked_scales: bool = False, keep_padding: bool = False,
-                              recip_multiply: bool = False) -> None:
+                              recip_multiply: bool = False, round_product: bool = False) -> None:
     """Launch on validated 3D views: ``x`` `[L, T, 2N]` (last dim contiguous), ``q`` addressed through
     ``q_strides`` (element strides of its logical `[L, T, N]`), ``scales`` `[L, T, G or ceil(G / 4)]`."""
     L, T, two_n = x.shape
@@ -93,7 +114,7 @@ def launch_silu_and_mul_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple
         *s_strides,
         GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, GROUPS_PER_PROG=cfg.gpp,
         ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0,
-        HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding, recip_multiply),
+        HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding, recip_multiply, round_product),
         NATIVE_FP8=native_e4m3_supported(x.device), NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         **pdl_launch_kwargs(use_pdl, x.device),
     )
