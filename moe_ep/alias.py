@@ -12,7 +12,9 @@ for engine code that passes none.
 
 Submodules resolve to the module moe-ep already has, never a second copy: ``deep_ep.buffer`` is
 ``moe_ep.buffer``, ``deep_ep.utils`` is :mod:`moe_ep.events` (``EventOverlap``, ``EventHandle``),
-``deep_gemm.utils`` (``.layout``, ``.math``) is :mod:`moe_ep.gemm.utils`.
+``deep_gemm.utils`` (``.layout``, ``.math``) is :mod:`moe_ep.gemm.utils`; ``from deep_ep import utils`` and
+``from deep_gemm import utils`` give those modules too (installing ``deep_ep`` sets ``moe_ep.utils`` to
+:mod:`moe_ep.events`, as the import system sets a package's attribute for each submodule).
 
 A name is aliased only when no real package of that name can be imported: a user who has DeepEP or DeepGEMM
 installed gets them (:func:`install` says so in its return value and warns once), unless ``force=True``. The
@@ -124,8 +126,12 @@ def install(names=("deep_ep", "deep_gemm"), *, force: bool = False) -> dict:
         _installed.add(name)
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
-        for sub, sub_target in subs.items():  # renamed submodules, there at once (``from deep_ep import utils``)
-            sys.modules[f"{name}.{sub}"] = importlib.import_module(sub_target)
+        for sub, sub_target in subs.items():  # renamed submodules, there at once
+            sys.modules[f"{name}.{sub}"] = sub_mod = importlib.import_module(sub_target)
+            # ``from deep_ep import utils`` reads the attribute of the package object (``moe_ep``), as the import
+            # system sets it for a submodule: the renamed one is set likewise (never over a name moe_ep has)
+            if getattr(mod, sub, sub_mod) is sub_mod:
+                setattr(mod, sub, sub_mod)
         out[name] = target
     return out
 

@@ -352,8 +352,6 @@ class ElasticBuffer(ElasticDispatchMixin):
                                      f"({'1-D per expanded row' if handle.do_expand else 'per received token'}), got "
                                      f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
                                      f"{list(getattr(topk_weights, 'shape', []))}")
-            if handle.do_expand and async_with_compute_stream:
-                raise NotImplementedError("async_with_compute_stream with an expanded combine is not supported")
 
         self._refusing("combine", checks)
         if previous_event_before_epilogue is not None:
@@ -369,6 +367,9 @@ class ElasticBuffer(ElasticDispatchMixin):
             combined, combined_w = combine_one_rounding(x, handle, w, biases, self.group)
             return combined, combined_w, EventOverlap(None)
         if handle.do_expand:
+            if previous_event is not None:  # the local sum runs on this stream: after the event, and the
+                previous_event.current_stream_wait()  # communication after the sum
+                previous_event = self.capture()
             rows = self._sum_expanded(x, handle)
             w = None if topk_weights is None else torch.where(valid, topk_weights[handle._slot.clamp(min=0)], 0.0)
         else:

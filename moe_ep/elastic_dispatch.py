@@ -21,7 +21,7 @@ from . import validate as V
 from .buffer import Buffer
 from .elastic_expand import combine_plan, expand_plan, expand_received, expert_counts, sum_expanded, uses_kernels
 from .elastic_handle import EPHandle
-from .events import EventOverlap
+from .events import EventOverlap, run_on_comm_stream
 
 __all__ = ["ElasticDispatchMixin", "recv_view_fits"]
 
@@ -101,6 +101,20 @@ class ElasticDispatchMixin:
         dist.all_to_all_single(got, packed, group=self.group)
         return ((got.unsqueeze(-1) >> shifts) & 1).view(R, nbytes * 8)[:, :num_max] > 0
 
+    def _dst_buffer_slot_idx(self, topk_idx: torch.Tensor, in_rank: torch.Tensor, num_local: int,
+                             num_max: int) -> torch.Tensor:
+        """DeepEP V2's ``dst_buffer_slot_idx`` (non-hybrid): `[N, K]` int32; at the first selection of each destination
+        rank in a token's top-k, ``rank * num_max_tokens_per_rank + j`` where ``j`` counts the tokens this rank sent
+        to that destination before it (its slot in the destination's region for this source); -1 elsewhere."""
+        dst = torch.where(topk_idx >= 0, torch.div(topk_idx, num_local, rounding_mode="floor"), -1)
+        k = topk_idx.shape[1]
+        earlier = torch.ones(k, k, dtype=torch.bool, device=dst.device).tril(-1)  # [k, k'] k' < k
+        repeat = ((dst.unsqueeze(2) == dst.unsqueeze(1)) & earlier).any(2)
+        pos = in_rank.to(torch.int32).cumsum(0) - 1  # [N, R]: the token's order among those sent to each rank
+        slot = pos.gather(1, dst.clamp(min=0))
+        out = torch.where((dst >= 0) & ~repeat, self.rank_idx * num_max + slot, -1)
+        return out.to(torch.int32).contiguous()
+
     # expanded layout: moe_ep/elastic_expand.py
     _expert_counts = staticmethod(expert_counts)
     _expand_plan = staticmethod(expand_plan)
@@ -149,7 +163,8 @@ class ElasticDispatchMixin:
             do_cpu_sync: ``None`` = ``True`` without a handle; ``False``: outputs sized for the worst case
                 (``num_max_tokens_per_rank * num_ranks`` rows; padding rows have ``recv_topk_idx == -1``).
             do_expand: one row per (token, local expert); ``do_zero_padding``: padding rows are zero.
-            use_tma_aligned_col_major_sf: FP8 scales returned M-major with the TMA-aligned column stride.
+            use_tma_aligned_col_major_sf: FP8 scales returned M-major with the TMA-aligned column stride (BF16
+                input has no scales: ignored, as V2).
 
             recv_as_view: (keyword; not in V2's signature) on the ``symm`` backend the receive stays in this
                 rank's buffer: non-expanded ``recv_x`` and its scales are views of it (no copy; the scales
@@ -215,8 +230,42 @@ class ElasticDispatchMixin:
             topk_idx=topk_idx, topk_weights=weights, expert_alignment=1, num_worst_tokens=worst,
             previous_event=previous_event, async_finish=async_with_compute_stream,
             allocate_on_comm_stream=allocate_on_comm_stream, recv_as_view=recv_as_view)
+
+        def epilogue():
+            return self._dispatch_epilogue(recv_x, recv_idx, recv_w, bh, previous_event_before_epilogue, data,
+                                           topk_idx, topk_weights, in_rank, num_experts, num_local, num_max,
+                                           alignment, do_cpu_sync, do_expand, do_handle_copy, num_sms,
+                                           cumulative_local_expert_recv_stats, do_zero_padding,
+                                           use_tma_aligned_col_major_sf)
+
+        return self._after_communication(epilogue, event, async_with_compute_stream, (recv_x, recv_idx, recv_w))
+
+    def _after_communication(self, fn, event, async_finish: bool, inputs):
+        """Run ``fn`` (work on a dispatch's outputs) once they are there: synchronous calls run it on the current
+        stream (which waited already); ``async_with_compute_stream`` queues it on the communication stream behind
+        the dispatch, so the current stream never waits, and returns the event recorded after it (on CPU: runs)."""
+        if not async_finish:
+            return fn() + (event,)
+        device = self._buf_device(inputs)
+        out, ev = run_on_comm_stream(fn, device, self._buf._comm_stream(device), previous_event=event,
+                                     async_finish=True, allocate_on_comm_stream=False, inputs=inputs, owner=self._buf)
+        return out + (ev,)
+
+    @staticmethod
+    def _buf_device(inputs) -> torch.device:
+        first = inputs[0][0] if isinstance(inputs[0], tuple) else inputs[0]
+        return first.device
+
+    def _dispatch_epilogue(self, recv_x, recv_idx, recv_w, bh, previous_event_before_epilogue, data, topk_idx,
+                           topk_weights, in_rank, num_experts, num_local, num_max, alignment, do_cpu_sync, do_expand,
+                           do_handle_copy, num_sms, cumulative_local_expert_recv_stats, do_zero_padding,
+                           use_tma_aligned_col_major_sf):
+        """Everything after the communication of a non-cached dispatch: source metadata, per-expert counts (the
+        CPU-synced host read), the expanded layout, the handle; returns ``(recv_x, recv_topk_idx, recv_topk_weights,
+        handle)``."""
         if previous_event_before_epilogue is not None:
             previous_event_before_epilogue.current_stream_wait()
+        K, hidden = topk_idx.shape[1], data.shape[1]
         recv_data, recv_scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         M = recv_data.shape[0]
         psum_rank, src_global, src_rank = self._source_metadata(bh, M, num_max, in_rank, data.device)
@@ -250,6 +299,7 @@ class ElasticDispatchMixin:
         h = EPHandle(do_expand, num_experts, alignment, num_max, num_sms,
                      topk_idx.clone() if do_handle_copy else topk_idx, M, num_expanded, per_expert_list,
                      psum_rank, psum_expert, counts.to(torch.int32) if do_expand else None, metadata)
+        h.dst_buffer_slot_idx = self._dst_buffer_slot_idx(topk_idx, in_rank, num_local, num_max)
         h.recv_topk_idx = recv_idx
         h._owner, h._buffer_handle, h._hidden = id(self), bh, hidden
         h._slot, h._exp_src, h._exp_k = slot, exp_src, exp_k
@@ -257,18 +307,12 @@ class ElasticDispatchMixin:
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats.add_(counts.to(torch.int32))
         out_w = recv_w if topk_weights is not None else None
-        return self._finish(h, recv_data, recv_scales, recv_idx, out_w, do_zero_padding,
-                            use_tma_aligned_col_major_sf, event)
+        return self._finish(h, recv_data, recv_scales, recv_idx, out_w, do_zero_padding, use_tma_aligned_col_major_sf)
 
     def _check_common(self, do_expand, do_zero_padding, async_with_compute_stream, use_tma_sf, scales,
                       stats, num_local, device):
         if do_zero_padding and not do_expand:
             raise ValueError("do_zero_padding needs do_expand=True (padding exists only in the expanded layout)")
-        if async_with_compute_stream and do_expand:
-            raise NotImplementedError("async_with_compute_stream with do_expand is not supported in this release "
-                                      "(the expansion runs on the compute stream)")
-        if use_tma_sf and scales is None:
-            raise ValueError("use_tma_aligned_col_major_sf needs FP8 input (x as (x_fp8, scales))")
         if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
                                   or tuple(stats.shape) != (num_local,) or stats.device != device):
             raise ValueError(f"cumulative_local_expert_recv_stats must be torch.int32 [{num_local}] on {device}")
@@ -314,12 +358,16 @@ class ElasticDispatchMixin:
         recv_x, _, _, _, _, event = self._buf.dispatch(
             x, handle=h._buffer_handle, previous_event=previous_event, async_finish=async_with_compute_stream,
             allocate_on_comm_stream=allocate_on_comm_stream, recv_as_view=recv_as_view)
-        if previous_event_before_epilogue is not None:
-            previous_event_before_epilogue.current_stream_wait()
-        recv_data, recv_scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        return self._finish(h, recv_data, recv_scales, h.recv_topk_idx, recv_w, do_zero_padding, use_tma_sf, event)
 
-    def _finish(self, h, recv_data, recv_scales, recv_idx, recv_w, zero, use_tma_sf, event):
+        def epilogue():
+            if previous_event_before_epilogue is not None:
+                previous_event_before_epilogue.current_stream_wait()
+            recv_data, recv_scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+            return self._finish(h, recv_data, recv_scales, h.recv_topk_idx, recv_w, do_zero_padding, use_tma_sf)
+
+        return self._after_communication(epilogue, event, async_with_compute_stream, (recv_x,))
+
+    def _finish(self, h, recv_data, recv_scales, recv_idx, recv_w, zero, use_tma_sf):
         if h.do_expand:
             recv_data, recv_scales, recv_w = expand_received(recv_data, recv_scales, recv_w, h._exp_src, h._exp_k,
                                                              zero)
@@ -330,4 +378,4 @@ class ElasticDispatchMixin:
         recv_x = (recv_data, recv_scales) if recv_scales is not None else recv_data
         if h.do_expand:  # as DeepEP V2: no per-token ids for the expanded layout (the rows' experts: the psum)
             recv_idx = None
-        return recv_x, recv_idx, recv_w, h, event
+        return recv_x, recv_idx, recv_w, h

@@ -30,8 +30,11 @@ class EPHandle:
             ``src_rank * num_max_tokens_per_rank + token`` (-1 on worst-case padding rows), column 1 the
             source rank, columns ``2 + k`` the row of ``recv_x`` that carries selection ``k`` (the same row when
             not expanded, its expanded row otherwise; -1 where the expert is not on this rank).
-        dst_buffer_slot_idx, token_metadata_at_forward, channel_linked_list: V2 kernel internals with no
-            counterpart here (``None``).
+        dst_buffer_slot_idx: `[num_tokens, num_topk]` int32 (DeepEP V2's non-hybrid layout): at the first
+            selection of each destination rank in a token's top-k, ``rank * num_max_tokens_per_rank + j`` (``j``:
+            the tokens this rank sent to that destination before this one); -1 at the other selections.
+        token_metadata_at_forward, channel_linked_list: V2's hybrid-mode internals with no counterpart here
+            (``None``).
 
     Extensions: ``m_indices`` (`[num_expanded_tokens]` int32, local expert of each expanded row, -1 on
     padding; ``None`` when not expanded; built from the psum on first read),

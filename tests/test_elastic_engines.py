@@ -88,3 +88,48 @@ def _sort(rank, world):
 
 def test_deterministic_sort():
     assert launch(_sort, 2, timeout_s=300) == [True, True]
+
+
+def _async_expanded(rank, world, backend):
+    """DeepEP V2's test matrix runs the expanded dispatch and combine with async_with_compute_stream and
+    previous_event: same results as the synchronous calls; dst_buffer_slot_idx names each token's slot in the
+    destination's region for this source, which the receiver's source metadata confirms."""
+    eb = make_elastic_buffer(backend, world, NUM_MAX, H, K)
+    inp = make_all_inputs(world, [7, 5][:world], H, E, K, seed=19)[rank]
+    kw = dict(num_experts=E, expert_alignment=4, do_expand=True, use_tma_aligned_col_major_sf=True)  # BF16: ignored
+    sx, _, sw, sh, _ = eb.dispatch(inp.x, inp.topk_idx, inp.topk_weights, **kw)
+    ax, aidx, aw, ah, ev = eb.dispatch(inp.x, inp.topk_idx, inp.topk_weights, previous_event=eb.capture(),
+                                       async_with_compute_stream=True, allocate_on_comm_stream=True, **kw)
+    ev.current_stream_wait()
+    same = aidx is None and torch.equal(ax, sx) and torch.equal(aw, sw)
+    same = same and torch.equal(ah.recv_src_metadata, sh.recv_src_metadata)
+    y = (sx.float() * 1.5).to(torch.bfloat16)
+    sc, scw, _ = eb.combine(y, sh, topk_weights=sw)
+    ac, acw, ev = eb.combine(y, ah, topk_weights=aw, previous_event=eb.capture(), async_with_compute_stream=True,
+                             allocate_on_comm_stream=True)
+    ev.current_stream_wait()
+    same = same and torch.equal(ac, sc) and torch.equal(acw, scw)
+    # slots: sent side [N, K] (first selection of each destination rank), received side in (source, token) order
+    L = E // world
+    slots = sh.dst_buffer_slot_idx
+    sent = []
+    for d in range(world):
+        first = [next((int(slots[t, k]) for k in range(K) if inp.topk_idx[t, k] >= 0
+                       and int(inp.topk_idx[t, k]) // L == d), None) for t in range(inp.x.shape[0])]
+        first += [None] * (NUM_MAX - len(first))  # same size on every rank
+        sent.append(torch.tensor([-1 if f is None else f for f in first], dtype=torch.int64))
+    got = [torch.empty_like(s) for s in sent]
+    torch.distributed.all_to_all(got, sent)  # got[s]: source s's slots toward this rank
+    meta = sh.recv_src_metadata
+    for s in range(world):
+        rows = meta[meta[:, 1] == s, 0]  # global token index of source s's rows here, in receive order
+        want = torch.full((NUM_MAX,), -1, dtype=torch.int64)
+        want[rows - s * NUM_MAX] = torch.arange(rows.numel()) + s * NUM_MAX
+        ok_s = torch.equal(got[s], want)
+        same = same and ok_s and slots.dtype == torch.int32
+    return same
+
+
+@pytest.mark.parametrize("backend", ["torch", "symm"])
+def test_async_expanded_and_slots(backend):
+    assert launch(_async_expanded, 2, backend, timeout_s=300) == [True, True]
