@@ -42,7 +42,8 @@ from .fp8_cast import div_by_scale, div_by_scale_approx, e4m3_byte, group_scale,
 from .pdl import INTERPRET, pdl_launch_kwargs
 
 __all__ = ["KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ROUND_PRODUCT", "ZERO_MASKED_SCALES", "QuantConfig", "choose_config",
-           "launch_per_token_group_quant", "mask_flags", "num_tiles", "quantize_tile", "tile_coords", "zero_scale_rows"]
+           "launch_per_token_group_quant", "mask_flags", "num_tiles", "quantize_tile", "tile_coords", "tile_operands",
+           "zero_scale_rows"]
 
 
 @triton.jit
@@ -167,6 +168,26 @@ def tile_coords(tile, T, G, stride_st, stride_sg, HAS_MASK: tl.constexpr, BLOCK_
     return rest // rb, rest % rb, pid_g, rb * gb
 
 
+@triton.jit
+def tile_operands(tile, masked_m_ptr, T, G, stride_xl, stride_xt, stride_st, stride_sg,
+                  HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                  GROUP_SIZE: tl.constexpr):
+    """Where persistent tile ``tile`` reads: ``(pid_l, pid_g, offs_t, num_rows, row_ok, x_off, mask)``, with
+    ``num_rows`` the expert's rows (``masked_m`` clamped to ``[0, T]`` when rows are masked) and ``x_off`` /
+    ``mask`` the element offsets and load mask of its ``[BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE]`` input tile."""
+    pid_l, pid_t, pid_g, _ = tile_coords(tile, T, G, stride_st, stride_sg, HAS_MASK, BLOCK_M, GROUPS_PER_PROG)
+    num_rows = T
+    if (HAS_MASK & 1) != 0:  # MASK_ROWS
+        num_rows = tl.maximum(tl.minimum(tl.load(masked_m_ptr + pid_l), T), 0).to(tl.int32)  # clamp first
+    offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_t < num_rows
+    offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    cols = offs_g[None, :, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, None, :]
+    x_off = pid_l.to(tl.int64) * stride_xl + offs_t.to(tl.int64)[:, None, None] * stride_xt + cols
+    mask = row_ok[:, None, None] & (offs_g < G)[None, :, None]
+    return pid_l, pid_g, offs_t, num_rows, row_ok, x_off, mask
+
+
 def num_tiles(L: int, T: int, G: int, block_m: int, gpp: int, s_strides, keep_padding: bool) -> int:
     """Host twin of :func:`tile_coords`' count, times ``L``."""
     rows = max(T, s_strides[2]) if s_strides[1] == 1 and not keep_padding else T
@@ -190,19 +211,11 @@ def _per_token_group_quant_kernel(
     _, _, _, per_expert = tile_coords(0, T, G, stride_st, stride_sg, HAS_MASK, BLOCK_M, GROUPS_PER_PROG)
     # Persistent: with NUM_STAGES >= 2 the next tiles' loads are in flight (cp.async) while one is quantized.
     for tile in tl.range(tl.program_id(0), L * per_expert, tl.num_programs(0), num_stages=NUM_STAGES):
-        pid_l, pid_t, pid_g, _ = tile_coords(tile, T, G, stride_st, stride_sg, HAS_MASK, BLOCK_M, GROUPS_PER_PROG)
-        # Step 1: which rows of this expert exist.
-        num_rows = T
-        if (HAS_MASK & 1) != 0:  # MASK_ROWS
-            num_rows = tl.maximum(tl.minimum(tl.load(masked_m_ptr + pid_l), T), 0).to(tl.int32)  # clamp first
-        offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = offs_t < num_rows
-
-        # Step 2: load the [BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE] tile (rows past masked_m never load).
-        offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
-        cols = offs_g[None, :, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, None, :]
-        x_off = pid_l.to(tl.int64) * stride_xl + offs_t.to(tl.int64)[:, None, None] * stride_xt + cols
-        mask = row_ok[:, None, None] & (offs_g < G)[None, :, None]
+        # Steps 1-2: which rows of this expert exist; load the [BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE] tile (rows
+        # past masked_m never load).
+        pid_l, pid_g, offs_t, num_rows, row_ok, x_off, mask = tile_operands(
+            tile, masked_m_ptr, T, G, stride_xl, stride_xt, stride_st, stride_sg,
+            HAS_MASK, BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE)
         y = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
 
         # Step 3: quantize and store.

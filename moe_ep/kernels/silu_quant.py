@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .fp8_cast import native_e4m3_supported
 from .pdl import pdl_launch_kwargs
-from .quant import choose_config, mask_flags, num_tiles, quantize_tile, tile_coords, zero_scale_rows
+from .quant import choose_config, mask_flags, num_tiles, quantize_tile, tile_coords, tile_operands, zero_scale_rows
 
 __all__ = ["launch_silu_and_mul_quant"]
 
@@ -51,20 +51,11 @@ def _silu_and_mul_quant_kernel(
     _, _, _, per_expert = tile_coords(0, T, G, stride_st, stride_sg, HAS_MASK, BLOCK_M, GROUPS_PER_PROG)
     # Persistent, as the plain quant (moe_ep.kernels.quant): the next tiles' loads are in flight meanwhile.
     for tile in tl.range(tl.program_id(0), L * per_expert, tl.num_programs(0), num_stages=NUM_STAGES):
-        pid_l, pid_t, pid_g, _ = tile_coords(tile, T, G, stride_st, stride_sg, HAS_MASK, BLOCK_M, GROUPS_PER_PROG)
-        # Step 1: which rows of this expert exist.
-        num_rows = T
-        if (HAS_MASK & 1) != 0:  # MASK_ROWS
-            num_rows = tl.maximum(tl.minimum(tl.load(masked_m_ptr + pid_l), T), 0).to(tl.int32)  # clamp first
-        offs_t = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = offs_t < num_rows
-
-        # Step 2: gate and up tiles [BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE]; up starts N = G * GROUP_SIZE
-        # columns after gate in the same row.
-        offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
-        cols = offs_g[None, :, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, None, :]
-        x_off = pid_l.to(tl.int64) * stride_xl + offs_t.to(tl.int64)[:, None, None] * stride_xt + cols
-        mask = row_ok[:, None, None] & (offs_g < G)[None, :, None]
+        # Steps 1-2: which rows of this expert exist; gate and up tiles [BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE]
+        # (up starts N = G * GROUP_SIZE columns after gate in the same row).
+        pid_l, pid_g, offs_t, num_rows, row_ok, x_off, mask = tile_operands(
+            tile, masked_m_ptr, T, G, stride_xl, stride_xt, stride_st, stride_sg,
+            HAS_MASK, BLOCK_M, GROUPS_PER_PROG, GROUP_SIZE)
         gate = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + x_off + G * GROUP_SIZE, mask=mask, other=0.0).to(tl.float32)
 
