@@ -88,6 +88,13 @@ class LowLatencyCalls:
         new = [r for r, v in enumerate(now) if v and not self._mask_seen[r]]
         self._mask_seen = now
         timed = [r for r in new if now[r] == 2]
+        if self._impl.ll_take_late_writes():
+            from .sync import RankMaskedWarning
+            masked = [r for r, v in enumerate(now) if v]
+            warnings.warn(RankMaskedWarning(
+                f"moe_ep low-latency combine: a row written late by a masked rank (of {masked}; this is rank "
+                f"{self.rank}) landed in a live slot and was not summed: the tokens it hit are NaN; stop the masked "
+                "rank and re-run the step (the Buffer stays usable)", masked), stacklevel=3)
         if timed:
             from .sync import RankMaskedWarning
             warnings.warn(RankMaskedWarning(

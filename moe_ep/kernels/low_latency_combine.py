@@ -29,9 +29,11 @@ from .low_latency_common import (
 )
 from .signals import (
     SEQ_BAD_EXPERT,
+    SEQ_LATE_MASKED,
     SEQ_MASK,
     SEQ_STALE_ROW,
     STATUS_BAD_EXPERT,
+    STATUS_MASK,
     STATUS_SEQ,
     STATUS_SHRINK,
     STATUS_STALE_ROW,
@@ -114,6 +116,15 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8,
                 w0 = (sb + H + H // 4) // 4
                 tl.store(dst32 + w0[:, None] + offs_g[None, :], lo, mask=m2)
                 tl.store(dst32 + (w0 + H // 64)[:, None] + offs_g[None, :], step, mask=m2)
+
+
+@triton.jit
+def _masked_writer(status_ptr, hdr, owner, R):
+    """Per slot: the header ``hdr`` (``stamp << 16 | writer + 1``) names a writer other than ``owner`` that this
+    rank has masked (its mask word is set: by the API, a timed-out wait, or an adoption)."""
+    wr = (hdr & 0xFFFF) - 1
+    ok = (wr >= 0) & (wr < R) & (wr != owner)
+    return ok & (tl.load(status_ptr + STATUS_MASK + tl.where(ok, wr, 0), mask=ok, other=0, volatile=True) != 0)
 
 
 @triton.jit
@@ -311,7 +322,11 @@ def _comb_recv_body_ll(
     st2 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
     v2 = live2 & (st2 == (own | (d2 + 1)))
     use = tl.sum(tl.where(v2, 1 << kk[None, :], 0), axis=1)  # disjoint bits: the sum is an OR
+    # A slot whose header names another writer that this rank has masked holds a masked rank's late row: the token
+    # is NaN (the live row it overwrote is gone) and a masked-rank event is recorded, never a device error.
+    late2 = live2 & ~v2 & _masked_writer(status_ptr, st2, d2, R)
     stale = tl.max((live2 & ~v2).to(tl.int32), axis=1) > 0
+    fatal = tl.max((live2 & ~v2 & ~late2).to(tl.int32), axis=1) > 0
     badx = tl.max(((e2 >= E) & tk).to(tl.int32), axis=1) > 0
     tl.debug_barrier()
     for k in tl.static_range(K):
@@ -340,8 +355,11 @@ def _comb_recv_body_ll(
     # A row rewritten while it was read (a late writer racing this read) shows a changed stamp now.
     tl.debug_barrier()
     st3 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
-    stale = stale | (tl.max((v2 & (st3 != st2)).to(tl.int32), axis=1) > 0)
-    flags = (tl.where(tl.max(stale.to(tl.int32), axis=0) > 0, SEQ_STALE_ROW, 0)
+    moved = v2 & (st3 != st2)
+    stale = stale | (tl.max(moved.to(tl.int32), axis=1) > 0)
+    fatal = fatal | (tl.max((moved & ~_masked_writer(status_ptr, st3, d2, R)).to(tl.int32), axis=1) > 0)
+    flags = (tl.where(tl.max(fatal.to(tl.int32), axis=0) > 0, SEQ_STALE_ROW, 0)
+             | tl.where(tl.max((stale & ~fatal).to(tl.int32), axis=0) > 0, SEQ_LATE_MASKED, 0)
              | tl.where(tl.max(badx.to(tl.int32), axis=0) > 0, SEQ_BAD_EXPERT, 0))
     if flags != 0:
         tl.atomic_or(status_ptr + STATUS_SEQ, flags, sem="relaxed", scope="gpu")
@@ -371,7 +389,7 @@ def _comb_recv_body_ll(
                 if _live(status_ptr, rank, d):
                     signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + 2 * rank, 0)
         # The step is complete here (peers released: they are not cut short): report what was seen in it.
-        w = tl.atomic_and(status_ptr + STATUS_SEQ, SEQ_MASK, sem="relaxed", scope="gpu")
+        w = tl.atomic_and(status_ptr + STATUS_SEQ, SEQ_MASK | SEQ_LATE_MASKED, sem="relaxed", scope="gpu")
         if (w & SEQ_BAD_EXPERT) != 0:
             report_error(status_ptr, _BAD_EXPERT)
         elif (w & SEQ_STALE_ROW) != 0:

@@ -37,7 +37,7 @@ from .pdl import INTERPRET
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
            "STATUS_MASK", "STATUS_TRAP", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
            "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT", "STATUS_STALE_ROW", "STATUS_SEQ",
-           "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "STATUS_MESSAGES", "STATUS_WORST_EXCEEDED", "status_message"]
+           "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "SEQ_LATE_MASKED", "STATUS_MESSAGES", "STATUS_WORST_EXCEEDED", "status_message"]
 
 MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
 MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
@@ -51,6 +51,9 @@ STATUS_SEQ = tl.constexpr(3)
 SEQ_MASK = tl.constexpr(0x7FFF)
 SEQ_BAD_EXPERT = tl.constexpr(1 << 30)
 SEQ_STALE_ROW = tl.constexpr(1 << 29)
+# Sticky, not an error: a combine row written by a rank this rank has masked (a masked rank still running) was found
+# in a live slot; the token it hit is NaN. The host reads and clears it (masked-rank event, never a broken Buffer).
+SEQ_LATE_MASKED = tl.constexpr(1 << 28)
 HB_CAP = tl.constexpr(4)  # a beating (alive but waiting) peer is masked after HB_CAP timeouts all the same
 STATUS_OVERFLOW = -1
 STATUS_BAD_EXPERT = -2
