@@ -18,6 +18,7 @@ from .low_latency_common import (
     _decision_base,
     _decision_reset,
     _decision_words,
+    _done_word,
     _live,
     _live_like,
     _sig_payload_words,
@@ -38,11 +39,13 @@ from .signals import (
     STATUS_SHRINK,
     STATUS_STALE_ROW,
     arrive_last,
+    fence_sys,
+    load_acquire,
     now_ns,
     report_error,
     signal_release,
 )
-from .transport import NVSHMEM, PEER, copy_signature, publish, xfer
+from .transport import NVSHMEM, PEER, copy_signature, mapped, publish, xfer
 from .transport import peer_ptr as _peer
 
 KBITS = tl.constexpr(32)  # top-k at most 32: one bit per selection in the combine receive
@@ -128,6 +131,20 @@ def _masked_writer(status_ptr, hdr, owner, R):
 
 
 @triton.jit
+def _receiver_done(signal_ptrs, s, sig_off, R, stamp_s, status_ptr):
+    """1 when (enable_shrink, ``s`` mapped) ``s`` has finished, or given up on, the combine receive of its call
+    ``stamp_s`` (or a later call of this slot): its ``COMB_DONE`` word of this slot carries that stamp or a later
+    one. A row for ``s`` would then be a late row: the send drops it (docs/protocols.md, "late rows")."""
+    done = tl.program_id(0) * 0  # (an int32 tensor in both branches)
+    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+        base = tl.load(signal_ptrs + s)
+        if base != 0:
+            w = load_acquire(tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16) + sig_off + _done_word(R))
+            done = (((w >> 16) != 0) & ((((w & 0x7FFF) - stamp_s) & 0x7FFF) < 0x4000)).to(tl.int32)
+    return done
+
+
+@triton.jit
 def _comb_send_body_ll(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
     slot_row_ptr, recv_tokens_ptr, stamp_ptr,  # from the dispatch receive (stamp_ptr: each source's call stamp)
@@ -154,7 +171,11 @@ def _comb_send_body_ll(
     n_s = tl.load(recv_tokens_ptr + s)
     kk = tl.arange(0, KP)
     offs_t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    # enable_shrink: nothing is written to a source that has already finished this call's combine receive (it masked
+    # this rank, which is late): its slots may belong to live ranks of a later call by now.
+    gone = _receiver_done(signal_ptrs, s, sig_off, R, tl.load(stamp_ptr + s), status_ptr)
     t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t) & _live_like(status_ptr, rank, s, offs_t)
+    t_ok = t_ok & ((offs_t * 0 + gone) == 0)
     # NOTES: each k's expert row is read from global as a [BLOCK_T] vector (``srow + k``), never extracted from a
     # [BLOCK_T, KP] tile by a cross-thread reduction (``tl.sum(tl.where(kk == k, ...))``): on an H200 with triton 3.6
     # those reductions raced in shared memory in the dispatch receive and sent rows to the wrong place.
@@ -177,7 +198,12 @@ def _comb_send_body_ll(
         else:
             at_s = tl.where(sel >= 0, sel, 0).to(tl.int64)
         tl.store(dst32s + at_s * (CS // 4), stamp + offs_t * 0, mask=sel >= 0)
+    # The headers are ordered before the rows for every observer (a CTA barrier alone orders nothing toward a peer
+    # GPU): a receive that reads a row of this send, then fences, then reads the header, sees this header or a later
+    # one (docs/protocols.md, "late rows").
     tl.debug_barrier()
+    if TRANSPORT == PEER:
+        fence_sys()
     if FMT < 2:
         # BF16 / FP16: the 16-bit rows as they are.
         dst16 = _peer(buffer_ptrs, dst_rank, dst_off, tl.int16)
@@ -208,15 +234,31 @@ def _comb_send_body_ll(
                                   NATIVE_FP8, 64, TRANSPORT == NVSHMEM)
     if TRANSPORT == NVSHMEM:
         # Step 2b: each staged row (its wire bytes) to slot (t, k) of source s.
+        # Mapped s: the headers first, a fence, then the rows (as PEER). Unmapped s: one put per slot (header and row;
+        # their bytes land in no given order: the receive's stamp check and s's COMB_DONE gate are what remain).
         tl.debug_barrier()
+        mp = mapped(buffer_ptrs, s)
+        if mp:
+            for i in range(BLOCK_T):
+                t = b * BLOCK_T + i
+                if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s) & (gone == 0):
+                    for k in tl.static_range(K):
+                        src = tl.load(slot_row_ptr + (s * T + t) * K + k)
+                        if src >= 0:
+                            xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS,
+                                 stage_off + src.to(tl.int64) * CS, 16, sig_off + COMB_FULL + 2 * rank, CH)
+            tl.debug_barrier()
+            fence_sys()
+        hb = tl.where(mp, 16, 0)
         for i in range(BLOCK_T):
             t = b * BLOCK_T + i
-            if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
+            if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s) & (gone == 0):
                 for k in tl.static_range(K):
                     src = tl.load(slot_row_ptr + (s * T + t) * K + k)
                     if src >= 0:
-                        xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS,
-                             stage_off + src.to(tl.int64) * CS, 16 + ROW_BYTES, sig_off + COMB_FULL + 2 * rank, CH)
+                        xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS + hb,
+                             stage_off + src.to(tl.int64) * CS + hb, 16 + ROW_BYTES - hb,
+                             sig_off + COMB_FULL + 2 * rank, CH)
 
     # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s. NVSHMEM: no quiet (a
     # dead peer's puts never complete): the publish tells an unmapped s how many row puts to expect, and s waits
@@ -228,7 +270,8 @@ def _comb_send_body_ll(
         sig_ss = _sig_stride(R)
         sig_sb = _comb_sig_word(R)
         _write_signature(my_sig, sig_sb, rank, sig_ss, call_sig0, call_sig1, call_sig2, call_sig3)
-        if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
+        if ((tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s)
+                & (_receiver_done(signal_ptrs, s, sig_off, R, tl.load(stamp_ptr + s), status_ptr) == 0)):
             # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md)
             _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
             nw = _sig_payload_words(status_ptr, R)
@@ -352,8 +395,10 @@ def _comb_recv_body_ll(
                 st = tl.load(comb32 + (w0 + H // 64)[:, None] + (offs_h // 64)[None, :], mask=m, other=0)
                 y = logfmt_decode_values(code, lo, st)
         acc += tl.where(v_k[:, None], w_k[:, None] * y, 0.0)
-    # A row rewritten while it was read (a late writer racing this read) shows a changed stamp now.
+    # A row rewritten while it was read (a late writer racing this read) shows a changed stamp now: its writer
+    # fenced its header before its row, this read fences the row reads before the header read.
     tl.debug_barrier()
+    fence_sys()
     st3 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
     moved = v2 & (st3 != st2)
     stale = stale | (tl.max(moved.to(tl.int32), axis=1) > 0)
@@ -376,6 +421,8 @@ def _comb_recv_body_ll(
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
         if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+            # this call's combine is read: a row for it from now on is late, its sender drops it (_receiver_done)
+            signal_release(my_sig + _done_word(R), (1 << 16) | (own >> 16))
             for d in range(R):
                 if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, d):
                     _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)

@@ -35,7 +35,7 @@ import triton.language as tl
 from .pdl import INTERPRET
 
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
-           "STATUS_MASK", "STATUS_TRAP", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
+           "STATUS_MASK", "STATUS_TRAP", "signal_release", "fence_sys", "load_acquire", "arrive_last", "report_timeout", "report_error",
            "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT", "STATUS_STALE_ROW", "STATUS_SEQ",
            "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "SEQ_LATE_MASKED", "STATUS_MESSAGES", "STATUS_WORST_EXCEEDED", "status_message"]
 
@@ -118,6 +118,20 @@ def load_acquire(ptr):
 def signal_release(ptr, value):
     """Scalar release store (system scope) of an int32 signal; returns the previous value."""
     return tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+if INTERPRET:
+    @triton.jit
+    def fence_sys():
+        """(Interpreter build: programs run one at a time, every store is visible at once.)"""
+        pass
+else:
+    @triton.jit
+    def fence_sys():
+        """``fence.acq_rel.sys``: this thread's earlier memory operations (and, after a ``tl.debug_barrier()``, its
+        block's) are ordered before its later ones for every observer that orders its own reads with a fence too."""
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
 
 if INTERPRET:
