@@ -365,11 +365,6 @@ def _comb_recv_body_ll(
     st2 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
     v2 = live2 & (st2 == (own | (d2 + 1)))
     use = tl.sum(tl.where(v2, 1 << kk[None, :], 0), axis=1)  # disjoint bits: the sum is an OR
-    # A slot whose header names another writer that this rank has masked holds a masked rank's late row: the token
-    # is NaN (the live row it overwrote is gone) and a masked-rank event is recorded, never a device error.
-    late2 = live2 & ~v2 & _masked_writer(status_ptr, st2, d2, R)
-    stale = tl.max((live2 & ~v2).to(tl.int32), axis=1) > 0
-    fatal = tl.max((live2 & ~v2 & ~late2).to(tl.int32), axis=1) > 0
     badx = tl.max(((e2 >= E) & tk).to(tl.int32), axis=1) > 0
     tl.debug_barrier()
     for k in tl.static_range(K):
@@ -400,14 +395,8 @@ def _comb_recv_body_ll(
     tl.debug_barrier()
     fence_sys()
     st3 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
-    moved = v2 & (st3 != st2)
-    stale = stale | (tl.max(moved.to(tl.int32), axis=1) > 0)
-    fatal = fatal | (tl.max((moved & ~_masked_writer(status_ptr, st3, d2, R)).to(tl.int32), axis=1) > 0)
-    flags = (tl.where(tl.max(fatal.to(tl.int32), axis=0) > 0, SEQ_STALE_ROW, 0)
-             | tl.where(tl.max((stale & ~fatal).to(tl.int32), axis=0) > 0, SEQ_LATE_MASKED, 0)
-             | tl.where(tl.max(badx.to(tl.int32), axis=0) > 0, SEQ_BAD_EXPERT, 0))
-    if flags != 0:
-        tl.atomic_or(status_ptr + STATUS_SEQ, flags, sem="relaxed", scope="gpu")
+    bad = (live2 & ~v2) | (v2 & (st3 != st2))
+    stale = tl.max(bad.to(tl.int32), axis=1) > 0
     # A timed-out wait (now or earlier: the status word stays set) poisons the output with NaN, never
     # plausible zeros: inside a replayed CUDA graph no exception can say so.
     acc = tl.where((ok & ~stale & ~badx)[:, None], acc, float("nan"))
@@ -416,6 +405,18 @@ def _comb_recv_body_ll(
     else:
         bits = _bf16_bits(acc)
     tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], bits, mask=t_ok[:, None] & h_ok[None, :])
+    # Which report (after the store: the sum's registers are free again). A slot whose header (before the sum, or
+    # after it for a slot that was current) names another writer that this rank has masked holds a masked rank's
+    # late row: the token is NaN (the live row it overwrote is gone) and a masked-rank event is recorded, never a
+    # device error. Any other stale slot is a device error (SEQ_STALE_ROW).
+    e2 = tl.load(topk_ptr + offs_t[:, None] * K + kk[None, :], mask=bad, other=0)
+    late = bad & _masked_writer(status_ptr, tl.where(v2, st3, st2), (e2 // L).to(tl.int32), R)
+    fatal = tl.max((bad & ~late).to(tl.int32), axis=1) > 0
+    flags = (tl.where(tl.max(fatal.to(tl.int32), axis=0) > 0, SEQ_STALE_ROW, 0)
+             | tl.where(tl.max((stale & ~fatal).to(tl.int32), axis=0) > 0, SEQ_LATE_MASKED, 0)
+             | tl.where(tl.max(badx.to(tl.int32), axis=0) > 0, SEQ_BAD_EXPERT, 0))
+    if flags != 0:
+        tl.atomic_or(status_ptr + STATUS_SEQ, flags, sem="relaxed", scope="gpu")
 
     # Step 3: the last program resets the full words and frees our area on every expert rank.
     tl.debug_barrier()
