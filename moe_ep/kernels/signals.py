@@ -68,9 +68,9 @@ STATUS_MESSAGES = {
     STATUS_BAD_EXPERT: "topk_idx held an expert id >= num_experts (input checks were off)",
     STATUS_REPEATED_EXPERT: "topk_idx repeated an expert within tokens more often than the buffer holds (mega MoE: "
                             "at most num_max_tokens_per_rank selections of one expert per rank; those rows were dropped)",
-    STATUS_STALE_ROW: "a low-latency combine row of a live expert rank carried another call's stamp (a late writer, e.g. "
-                      "a masked rank whose kernel was still running, overwrote it, or combine's topk_idx differs from "
-                      "the dispatch's): those tokens are NaN",
+    STATUS_STALE_ROW: "a low-latency combine row of a live expert rank carried another call's stamp (combine's "
+                      "topk_idx differs from the dispatch's, or an unmasked rank wrote another call's row; a masked "
+                      "rank's late row is only reported by take_late_writes()): those tokens are NaN",
 }
 
 
