@@ -20,6 +20,8 @@ from .low_latency_common import (
     _decision_words,
     _done_word,
     _live,
+    _masked_writer,
+    _receiver_done,
     _live_like,
     _sig_payload_words,
     _sig_stride,
@@ -34,13 +36,11 @@ from .signals import (
     SEQ_MASK,
     SEQ_STALE_ROW,
     STATUS_BAD_EXPERT,
-    STATUS_MASK,
     STATUS_SEQ,
     STATUS_SHRINK,
     STATUS_STALE_ROW,
     arrive_last,
     fence_sys,
-    load_acquire,
     now_ns,
     report_error,
     signal_release,
@@ -119,29 +119,6 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8,
                 w0 = (sb + H + H // 4) // 4
                 tl.store(dst32 + w0[:, None] + offs_g[None, :], lo, mask=m2)
                 tl.store(dst32 + (w0 + H // 64)[:, None] + offs_g[None, :], step, mask=m2)
-
-
-@triton.jit
-def _masked_writer(status_ptr, hdr, owner, R):
-    """Per slot: the header ``hdr`` (``stamp << 16 | writer + 1``) names a writer other than ``owner`` that this
-    rank has masked (its mask word is set: by the API, a timed-out wait, or an adoption)."""
-    wr = (hdr & 0xFFFF) - 1
-    ok = (wr >= 0) & (wr < R) & (wr != owner)
-    return ok & (tl.load(status_ptr + STATUS_MASK + tl.where(ok, wr, 0), mask=ok, other=0, volatile=True) != 0)
-
-
-@triton.jit
-def _receiver_done(signal_ptrs, s, sig_off, R, stamp_s, status_ptr):
-    """1 when (enable_shrink, ``s`` mapped) ``s`` has finished, or given up on, the combine receive of its call
-    ``stamp_s`` (or a later call of this slot): its ``COMB_DONE`` word of this slot carries that stamp or a later
-    one. A row for ``s`` would then be a late row: the send drops it (docs/protocols.md, "late rows")."""
-    done = tl.program_id(0) * 0  # (an int32 tensor in both branches)
-    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
-        base = tl.load(signal_ptrs + s)
-        if base != 0:
-            w = load_acquire(tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16) + sig_off + _done_word(R))
-            done = (((w >> 16) != 0) & ((((w & 0x7FFF) - stamp_s) & 0x7FFF) < 0x4000)).to(tl.int32)
-    return done
 
 
 @triton.jit

@@ -342,3 +342,27 @@ def _bf16_bits(v):
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
     return tl.where(is_nan, 0x7FFF, rounded).to(tl.int16)
+
+
+# Late rows (docs/protocols.md, "Late rows"): the combine send's gate and the receive's masked-writer test.
+@triton.jit
+def _receiver_done(signal_ptrs, s, sig_off, R, stamp_s, status_ptr):
+    """1 when (enable_shrink, ``s`` mapped) ``s`` has finished, or given up on, the combine receive of its call
+    ``stamp_s`` (or a later call of this slot): its ``COMB_DONE`` word of this slot carries that stamp or a later
+    one. A row for ``s`` would then be a late row: the send drops it (docs/protocols.md, "late rows")."""
+    done = tl.program_id(0) * 0  # (an int32 tensor in both branches)
+    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+        base = tl.load(signal_ptrs + s)
+        if base != 0:
+            w = load_acquire(tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16) + sig_off + _done_word(R))
+            done = (((w >> 16) != 0) & ((((w & 0x7FFF) - stamp_s) & 0x7FFF) < 0x4000)).to(tl.int32)
+    return done
+
+
+@triton.jit
+def _masked_writer(status_ptr, hdr, owner, R):
+    """Per slot: the header ``hdr`` (``stamp << 16 | writer + 1``) names a writer other than ``owner`` that this
+    rank has masked (its mask word is set: by the API, a timed-out wait, or an adoption)."""
+    wr = (hdr & 0xFFFF) - 1
+    ok = (wr >= 0) & (wr < R) & (wr != owner)
+    return ok & (tl.load(status_ptr + STATUS_MASK + tl.where(ok, wr, 0), mask=ok, other=0, volatile=True) != 0)

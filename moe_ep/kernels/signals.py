@@ -35,9 +35,10 @@ import triton.language as tl
 from .pdl import INTERPRET
 
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
-           "STATUS_MASK", "STATUS_TRAP", "signal_release", "fence_sys", "load_acquire", "arrive_last", "report_timeout", "report_error",
-           "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT", "STATUS_STALE_ROW", "STATUS_SEQ",
-           "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "SEQ_LATE_MASKED", "STATUS_MESSAGES", "STATUS_WORST_EXCEEDED", "status_message"]
+           "STATUS_MASK", "STATUS_TRAP", "signal_release", "fence_sys", "load_acquire", "arrive_last",
+           "report_timeout", "report_error", "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT",
+           "STATUS_STALE_ROW", "STATUS_SEQ", "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "SEQ_LATE_MASKED",
+           "STATUS_MESSAGES", "STATUS_WORST_EXCEEDED", "status_message"]
 
 MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
 MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
