@@ -79,6 +79,14 @@ class LowLatencyCalls:
         self._check_shrink()
         return [r for r, v in enumerate(self._impl.ll_mask_host()) if v]
 
+    def low_latency_take_late_writes(self) -> bool:
+        """Whether a combine since the last poll found a row written late by a rank this rank has masked (a masked
+        rank whose kernel was still running) and left it out (the tokens it hit are NaN; the Buffer stays usable),
+        and clear the flag. A host read (one device synchronisation on GPUs): poll it with
+        :meth:`low_latency_masked_ranks`, outside CUDA graphs; a True says: stop the masked rank, re-run the step."""
+        self._check_shrink()
+        return self._impl.ll_take_late_writes()
+
     def _after_low_latency(self) -> None:
         """CPU only (a host read is free there): warn about ranks a timed-out wait has just masked."""
         if not self.enable_shrink or self._destroyed or events.uses_streams(getattr(self._impl, "device", None)
@@ -88,6 +96,13 @@ class LowLatencyCalls:
         new = [r for r, v in enumerate(now) if v and not self._mask_seen[r]]
         self._mask_seen = now
         timed = [r for r in new if now[r] == 2]
+        if self._impl.ll_take_late_writes():
+            from .sync import RankMaskedWarning
+            masked = [r for r, v in enumerate(now) if v]
+            warnings.warn(RankMaskedWarning(
+                f"moe_ep low-latency combine: a row written late by a masked rank (of {masked}; this is rank "
+                f"{self.rank}) landed in a live slot and was not summed: the tokens it hit are NaN; stop the masked "
+                "rank and re-run the step (the Buffer stays usable)", masked), stacklevel=3)
         if timed:
             from .sync import RankMaskedWarning
             warnings.warn(RankMaskedWarning(

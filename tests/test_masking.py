@@ -172,10 +172,11 @@ def _send(p, x, idx, T_, E_):
     return p.dispatch_send(x, idx, T_, E_, use_fp8=False, round_scale=False, use_ue8m0=False)
 
 
-@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
-def test_late_writer_row_is_rejected(transport):
-    """A masked but still-running rank S whose OLD combine send lands in a survivor's slot (t, k), which now holds a
-    live rank's row of a later call: the survivor never sums it (its stamp is not this call's): NaN + status."""
+def _late_writer(transport, past_gate):
+    """A masked but still-running rank S whose OLD (call 0) combine send resumes in call 2, when a survivor P's slot
+    (0, 1) holds a live rank D's row of call 2. ``past_gate``: S read P's ``COMB_DONE`` word before P finished call
+    0 (emulated: the word reads 0 during S's send), so its row lands. Returns P's and D's paths, P's call-2 output,
+    D's call-2 output and the call-3 outputs (S stopped)."""
     R, T_, H_, E_, K_ = 3, 1, 128, 3, 2
     P, D, S = 0, 1, 2
     paths = _virtual(R, T_, H_, E_, K_, transport)
@@ -189,18 +190,63 @@ def test_late_writer_row_is_rejected(transport):
         paths[r].combine_recv(cs[r])  # S never combined: masked by both
     assert paths[P].mask.tolist()[S] and paths[D].mask.tolist()[S]
     idx = {P: torch.tensor([[0, 1]]), D: torch.tensor([[1, 0]])}
-    for call in (1, 2):
+    outs = []
+    for call in (1, 2, 3):
         st = {r: _send(paths[r], x(20 + r), idx[r], T_, E_) for r in (P, D)}
         res = {r: paths[r].dispatch_recv(st[r]) for r in (P, D)}
         cs = {r: paths[r].combine_send(res[r].recv_x, idx[r], w, res[r].handle) for r in (P, D)}
-        if call == 2:  # S's stalled call-0 combine send resumes now, into P's slot (0, 1) that D wrote
+        if call == 2:  # S's stalled call-0 combine send resumes now (same slot as call 0), into P's slot (0, 1)
+            sig = paths[P].sig
+            at = cs[P].slot * sig["SLOT_WORDS"] + sig.get("COMB_DONE", 0)
+            done = int(paths[P].symm.signals[at]) if "COMB_DONE" in sig else None
+            assert done is None or done >> 16 == 1  # P closed call 0 of this slot when its receive ended
+            if past_gate and done is not None:
+                paths[P].symm.signals[at] = 0
             paths[S].combine_send((res0[S].recv_x.float() * 100).to(torch.bfloat16), idx0[S], w, res0[S].handle)
-            with pytest.raises(RuntimeError, match="stamp"):
-                paths[P].combine_recv(cs[P])
-            assert torch.isnan(cs[P].out.float()).all()  # never 1020 (S's row in D's place)
-            assert paths[D].combine_recv(cs[D])[0, 0].item() == 42.0  # D's own slots were not touched
-        else:
-            assert [paths[r].combine_recv(cs[r])[0, 0].item() for r in (P, D)] == [40.0, 42.0]
+            if done is not None:
+                paths[P].symm.signals[at] = done
+        outs.append({r: paths[r].combine_recv(cs[r]) for r in (P, D)})
+    return paths[P], paths[D], outs
+
+
+@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
+def test_late_writer_row_is_dropped_by_its_sender(transport):
+    """A masked rank's combine send that resumes after the survivor finished that call's receive writes nothing
+    there (the survivor's COMB_DONE word names the call): the survivor's later call is exact, no event, no error."""
+    p, d, outs = _late_writer(transport, past_gate=False)
+    assert [[o[r][0, 0].item() for r in (0, 1)] for o in outs] == [[40.0, 42.0]] * 3  # never 1020
+    assert p.symm.broken is None and int(p.symm.status[0]) == 0 and not p.take_late_writes()
+
+
+@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
+def test_late_writer_row_past_the_gate_is_a_masked_rank_event(transport):
+    """A masked rank's late row that lands anyway (its sender read the gate before it closed) is never summed: the
+    token is NaN, a masked-rank event is recorded once, and the survivor's Buffer stays usable (the failure
+    enable_shrink survives); the next call is exact."""
+    p, d, outs = _late_writer(transport, past_gate=True)
+    assert [outs[0][r][0, 0].item() for r in (0, 1)] == [40.0, 42.0]
+    assert torch.isnan(outs[1][0].float()).all() and outs[1][1][0, 0].item() == 42.0  # D's slots were not touched
+    assert p.symm.broken is None and int(p.symm.status[0]) == 0
+    assert p.take_late_writes() and not p.take_late_writes() and not d.take_late_writes()
+    assert [outs[2][r][0, 0].item() for r in (0, 1)] == [40.0, 42.0]
+
+
+@pytest.mark.parametrize("transport", ["symm", "nvshmem"])
+def test_stale_row_of_an_unmasked_writer_stays_an_error(transport):
+    """Only a MASKED writer's row is a masked-rank event: a slot whose header names a live rank other than the owner
+    (here: combine's topk_idx is not the dispatch's) is still a device error naming the stamp."""
+    R, T_, H_, E_, K_ = 2, 1, 128, 2, 2
+    paths = _virtual(R, T_, H_, E_, K_, transport)
+    x = torch.ones(1, H_, dtype=torch.bfloat16)
+    w = torch.ones(1, K_)
+    idx = torch.tensor([[0, 1]])
+    st = {r: _send(paths[r], x, idx, T_, E_) for r in range(R)}
+    res = {r: paths[r].dispatch_recv(st[r]) for r in range(R)}
+    cs = {r: paths[r].combine_send(res[r].recv_x, idx, w, res[r].handle) for r in range(R)}
+    cs[0].topk_idx = torch.tensor([[1, 0]])  # slot (0, 0) now "belongs" to rank 1, its header names rank 0
+    with pytest.raises(RuntimeError, match="stamp"):
+        paths[0].combine_recv(cs[0])
+    assert not paths[0].take_late_writes()
 
 
 @pytest.mark.parametrize("transport", ["symm", "nvshmem"])

@@ -220,6 +220,11 @@ class Backend(abc.ABC):
         """The mask as a host list (a device read on GPUs)."""
         raise NotImplementedError(f"backend {self.name!r} does not support rank masking")
 
+    def ll_take_late_writes(self) -> bool:
+        """Whether a masked rank's late combine row was found (and dropped, its token NaN) since the last call;
+        clears the flag. Backends whose combine slots have a single writer per call never see one."""
+        return False
+
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The `[L, R*T, H]` bf16 tensor that ``zero_copy`` combine reads in place (backends with a
         registered buffer override this)."""

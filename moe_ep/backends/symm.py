@@ -284,6 +284,10 @@ class SymmBackend(Backend):
         api = self.ll.reported_mask()
         return api if api is not None else [int(v) for v in self.ll.mask.tolist()]
 
+    def ll_take_late_writes(self) -> bool:
+        self._check_ll()
+        return self.ll.take_late_writes()
+
     # ------------------------------------------------------------------ status
     def check_status(self, blocking: bool = True) -> None:
         """Raise :class:`moe_ep.RankTimeoutError` if any wait of this rank timed out (after CUDA-graph

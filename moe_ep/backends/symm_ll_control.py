@@ -158,6 +158,17 @@ class _LowLatencyControl:
             self.mask.copy_(torch.tensor([MASK_API if (a and r != me) else 0 for r, a in enumerate(self._api)],
                                          dtype=torch.int32))
 
+    def take_late_writes(self) -> bool:
+        """Whether a combine receive since the last call found a row of a rank this rank has masked (a masked rank
+        still running) in a live slot (the token it hit is NaN; docs/protocols.md, "A masked rank's late row"), and
+        clear the flag. Not an error: the Buffer stays usable. A host read (one device synchronisation on GPUs)."""
+        from ..kernels.signals import SEQ_LATE_MASKED
+        bit = int(SEQ_LATE_MASKED.value if hasattr(SEQ_LATE_MASKED, "value") else SEQ_LATE_MASKED)
+        seen = (int(self.symm.status[3]) & bit) != 0
+        if seen:
+            self.symm.status[3:4].bitwise_and_(~bit)
+        return seen
+
     def reported_mask(self) -> Optional[list]:
         """The API's view for a self-masked rank (``None`` otherwise: the device words are the view)."""
         return list(self._api) if self._api[self.symm.rank] else None

@@ -18,7 +18,10 @@ from .low_latency_common import (
     _decision_base,
     _decision_reset,
     _decision_words,
+    _done_word,
     _live,
+    _masked_writer,
+    _receiver_done,
     _live_like,
     _sig_payload_words,
     _sig_stride,
@@ -29,6 +32,7 @@ from .low_latency_common import (
 )
 from .signals import (
     SEQ_BAD_EXPERT,
+    SEQ_LATE_MASKED,
     SEQ_MASK,
     SEQ_STALE_ROW,
     STATUS_BAD_EXPERT,
@@ -36,11 +40,12 @@ from .signals import (
     STATUS_SHRINK,
     STATUS_STALE_ROW,
     arrive_last,
+    fence_sys,
     now_ns,
     report_error,
     signal_release,
 )
-from .transport import NVSHMEM, PEER, copy_signature, publish, xfer
+from .transport import NVSHMEM, PEER, copy_signature, mapped, publish, xfer
 from .transport import peer_ptr as _peer
 
 KBITS = tl.constexpr(32)  # top-k at most 32: one bit per selection in the combine receive
@@ -143,7 +148,11 @@ def _comb_send_body_ll(
     n_s = tl.load(recv_tokens_ptr + s)
     kk = tl.arange(0, KP)
     offs_t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    # enable_shrink: nothing is written to a source that has already finished this call's combine receive (it masked
+    # this rank, which is late): its slots may belong to live ranks of a later call by now.
+    gone = _receiver_done(signal_ptrs, s, sig_off, R, tl.load(stamp_ptr + s), status_ptr)
     t_ok = (offs_t < n_s) & _status_ok(status_ptr, offs_t) & _live_like(status_ptr, rank, s, offs_t)
+    t_ok = t_ok & ((offs_t * 0 + gone) == 0)
     # NOTES: each k's expert row is read from global as a [BLOCK_T] vector (``srow + k``), never extracted from a
     # [BLOCK_T, KP] tile by a cross-thread reduction (``tl.sum(tl.where(kk == k, ...))``): on an H200 with triton 3.6
     # those reductions raced in shared memory in the dispatch receive and sent rows to the wrong place.
@@ -166,7 +175,12 @@ def _comb_send_body_ll(
         else:
             at_s = tl.where(sel >= 0, sel, 0).to(tl.int64)
         tl.store(dst32s + at_s * (CS // 4), stamp + offs_t * 0, mask=sel >= 0)
+    # The headers are ordered before the rows for every observer (a CTA barrier alone orders nothing toward a peer
+    # GPU): a receive that reads a row of this send, then fences, then reads the header, sees this header or a later
+    # one (docs/protocols.md, "late rows").
     tl.debug_barrier()
+    if TRANSPORT == PEER:
+        fence_sys()
     if FMT < 2:
         # BF16 / FP16: the 16-bit rows as they are.
         dst16 = _peer(buffer_ptrs, dst_rank, dst_off, tl.int16)
@@ -197,15 +211,31 @@ def _comb_send_body_ll(
                                   NATIVE_FP8, 64, TRANSPORT == NVSHMEM)
     if TRANSPORT == NVSHMEM:
         # Step 2b: each staged row (its wire bytes) to slot (t, k) of source s.
+        # Mapped s: the headers first, a fence, then the rows (as PEER). Unmapped s: one put per slot (header and row;
+        # their bytes land in no given order: the receive's stamp check and s's COMB_DONE gate are what remain).
         tl.debug_barrier()
+        mp = mapped(buffer_ptrs, s)
+        if mp:
+            for i in range(BLOCK_T):
+                t = b * BLOCK_T + i
+                if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s) & (gone == 0):
+                    for k in tl.static_range(K):
+                        src = tl.load(slot_row_ptr + (s * T + t) * K + k)
+                        if src >= 0:
+                            xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS,
+                                 stage_off + src.to(tl.int64) * CS, 16, sig_off + COMB_FULL + 2 * rank, CH)
+            tl.debug_barrier()
+            fence_sys()
+        hb = tl.where(mp, 16, 0)
         for i in range(BLOCK_T):
             t = b * BLOCK_T + i
-            if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
+            if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s) & (gone == 0):
                 for k in tl.static_range(K):
                     src = tl.load(slot_row_ptr + (s * T + t) * K + k)
                     if src >= 0:
-                        xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS,
-                             stage_off + src.to(tl.int64) * CS, 16 + ROW_BYTES, sig_off + COMB_FULL + 2 * rank, CH)
+                        xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS + hb,
+                             stage_off + src.to(tl.int64) * CS + hb, 16 + ROW_BYTES - hb,
+                             sig_off + COMB_FULL + 2 * rank, CH)
 
     # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s. NVSHMEM: no quiet (a
     # dead peer's puts never complete): the publish tells an unmapped s how many row puts to expect, and s waits
@@ -217,7 +247,8 @@ def _comb_send_body_ll(
         sig_ss = _sig_stride(R)
         sig_sb = _comb_sig_word(R)
         _write_signature(my_sig, sig_sb, rank, sig_ss, call_sig0, call_sig1, call_sig2, call_sig3)
-        if (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s):
+        if ((tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s)
+                & (_receiver_done(signal_ptrs, s, sig_off, R, tl.load(stamp_ptr + s), status_ptr) == 0)):
             # enable_shrink: the ranks this rank masked by timeout travel with the signature (docs/protocols.md)
             _write_mask_bits(my_sig, sig_sb, rank, status_ptr, R, sig_ss)
             nw = _sig_payload_words(status_ptr, R)
@@ -311,7 +342,6 @@ def _comb_recv_body_ll(
     st2 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
     v2 = live2 & (st2 == (own | (d2 + 1)))
     use = tl.sum(tl.where(v2, 1 << kk[None, :], 0), axis=1)  # disjoint bits: the sum is an OR
-    stale = tl.max((live2 & ~v2).to(tl.int32), axis=1) > 0
     badx = tl.max(((e2 >= E) & tk).to(tl.int32), axis=1) > 0
     tl.debug_barrier()
     for k in tl.static_range(K):
@@ -337,14 +367,13 @@ def _comb_recv_body_ll(
                 st = tl.load(comb32 + (w0 + H // 64)[:, None] + (offs_h // 64)[None, :], mask=m, other=0)
                 y = logfmt_decode_values(code, lo, st)
         acc += tl.where(v_k[:, None], w_k[:, None] * y, 0.0)
-    # A row rewritten while it was read (a late writer racing this read) shows a changed stamp now.
+    # A row rewritten while it was read (a late writer racing this read) shows a changed stamp now: its writer
+    # fenced its header before its row, this read fences the row reads before the header read.
     tl.debug_barrier()
+    fence_sys()
     st3 = tl.load(comb32 + slot2 * (CS // 4), mask=live2, other=0, volatile=True)
-    stale = stale | (tl.max((v2 & (st3 != st2)).to(tl.int32), axis=1) > 0)
-    flags = (tl.where(tl.max(stale.to(tl.int32), axis=0) > 0, SEQ_STALE_ROW, 0)
-             | tl.where(tl.max(badx.to(tl.int32), axis=0) > 0, SEQ_BAD_EXPERT, 0))
-    if flags != 0:
-        tl.atomic_or(status_ptr + STATUS_SEQ, flags, sem="relaxed", scope="gpu")
+    bad = (live2 & ~v2) | (v2 & (st3 != st2))
+    stale = tl.max(bad.to(tl.int32), axis=1) > 0
     # A timed-out wait (now or earlier: the status word stays set) poisons the output with NaN, never
     # plausible zeros: inside a replayed CUDA graph no exception can say so.
     acc = tl.where((ok & ~stale & ~badx)[:, None], acc, float("nan"))
@@ -353,11 +382,25 @@ def _comb_recv_body_ll(
     else:
         bits = _bf16_bits(acc)
     tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :], bits, mask=t_ok[:, None] & h_ok[None, :])
+    # Which report (after the store: the sum's registers are free again). A slot whose header (before the sum, or
+    # after it for a slot that was current) names another writer that this rank has masked holds a masked rank's
+    # late row: the token is NaN (the live row it overwrote is gone) and a masked-rank event is recorded, never a
+    # device error. Any other stale slot is a device error (SEQ_STALE_ROW).
+    e2 = tl.load(topk_ptr + offs_t[:, None] * K + kk[None, :], mask=bad, other=0)
+    late = bad & _masked_writer(status_ptr, tl.where(v2, st3, st2), (e2 // L).to(tl.int32), R)
+    fatal = tl.max((bad & ~late).to(tl.int32), axis=1) > 0
+    flags = (tl.where(tl.max(fatal.to(tl.int32), axis=0) > 0, SEQ_STALE_ROW, 0)
+             | tl.where(tl.max((stale & ~fatal).to(tl.int32), axis=0) > 0, SEQ_LATE_MASKED, 0)
+             | tl.where(tl.max(badx.to(tl.int32), axis=0) > 0, SEQ_BAD_EXPERT, 0))
+    if flags != 0:
+        tl.atomic_or(status_ptr + STATUS_SEQ, flags, sem="relaxed", scope="gpu")
 
     # Step 3: the last program resets the full words and frees our area on every expert rank.
     tl.debug_barrier()
     if arrive_last(my_sig + COMB_RECV_CNT, num_progs):
         if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+            # this call's combine is read: a row for it from now on is late, its sender drops it (_receiver_done)
+            signal_release(my_sig + _done_word(R), (1 << 16) | (own >> 16))
             for d in range(R):
                 if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, d):
                     _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)
@@ -371,7 +414,7 @@ def _comb_recv_body_ll(
                 if _live(status_ptr, rank, d):
                     signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + 2 * rank, 0)
         # The step is complete here (peers released: they are not cut short): report what was seen in it.
-        w = tl.atomic_and(status_ptr + STATUS_SEQ, SEQ_MASK, sem="relaxed", scope="gpu")
+        w = tl.atomic_and(status_ptr + STATUS_SEQ, SEQ_MASK | SEQ_LATE_MASKED, sem="relaxed", scope="gpu")
         if (w & SEQ_BAD_EXPERT) != 0:
             report_error(status_ptr, _BAD_EXPERT)
         elif (w & SEQ_STALE_ROW) != 0:

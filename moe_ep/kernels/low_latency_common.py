@@ -50,10 +50,13 @@ def signal_layout(world_size: int) -> dict:
     lay = {"DISP_FULL": 0, "DISP_BUSY": 2 * R, "COMB_FULL": 4 * R, "COMB_BUSY": 6 * R, "COMB_SEND_CNT": 8 * R,
            "DISP_SEND_CNT": 9 * R, "DISP_RECV_CNT": 9 * R + 1, "COMB_RECV_CNT": 9 * R + 2,
            "HEARTBEAT": 9 * R + 3,  # kernels compute it as _hb_word(R)
-           "SCRATCH": (9 * R + 5) // 2 * 2,
+           # enable_shrink: ``1 << 16 | stamp`` of the last combine this rank received in this slot (written by the
+           # receive's last program; a sender reads it before writing rows: docs/protocols.md, "late rows")
+           "COMB_DONE": 9 * R + 4,  # kernels compute it as _done_word(R)
+           "SCRATCH": (9 * R + 6) // 2 * 2,
            # call signatures (SIG_WORDS words per rank; kernels compute the offsets as below): entry r on a
            # receiver holds what rank r called; the entry of the receiver itself holds its own call
-           "DISP_SIG": (9 * R + 5) // 2 * 2 + 2 * R}
+           "DISP_SIG": (9 * R + 6) // 2 * 2 + 2 * R}
     lay["SIG_STRIDE"] = sig_stride(R)  # words per signature entry (entry r at X_SIG + SIG_STRIDE * r)
     lay["COMB_SIG"] = lay["DISP_SIG"] + lay["SIG_STRIDE"] * R  # (the jit twins below compute the same offsets)
     lay["SLOT_WORDS"] = (lay["COMB_SIG"] + lay["SIG_STRIDE"] * R + 7) // 8 * 8
@@ -67,15 +70,21 @@ def _hb_word(R):
 
 
 @triton.jit
+def _done_word(R):
+    """Word of this rank's "combine received" stamp inside a slot (``signal_layout``'s ``COMB_DONE``)."""
+    return 9 * R + 4
+
+
+@triton.jit
 def _scratch_word(R):
     """First word of the dummy-payload area (``SCRATCH``): 8-byte aligned, 2 words per rank."""
-    return (9 * R + 4 + 1) // 2 * 2
+    return (9 * R + 6) // 2 * 2
 
 
 @triton.jit
 def _disp_sig_word(R):
     """First word of the dispatch call signatures (``DISP_SIG``)."""
-    return (9 * R + 4 + 1) // 2 * 2 + 2 * R
+    return (9 * R + 6) // 2 * 2 + 2 * R
 
 
 @triton.jit
@@ -89,7 +98,7 @@ def _sig_stride(R):
 @triton.jit
 def _comb_sig_word(R):
     """First word of the combine call signatures (``COMB_SIG``)."""
-    return (9 * R + 4 + 1) // 2 * 2 + 2 * R + (4 + (R + 31) // 32 + 3) // 4 * 4 * R  # + _sig_stride(R) * R
+    return (9 * R + 6) // 2 * 2 + 2 * R + (4 + (R + 31) // 32 + 3) // 4 * 4 * R  # + _sig_stride(R) * R
 
 
 @triton.jit
@@ -333,3 +342,27 @@ def _bf16_bits(v):
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
     return tl.where(is_nan, 0x7FFF, rounded).to(tl.int16)
+
+
+# Late rows (docs/protocols.md, "Late rows"): the combine send's gate and the receive's masked-writer test.
+@triton.jit
+def _receiver_done(signal_ptrs, s, sig_off, R, stamp_s, status_ptr):
+    """1 when (enable_shrink, ``s`` mapped) ``s`` has finished, or given up on, the combine receive of its call
+    ``stamp_s`` (or a later call of this slot): its ``COMB_DONE`` word of this slot carries that stamp or a later
+    one. A row for ``s`` would then be a late row: the send drops it (docs/protocols.md, "late rows")."""
+    done = tl.program_id(0) * 0  # (an int32 tensor in both branches)
+    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+        base = tl.load(signal_ptrs + s)
+        if base != 0:
+            w = load_acquire(tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16) + sig_off + _done_word(R))
+            done = (((w >> 16) != 0) & ((((w & 0x7FFF) - stamp_s) & 0x7FFF) < 0x4000)).to(tl.int32)
+    return done
+
+
+@triton.jit
+def _masked_writer(status_ptr, hdr, owner, R):
+    """Per slot: the header ``hdr`` (``stamp << 16 | writer + 1``) names a writer other than ``owner`` that this
+    rank has masked (its mask word is set: by the API, a timed-out wait, or an adoption)."""
+    wr = (hdr & 0xFFFF) - 1
+    ok = (wr >= 0) & (wr < R) & (wr != owner)
+    return ok & (tl.load(status_ptr + STATUS_MASK + tl.where(ok, wr, 0), mask=ok, other=0, volatile=True) != 0)

@@ -35,9 +35,10 @@ import triton.language as tl
 from .pdl import INTERPRET
 
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
-           "STATUS_MASK", "STATUS_TRAP", "signal_release", "load_acquire", "arrive_last", "report_timeout", "report_error",
-           "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT", "STATUS_STALE_ROW", "STATUS_SEQ",
-           "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "STATUS_MESSAGES", "STATUS_WORST_EXCEEDED", "status_message"]
+           "STATUS_MASK", "STATUS_TRAP", "signal_release", "fence_sys", "load_acquire", "arrive_last",
+           "report_timeout", "report_error", "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT",
+           "STATUS_STALE_ROW", "STATUS_SEQ", "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "SEQ_LATE_MASKED",
+           "STATUS_MESSAGES", "STATUS_WORST_EXCEEDED", "status_message"]
 
 MASK_API = 1  # mask word: masked by Buffer.low_latency_update_mask_buffer
 MASK_TIMEOUT = 2  # mask word: masked by a kernel whose wait on that rank timed out (enable_shrink)
@@ -51,6 +52,9 @@ STATUS_SEQ = tl.constexpr(3)
 SEQ_MASK = tl.constexpr(0x7FFF)
 SEQ_BAD_EXPERT = tl.constexpr(1 << 30)
 SEQ_STALE_ROW = tl.constexpr(1 << 29)
+# Sticky, not an error: a combine row written by a rank this rank has masked (a masked rank still running) was found
+# in a live slot; the token it hit is NaN. The host reads and clears it (masked-rank event, never a broken Buffer).
+SEQ_LATE_MASKED = tl.constexpr(1 << 28)
 HB_CAP = tl.constexpr(4)  # a beating (alive but waiting) peer is masked after HB_CAP timeouts all the same
 STATUS_OVERFLOW = -1
 STATUS_BAD_EXPERT = -2
@@ -65,9 +69,9 @@ STATUS_MESSAGES = {
     STATUS_BAD_EXPERT: "topk_idx held an expert id >= num_experts (input checks were off)",
     STATUS_REPEATED_EXPERT: "topk_idx repeated an expert within tokens more often than the buffer holds (mega MoE: "
                             "at most num_max_tokens_per_rank selections of one expert per rank; those rows were dropped)",
-    STATUS_STALE_ROW: "a low-latency combine row of a live expert rank carried another call's stamp (a late writer, e.g. "
-                      "a masked rank whose kernel was still running, overwrote it, or combine's topk_idx differs from "
-                      "the dispatch's): those tokens are NaN",
+    STATUS_STALE_ROW: "a low-latency combine row of a live expert rank carried another call's stamp (combine's "
+                      "topk_idx differs from the dispatch's, or an unmasked rank wrote another call's row; a masked "
+                      "rank's late row is only reported by take_late_writes()): those tokens are NaN",
 }
 
 
@@ -115,6 +119,20 @@ def load_acquire(ptr):
 def signal_release(ptr, value):
     """Scalar release store (system scope) of an int32 signal; returns the previous value."""
     return tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+if INTERPRET:
+    @triton.jit
+    def fence_sys():
+        """(Interpreter build: programs run one at a time, every store is visible at once.)"""
+        pass
+else:
+    @triton.jit
+    def fence_sys():
+        """``fence.acq_rel.sys``: this thread's earlier memory operations (and, after a ``tl.debug_barrier()``, its
+        block's) are ordered before its later ones for every observer that orders its own reads with a fence too."""
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
 
 if INTERPRET:
