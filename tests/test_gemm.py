@@ -173,7 +173,7 @@ def _replace(tup, i, v):
     ("a_dtype", TypeError, "a\\[0\\] must be torch.float8_e4m3fn"),
     ("a_not_pair", TypeError, "a must be a"),
     ("k_mismatch", ValueError, "K mismatch"),
-    ("k_not_128", ValueError, "multiple of 128"),
+    ("k_tail_sfa", ValueError, "a\\[1\\] must have shape"),
     ("sfa_shape", ValueError, "a\\[1\\] must have shape"),
     ("sfa_dtype", TypeError, "float32 or packed UE8M0"),
     ("sfb_shape", ValueError, "b\\[1\\] must have shape"),
@@ -193,8 +193,8 @@ def test_contiguous_errors_before_launch(case, exc, match):
         a = a[0]
     elif case == "k_mismatch":
         b = (b[0][:, :, :128].contiguous(), b[1][:, :, :1].contiguous())
-    elif case == "k_not_128":
-        a = (a[0][:, :200], a[1])
+    elif case == "k_tail_sfa":  # K 200 takes ceil(200 / 128) = 2 scale columns, not 1
+        a = (a[0][:, :200], a[1][:, :1])
         b = (b[0][:, :, :200], b[1])
     elif case == "sfa_shape":
         a = (a[0], a[1][:, :1])
