@@ -93,8 +93,10 @@ from .tiles import GemmConfig, choose_gemm_config
 from .utils.layout import (
     THEORETICAL_MK_ALIGNMENT,  # noqa: F401
     get_k_alignment_for_contiguous_layout,
+    get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor,
     get_m_alignment_for_contiguous_layout,
     get_mk_alignment_for_contiguous_layout,
+    get_mn_major_tma_aligned_packed_ue8m0_tensor,
     get_mn_major_tma_aligned_tensor,
     get_theoretical_mk_alignment_for_contiguous_layout,
     get_tma_aligned_size,
@@ -123,6 +125,8 @@ __all__ = [
     "get_m_alignment_for_contiguous_layout",
     "get_k_alignment_for_contiguous_layout",
     "get_mn_major_tma_aligned_tensor",
+    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor",
     "get_tma_aligned_size",
     "transform_sf_into_required_layout",
     # FP8
