@@ -209,6 +209,7 @@ def run_function(mod, fname: str, totals: dict) -> None:
 def _fmt(case) -> str:
     if case is None:
         return "-"
+    case = tuple(f"gran_k={x.gran_k_a}/{x.gran_k_b}" if hasattr(x, "gran_k_a") else x for x in case)
     return "(" + ", ".join(getattr(x, "name", None) or (f"{x}" if not isinstance(x, list) or len(x) < 6
                                                      else f"[{len(x)} ks]") for x in case) + ")"
 
