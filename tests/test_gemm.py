@@ -159,7 +159,7 @@ def test_tma_aligned_tensor_helper():
 
 
 @pytest.mark.parametrize("shape", [(6, 3), (2, 5, 9), (257, 4)])
-def test_packed_ue8m0_tensor_helper(shape):
+def test_packed_ue8m0_tensor_layout(shape):
     """DeepGEMM's ``get_mn_major_tma_aligned_packed_ue8m0_tensor``: exponent bytes, four per int32 along SF_K
     (little end first, zero past SF_K), MN-major with the MN stride padded to 16 bytes."""
     sf = gemm.utils.ceil_to_ue8m0(torch.rand(shape) * 8 + 1e-3)
@@ -173,7 +173,7 @@ def test_packed_ue8m0_tensor_helper(shape):
     assert not got[..., sf_k:].any()
 
 
-def test_k_grouped_packed_ue8m0_tensor_helper():
+def test_k_grouped_packed_ue8m0_tensor_layout():
     ks = [256, 640, 128]  # 2, 5, 1 scale rows: 1, 2, 1 packed rows
     sf = gemm.utils.ceil_to_ue8m0(torch.rand(8, 12) * 8 + 1e-3)
     out = gemm.utils.get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(
