@@ -158,6 +158,37 @@ def test_tma_aligned_tensor_helper():
     assert gemm.get_mk_alignment_for_contiguous_layout() == 128 and gemm.get_tma_aligned_size(5, 4) == 8
 
 
+@pytest.mark.parametrize("shape", [(6, 3), (2, 5, 9), (257, 4)])
+def test_packed_ue8m0_tensor_layout(shape):
+    """DeepGEMM's ``get_mn_major_tma_aligned_packed_ue8m0_tensor``: exponent bytes, four per int32 along SF_K
+    (little end first, zero past SF_K), MN-major with the MN stride padded to 16 bytes."""
+    sf = gemm.utils.ceil_to_ue8m0(torch.rand(shape) * 8 + 1e-3)
+    out = gemm.utils.get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)
+    mn, sf_k = shape[-2:]
+    words, mp = -(-sf_k // 4), gemm.get_tma_aligned_size(mn, 4)
+    assert out.dtype == torch.int32 and out.shape == (*shape[:-2], mn, words)
+    assert out.stride()[-2:] == (1, mp) and (len(shape) == 2 or out.stride(0) == mp * words)
+    got = torch.empty(out.shape, dtype=torch.int32).copy_(out).view(torch.uint8).view(*shape[:-1], 4 * words)
+    assert torch.equal(got[..., :sf_k].long(), torch.log2(sf).long() + 127)
+    assert not got[..., sf_k:].any()
+
+
+def test_k_grouped_packed_ue8m0_tensor_layout():
+    ks = [256, 640, 128]  # 2, 5, 1 scale rows: 1, 2, 1 packed rows
+    sf = gemm.utils.ceil_to_ue8m0(torch.rand(8, 12) * 8 + 1e-3)
+    out = gemm.utils.get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(
+        sf, torch.tensor(ks, dtype=torch.int32), ks, 128, 128)
+    assert out.shape == (4, 12) and out.dtype == torch.int32
+    exp = (torch.log2(sf).long() + 127).T  # [MN, rows]
+    b = out.T.contiguous().view(torch.uint8).view(12, 4, 4)  # [MN, packed row, byte]
+    assert torch.equal(b[:, 0, :2].long(), exp[:, 0:2]) and not b[:, 0, 2:].any()
+    assert torch.equal(b[:, 1].long(), exp[:, 2:6]) and torch.equal(b[:, 2, :1].long(), exp[:, 6:7])
+    assert not b[:, 2, 1:].any() and torch.equal(b[:, 3, :1].long(), exp[:, 7:8]) and not b[:, 3, 1:].any()
+    with pytest.raises(ValueError, match="rows"):
+        gemm.utils.get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(
+            sf, torch.tensor(ks[:2], dtype=torch.int32), ks[:2], 128, 128)
+
+
 def _good_contiguous():
     wq, ws, _ = _weights(2, 128, 256, seed=12)
     xq, xs, mi = _contiguous_inputs([10], 256, seed=13, tma_aligned_scales=True)
@@ -173,7 +204,7 @@ def _replace(tup, i, v):
     ("a_dtype", TypeError, "a\\[0\\] must be torch.float8_e4m3fn"),
     ("a_not_pair", TypeError, "a must be a"),
     ("k_mismatch", ValueError, "K mismatch"),
-    ("k_not_128", ValueError, "multiple of 128"),
+    ("k_tail_sfa", ValueError, "a\\[1\\] must have shape"),
     ("sfa_shape", ValueError, "a\\[1\\] must have shape"),
     ("sfa_dtype", TypeError, "float32 or packed UE8M0"),
     ("sfb_shape", ValueError, "b\\[1\\] must have shape"),
@@ -193,8 +224,8 @@ def test_contiguous_errors_before_launch(case, exc, match):
         a = a[0]
     elif case == "k_mismatch":
         b = (b[0][:, :, :128].contiguous(), b[1][:, :, :1].contiguous())
-    elif case == "k_not_128":
-        a = (a[0][:, :200], a[1])
+    elif case == "k_tail_sfa":  # K 200 takes ceil(200 / 128) = 2 scale columns, not 1
+        a = (a[0][:, :200], a[1][:, :1])
         b = (b[0][:, :, :200], b[1])
     elif case == "sfa_shape":
         a = (a[0], a[1][:, :1])

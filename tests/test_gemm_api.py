@@ -255,6 +255,38 @@ def test_fp8_gemm_wgrad_recipe_as_deepgemm_tests_call_it(m):
         gemm.fp8_gemm_nt(aq, (bq[0], bq[1][:2]), d, recipe=(1, 1, 128))
 
 
+@pytest.mark.parametrize("m, n, k", [(5, 200, 320), (130, 96, 192)])  # swap-AB / 128-row tiles, K % 128 = 64
+def test_fp8_gemm_k_tail_as_deepgemm_dgrad_rows(m, n, k):
+    """K not a multiple of 128, as DeepGEMM 2.6.1's dgrad rows (K 2112 and 576): the last 1x128 / 128x128 scale
+    covers a partial block. Both recipes (1D2D and wgrad), dense and m-grouped contiguous, against FP32."""
+    u = gemm.utils
+    gen = torch.Generator().manual_seed(23)
+    a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    ref = a.float() @ b.float().t()
+    aq = u.per_token_cast_to_fp8(a, use_ue8m0=False)
+    assert aq[1].shape == (m, 3 if k == 320 else 2)
+    d = torch.empty(m, n, dtype=torch.bfloat16)
+    gemm.fp8_fp4_gemm_nt(aq, u.per_block_cast_to_fp8(b, use_ue8m0=False), d, disable_ue8m0_cast=True)
+    assert calc_diff(d, ref) < FP8_MAX_DIFF
+    c = torch.randn(m, n, generator=gen) * 32
+    d32 = c.clone()
+    gemm.fp8_fp4_gemm_nt(aq, u.per_token_cast_to_fp8(b, use_ue8m0=False), d32, c=d32, recipe=(1, 1, 128))
+    assert calc_diff(d32, ref + c) < FP8_MAX_DIFF
+    # m-grouped contiguous: two experts, the same K tail
+    w = torch.randn(2, n, k, generator=gen).to(torch.bfloat16)
+    wq = (torch.stack([u.per_block_cast_to_fp8(w[g], use_ue8m0=False)[0] for g in range(2)]),
+          torch.stack([u.per_block_cast_to_fp8(w[g], use_ue8m0=False)[1] for g in range(2)]))
+    rows = torch.randn(256, k, generator=gen).to(torch.bfloat16)
+    mi = torch.cat([torch.zeros(100, dtype=torch.int32), torch.full((28,), -1, dtype=torch.int32),
+                    torch.ones(128, dtype=torch.int32)])
+    dg = torch.empty(256, n, dtype=torch.bfloat16)
+    gemm.m_grouped_fp8_fp4_gemm_nt_contiguous(u.per_token_cast_to_fp8(rows, use_ue8m0=False), wq, dg, mi,
+                                              disable_ue8m0_cast=True)
+    for g, sl in ((0, slice(0, 100)), (1, slice(128, 256))):
+        assert calc_diff(dg[sl], rows[sl].float() @ w[g].float().t()) < FP8_MAX_DIFF
+
+
 @pytest.mark.parametrize("m", [5, 70])  # swap-AB tile, 128-row tile
 def test_fp8_gemm_nt_and_transposes(m):
     n, k = 200, 256  # N not a multiple of 128: the last scale row covers a partial block

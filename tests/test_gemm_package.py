@@ -32,7 +32,9 @@ HOMES = {
     "utils.layout": ["THEORETICAL_MK_ALIGNMENT", "get_theoretical_mk_alignment_for_contiguous_layout",
                      "get_mk_alignment_for_contiguous_layout", "set_mk_alignment_for_contiguous_layout",
                      "get_m_alignment_for_contiguous_layout", "get_k_alignment_for_contiguous_layout",
-                     "get_mn_major_tma_aligned_tensor", "get_tma_aligned_size"],
+                     "get_mn_major_tma_aligned_tensor", "get_tma_aligned_size",
+                     "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+                     "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor"],
 }
 
 

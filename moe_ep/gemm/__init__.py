@@ -31,7 +31,7 @@ rows fill the MMA's M side and the few tokens its narrow N side (what SGLang doe
 SMs: :func:`set_num_sms` caps the GEMMs' grid (a persistent loop over the tiles); by default (the device's SM
 count) every tile gets its own program.
 
-Limits: FP8: K a multiple of 128 (N any: the last weight-scale row covers a partial block); e4m3 operands;
+Limits: FP8: K and N any (the last scale column / weight-scale row covers a partial block); e4m3 operands;
 activation scales float32 (any strides; M-major TMA-aligned as :func:`moe_ep.quant.per_token_group_quant_fp8`
 writes is the fast one) or packed UE8M0 int32; weight scales float32 `[G, ceil(N/128), K/128]`; output BF16 (or
 float32; float32 required with ``c``). The dense GEMMs also take DeepGEMM's wgrad recipe ``(1, 1, 128)`` (1x128
@@ -93,8 +93,10 @@ from .tiles import GemmConfig, choose_gemm_config
 from .utils.layout import (
     THEORETICAL_MK_ALIGNMENT,  # noqa: F401
     get_k_alignment_for_contiguous_layout,
+    get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor,
     get_m_alignment_for_contiguous_layout,
     get_mk_alignment_for_contiguous_layout,
+    get_mn_major_tma_aligned_packed_ue8m0_tensor,
     get_mn_major_tma_aligned_tensor,
     get_theoretical_mk_alignment_for_contiguous_layout,
     get_tma_aligned_size,
@@ -123,6 +125,8 @@ __all__ = [
     "get_m_alignment_for_contiguous_layout",
     "get_k_alignment_for_contiguous_layout",
     "get_mn_major_tma_aligned_tensor",
+    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor",
     "get_tma_aligned_size",
     "transform_sf_into_required_layout",
     # FP8

@@ -46,9 +46,9 @@ def _check_operands(a, b, d, lead: tuple[int, ...], *, bf16: bool = False, dense
         raise ValueError(f"K mismatch: {an} has K={k}, {bn} has K={kw}")
     ue8m0 = False
     if not bf16:
-        if k % BLOCK_K:
-            raise ValueError(f"K={k} must be a multiple of {BLOCK_K} (1x128 / 128x128 FP8 scales)")
-        kb, nb = k // BLOCK_K, ceil_div(n, sfb_gran_n)
+        # K need not be a multiple of 128 (DeepGEMM's dgrad rows have K 2112 and 576): the last scale column
+        # covers the partial block, whose missing elements the kernel reads as zeros.
+        kb, nb = ceil_div(k, BLOCK_K), ceil_div(n, sfb_gran_n)
         if sfa.dtype == torch.float32:
             want_sfa = (*lead, m, kb)
         elif sfa.dtype == torch.int32:

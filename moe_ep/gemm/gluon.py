@@ -111,7 +111,7 @@ def launch_gluon(x3, sfa3, w, sfb, d3, layout, mode: int, *, expected_m: int, ue
     num_batches, rows, k = x3.shape
     num_groups, n, _ = w.shape
     if not (x3.is_contiguous() and w.is_contiguous() and d3.is_contiguous() and n % 8 == 0
-            and d3.dtype in (torch.bfloat16, torch.float32) and _aligned(x3, w, d3)):
+            and d3.dtype in (torch.bfloat16, torch.float32) and _aligned(x3, w, d3) and k % BLOCK_K == 0):
         return False
     from ..kernels.grouped_gemm import MASKED
     from ..kernels.grouped_gemm_gluon import grouped_fp8_gemm_ws_kernel

@@ -12,10 +12,13 @@ from typing import Optional
 import torch
 
 from ...fp8 import tma_aligned_size
+from .math import ceil_div
 
 __all__ = [
     "get_tma_aligned_size",
     "get_mn_major_tma_aligned_tensor",
+    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor",
     "set_mk_alignment_for_contiguous_layout",
     "get_mk_alignment_for_contiguous_layout",
     "get_theoretical_mk_alignment_for_contiguous_layout",
@@ -83,3 +86,57 @@ def get_mn_major_tma_aligned_tensor(sf: torch.Tensor) -> torch.Tensor:
     out = storage[..., :mn].transpose(-1, -2)
     out.copy_(sf)
     return out
+
+
+def _ue8m0_bytes(sf: torch.Tensor) -> torch.Tensor:
+    """The exponent byte of each float32 scale (the UE8M0 value of a power of two; DeepGEMM takes the same bits)."""
+    if sf.dtype != torch.float32:
+        raise TypeError(f"UE8M0 packing takes float32 scales, got {sf.dtype}")
+    return ((sf.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf: torch.Tensor, psum_layout: Optional[torch.Tensor] = None
+                                                 ) -> torch.Tensor:
+    """Float32 scales ``[MN, SF_K]`` / ``[B, MN, SF_K]`` -> their UE8M0 exponent bytes packed four per int32 along
+    SF_K (zero bytes past SF_K), ``[.., MN, ceil(SF_K / 4)]``, MN-major and TMA-aligned as
+    :func:`get_mn_major_tma_aligned_tensor` lays out (DeepGEMM's layout for its sm100 kernels)."""
+    if psum_layout is not None:
+        raise ValueError("the psum-layout pack (gaps between experts left unread) is DeepGEMM's sm100 path: "
+                         "not provided")
+    if not isinstance(sf, torch.Tensor) or sf.dim() not in (2, 3):
+        raise ValueError(f"sf must be a [MN, SF_K] or [B, MN, SF_K] tensor, got "
+                         f"{tuple(sf.shape) if isinstance(sf, torch.Tensor) else type(sf).__name__}")
+    sf_k = sf.shape[-1]
+    packed = sf.new_zeros((*sf.shape[:-1], 4 * ceil_div(sf_k, 4)), dtype=torch.uint8)
+    packed[..., :sf_k] = _ue8m0_bytes(sf)
+    return get_mn_major_tma_aligned_tensor(packed.view(torch.int32))
+
+
+def get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(sf: torch.Tensor, grouped_layout: torch.Tensor,
+                                                           ks_cpu, gran_k: int, k_alignment: int,
+                                                           use_psum_layout: bool = False) -> torch.Tensor:
+    """K-grouped float32 scales ``[sum_g ceil(k_g / gran_k), MN]`` (one row per ``gran_k`` x 1 block, groups one
+    after the other) -> UE8M0 bytes packed four rows per int32, each group padded on its own:
+    ``[sum_g ceil(k_g / (4 * gran_k)), MN]`` int32 (DeepGEMM's layout for its k-grouped sm100 wgrad)."""
+    if use_psum_layout:
+        raise ValueError("the psum k-grouped pack is DeepGEMM's sm100 path: not provided")
+    if gran_k not in (32, 128) or k_alignment % 32:
+        raise ValueError(f"gran_k must be 32 or 128 and k_alignment a multiple of 32, got {gran_k}, {k_alignment}")
+    if not isinstance(sf, torch.Tensor) or sf.dim() != 2:
+        raise ValueError("sf must be a [SF_K, MN] tensor")
+    ks = [int(k) for k in (ks_cpu if ks_cpu is not None else [])]
+    if len(ks) != grouped_layout.numel():
+        raise ValueError(f"ks_cpu must have one K per group ({grouped_layout.numel()}), got {len(ks)}")
+    rows = [ceil_div(k, gran_k) for k in ks]
+    if sum(rows) != sf.shape[0]:
+        raise ValueError(f"sf has {sf.shape[0]} rows, ks_cpu needs {sum(rows)} (ceil(k / {gran_k}) per group)")
+    mn = sf.shape[1]
+    bytes_ = _ue8m0_bytes(sf)
+    words = [ceil_div(r, 4) for r in rows]
+    out = torch.zeros((sum(words) * 4, mn), dtype=torch.uint8, device=sf.device)
+    src = dst = 0
+    for r, w in zip(rows, words):
+        out[dst:dst + r] = bytes_[src:src + r]
+        src, dst = src + r, dst + 4 * w
+    # four consecutive rows of a group -> the four bytes (little end first) of one int32
+    return out.view(-1, 4, mn).permute(0, 2, 1).contiguous().view(torch.int32).view(-1, mn)
