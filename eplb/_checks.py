@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moe_ep.errors import MoEEPError
+
 __all__ = ["EplbInputError", "as_numpy", "check_weight", "check_int", "check_layout"]
 
 
-class EplbInputError(ValueError, AssertionError):
+class EplbInputError(MoEEPError, ValueError, AssertionError):
     """A bad argument. Both a ValueError and an AssertionError: DeepSeek's EPLB asserts on its inputs, so its
     callers (and tests written against it, such as vLLM's) catch AssertionError; Python code catches ValueError."""
 

@@ -55,7 +55,8 @@ WRITERS = {
 def _cli_plan(path, n):
     stats = os.path.join(os.path.dirname(path), "in.npy")
     np.save(stats, np.arange(1, 17)[None].repeat(2, 0))
-    rc = main(["plan", stats, "--replicas", str(8 * n), "--gpus", "8", "-o", str(path), "--progress", "never"])
+    rc = main(["plan", stats, "--replicas", str(8 * n), "--gpus", "8", "-o", str(path), "--force",
+               "--progress", "never"])
     assert rc == 0
 
 
