@@ -378,6 +378,7 @@ class DeepEPDeepGEMM:
 
 def run_tokens(T, args, ctx, weights, deep, say) -> tuple[list, list]:
     """Every selected case at T tokens per rank: ``(results, lines)``, the same on every rank."""
+    from moe_ep.fp8 import ll_dispatch_quant_ref
     from moe_ep.quant import per_token_group_quant_fp8
 
     results, lines = [], []
@@ -387,11 +388,14 @@ def run_tokens(T, args, ctx, weights, deep, say) -> tuple[list, list]:
     g = torch.Generator().manual_seed(args.seed + 17 * T + ctx.rank)
     sample = torch.randperm(T, generator=g)[:n_check].sort().values.to(ctx.device)
     ref = reference(ctx, xq, xs, idx, w, weights, sample)
+    # the low-latency dispatch casts as DeepEP does (moe_ep.fp8.ll_dispatch_quant_ref), not as the per-token quant:
+    # layer-decode's reference starts from that cast (every rank computes it: reference() is collective)
+    ref_ll = reference(ctx, *ll_dispatch_quant_ref(x), idx, w, weights, sample) if "layer-decode" in args.cases else ref
     sel = ctx.all_reduce(torch.tensor([float((idx >= 0).sum())], dtype=torch.float64, device=ctx.device))
     recv_sel = float(sel.item()) / ctx.world  # selections each rank's experts receive, on average
 
     def record(case, t, per, out, obj, how, **extra):
-        ok, err = check(out, ref, sample, ctx)
+        ok, err = check(out, ref_ll if case == "layer-decode" else ref, sample, ctx)
         results.append(dict(case=case, tokens=T, t=tuple(t), per_rank=per, valid=ok, rel_err=err, how=how,
                             symm_bytes=obj.symm_bytes, local_bytes=obj.local_bytes, recv_selections=recv_sel, **extra))
 
