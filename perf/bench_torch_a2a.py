@@ -94,7 +94,7 @@ def _rank(rank, world, args):
     import torch.distributed as dist
 
     import moe_ep
-    from moe_ep.fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
+    from moe_ep.fp8 import dequant_fp8_ref, ll_dispatch_quant_ref, per_token_group_quant_fp8_ref
 
     dev = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     buf = moe_ep.Buffer(None, explicitly_destroy=True, low_latency_mode=True, backend="torch", timeout_s=args.timeout)
@@ -138,7 +138,9 @@ def _rank(rank, world, args):
         def lcomb():
             box["ll"] = buf.low_latency_combine(yl, idx, w, ll[2])[0]
         t_lc = timeit(lcomb)
-        err_ll = _common.rel_err(box["ll"], w.sum(1, keepdim=True) * xq)
+        # the low-latency dispatch casts as DeepEP does: its reference starts from that cast
+        xq_ll = dequant_fp8_ref(*ll_dispatch_quant_ref(x))
+        err_ll = _common.rel_err(box["ll"], w.sum(1, keepdim=True) * xq_ll)
         # normal mode: per received token-rank row (recv rows x row bytes); low-latency: per selection
         d_bytes, c_bytes = recv_rows * (h + h // 32), recv_rows * 2 * h
         ld_bytes, lc_bytes = sel * (h + h // 32 + 16), sel * 2 * h
