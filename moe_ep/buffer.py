@@ -28,8 +28,6 @@ from .buffer_ll import LowLatencyCalls
 from .buffer_v1 import DeepEPV1Calls
 from .events import EventOverlap, run_on_comm_stream
 
-import logging
-
 _log = logging.getLogger(__name__)
 
 __all__ = ["Buffer", "Config"]

@@ -225,15 +225,16 @@ def _torch_baseline(op, xs, idxs, ws, E, per_token_rank=False):
 
 
 def _deq_all(xs):
-    from moe_ep.fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
+    """The tokens as the low-latency dispatch casts them (DeepEP's cast: ``ll_dispatch_quant_ref``), dequantized."""
+    from moe_ep.fp8 import dequant_fp8_ref, ll_dispatch_quant_ref
 
-    return [dequant_fp8_ref(*per_token_group_quant_fp8_ref(x, 128)) for x in xs]
+    return [dequant_fp8_ref(*ll_dispatch_quant_ref(x)) for x in xs]
 
 
 def _ll_case(op, R, args, device, time_us):
     """(Timing, selections, rel err of the timed output against the torch reference)."""
     from moe_ep.backends.symm import SymmBackend, virtual_backends
-    from moe_ep.fp8 import dequant_fp8_ref, per_token_group_quant_fp8_ref
+    from moe_ep.fp8 import dequant_fp8_ref, ll_dispatch_quant_ref
 
     T, H, E, K = args.ll_tokens, args.hidden, args.experts, args.topk
     L = E // R
@@ -269,7 +270,7 @@ def _ll_case(op, R, args, device, time_us):
         return [b.low_latency_combine_recv(s) for b, s in zip(bs, st)]
 
     t, _ = time_us(combine)
-    ref = torch.cat([(w * (i >= 0)).sum(1, keepdim=True) * per_token_group_quant_fp8_ref(x, 128)[0].float()
+    ref = torch.cat([(w * (i >= 0)).sum(1, keepdim=True) * ll_dispatch_quant_ref(x)[0].float()
                      for x, w, i in zip(xs, ws, idxs)])
     return t, int(sum(int((i >= 0).sum()) for i in idxs)), _common.rel_err(torch.cat(outs), ref)
 

@@ -418,7 +418,8 @@ def render(args, ref_name, prow, drow):
     for name, preset, L, r in prow:
         ours_dup = max(r["LE dup"], r["SLE dup"], r["sticky dup"])
         lines.append(f"| {name} | {L} | {r['ref']:.3f} | {r['LE']:.3f} | {r['SLE']:.3f} | {r['sticky']:.3f} | "
-                     f"{r['BF']:.3f} | {r['SLE xnode']:.2f} / {r['BF xnode']:.2f} | {r['ref plan']:.3f} | {r['SLE plan']:.3f} | {r['ref dup']:.0f} | {ours_dup:.0f} | "
+                     f"{r['BF']:.3f} | {r['SLE xnode']:.2f} / {r['BF xnode']:.2f} | {r['ref plan']:.3f} | "
+                     f"{r['SLE plan']:.3f} | {r['ref dup']:.0f} | {ours_dup:.0f} | "
                      f"{100 * r['ref moved']:.0f}% | {100 * r['sticky moved']:.0f}% | {r['ref ms']:.0f} | "
                      f"{r['LE ms']:.1f} | {r['SLE ms']:.0f} | {r['sticky ms']:.0f} |")
     dec = [r for n, p, L, r in prow if "decode" in p]

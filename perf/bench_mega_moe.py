@@ -543,7 +543,7 @@ def report(rec, body, args, deep_lines) -> None:
             resident = None if args.cpu_smoke else False
             at_target = mine and case == "fused" and T == TARGET_TOKENS
             extra = dict(op=case, tokens=T, world_size=world, routing=args.routing, per_rank_us=pr, timed_as=r["how"],
-                         method=_common.how_method(r["how"] or ("eager launches" if ctx.cuda else "CPU")),
+                         method=_common.how_method(r["how"] or ("eager launches" if torch.cuda.is_available() else "CPU")),
                          rel_err=r["rel_err"], symm_bytes=r["symm_bytes"], local_bytes=r["local_bytes"],
                          recv_selections_per_rank=r["recv_selections"], tflops=tflops, roofline_us=roof,
                          of_roofline=(roof / t.median) if roof else None,

@@ -234,7 +234,7 @@ def _timings(s: Shape, inp: dict, ok: dict, args) -> list:
     xb = inp["x_bf16"]
     wb = inp["wd"].to(torch.bfloat16)
     row("bf16 bmm", _time_us(lambda: torch.bmm(xb, wb.transpose(1, 2)), args.iters, args.warmup))
-    del wb
+    wb = None  # free it before the next rows (the lambda above has run)
     try:  # the same recipe through cuBLASLt's blockwise kernels, one call per expert
         xq = inp["xq"].reshape(s.groups, s.rows, s.k)
         xs = inp["xs"].reshape(s.groups, s.rows, -1)
