@@ -59,9 +59,10 @@ def test_finder_exact_arch_then_closest_lower_then_generic(tmp_path, no_dirs, mo
 
 def test_backend_launches_nvshmem_kernels_with_the_bitcode(tmp_path, no_dirs, monkeypatch):
     """Every NVSHMEM-calling launch of the low-latency path links the device bitcode (``extern_libs``), picked for
-    the device's architecture, and lifts the register cap; the peer-pointer transport and the interpreter need
-    neither."""
+    the device's architecture, and lifts the register cap; on the peer-pointer transport every launch lifts the
+    cap too (``LL_MAXNREG``: Triton 3.6's ptxas spills without it); the interpreter gets no option."""
     from moe_ep.backends import symm_ll
+    from moe_ep.kernels.low_latency import LL_MAXNREG
 
     d = _lib(tmp_path, "lib", ["libnvshmem_device_sm_80.bc", "libnvshmem_device_sm_90.bc"])
     monkeypatch.setenv("NVSHMEM_LIB_DIR", str(d))
@@ -71,13 +72,15 @@ def test_backend_launches_nvshmem_kernels_with_the_bitcode(tmp_path, no_dirs, mo
     ll = symm_ll.SymmLowLatency.__new__(symm_ll.SymmLowLatency)
     monkeypatch.setattr(symm_ll.SymmLowLatency, "_interpreted", lambda self, device: False)
     ll.transport = 1
-    opts = ll._nvshmem_launch(torch.device("cuda", 0))
+    opts = ll._gpu_launch(torch.device("cuda", 0))
     assert opts == {"extern_libs": {"libnvshmem_device": str(d / "libnvshmem_device_sm_90.bc")},
                     "maxnreg": nvshmem.MAXNREG} == nvshmem.launch_options(90)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
-    assert ll._nvshmem_launch(torch.device("cuda", 0))["extern_libs"]["libnvshmem_device"].endswith("sm_80.bc")
+    assert ll._gpu_launch(torch.device("cuda", 0))["extern_libs"]["libnvshmem_device"].endswith("sm_80.bc")
     ll.transport = 0
-    assert ll._nvshmem_launch(torch.device("cuda", 0)) == {}
+    assert ll._gpu_launch(torch.device("cuda", 0)) == {"maxnreg": LL_MAXNREG} == {"maxnreg": nvshmem.MAXNREG}
+    monkeypatch.setattr(symm_ll.SymmLowLatency, "_interpreted", lambda self, device: True)
+    assert ll._gpu_launch(torch.device("cuda", 0)) == {}
     bitcode._launch_options.cache_clear()
 
 

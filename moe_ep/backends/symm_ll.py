@@ -215,7 +215,7 @@ class SymmLowLatency(_LowLatencyControl):
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_SEND_CNT=s["DISP_SEND_CNT"],
             stage_off=self._stage_base(lay, slot) + lay.cnt_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
             sig_copy_off=self._stage_base(lay, slot), **self._call_signature(call_sig), num_warps=warps,
-            **self._nvshmem_launch(dev))
+            **self._gpu_launch(dev))
         symm.check_status("low_latency_dispatch (send)")
         self._dispatch_slot ^= 1
         self._open["DISP"] += 1
@@ -266,7 +266,7 @@ class SymmLowLatency(_LowLatencyControl):
             RP=_pow2(R), LP=_pow2(L), IS_FP8=state.use_fp8, HAS_STATS=stats is not None,
             HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"],
-            TRANSPORT=self.transport, num_warps=warps)
+            TRANSPORT=self.transport, num_warps=warps, **self._gpu_launch(dev))
         self._release(state.slot, "DISP_BUSY", dev)
         self._open["DISP"] = max(0, self._open["DISP"] - 1)
         self._check_status_naming_fields("low_latency_dispatch (receive)", state.slot, "DISP_SIG")
@@ -333,7 +333,7 @@ class SymmLowLatency(_LowLatencyControl):
             FMT=fmt, IN_F16=in_f16, NATIVE_FP8=fmt == 2 and native_e4m3_supported(dev),
             stage_off=self._stage_base(lay, slot) + lay.comb_stage, TRANSPORT=self.transport, CH=self._copy_chunk(dev),
             ROW_BYTES=row_bytes(fmt, hidden), sig_copy_off=self._stage_base(lay, slot) + 4 * self.sig["SIG_STRIDE"],
-            **self._call_signature(call_sig), num_warps=warps, **self._nvshmem_launch(dev))
+            **self._call_signature(call_sig), num_warps=warps, **self._gpu_launch(dev))
         symm.check_status("low_latency_combine (send)")
         self._combine_slot ^= 1
         self._open["COMB"] += 1
@@ -367,7 +367,7 @@ class SymmLowLatency(_LowLatencyControl):
             H=hidden, K=K, BLOCK_T=block_t, HC=hc, HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
             FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, TRANSPORT=self.transport, num_warps=warps,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **self._gpu_launch(dev))
         self._release(state.slot, "COMB_BUSY", dev)
         self._open["COMB"] = max(0, self._open["COMB"] - 1)
         self._check_status_naming_fields("low_latency_combine (receive)", state.slot, "COMB_SIG")

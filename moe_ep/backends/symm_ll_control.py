@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .. import events
-from ..kernels.low_latency import SIG_WORDS, _ll_release_kernel, signal_layout
+from ..kernels.low_latency import LL_MAXNREG, SIG_WORDS, _ll_release_kernel, signal_layout
 from ..kernels.pdl import INTERPRET
 from ..kernels.signals import MASK_API, MASK_TIMEOUT
 from ..sync import CallMismatchError, RankTimeoutError
@@ -124,16 +124,19 @@ class _LowLatencyControl:
         if self.transport:
             symm = self.symm
             _ll_release_kernel[(1,)](symm.signal_ptrs, symm.status, symm.rank, symm.world_size,
-                                     slot * self.sig["SLOT_WORDS"], WORD=self.sig[word], **self._nvshmem_launch(device))
+                                     slot * self.sig["SLOT_WORDS"], WORD=self.sig[word], **self._gpu_launch(device))
 
-    def _nvshmem_launch(self, device: torch.device) -> dict:
-        """Launch options of kernels that call NVSHMEM on a GPU (:func:`moe_ep.nvshmem.launch_options`: the device
-        bitcode to link, and the register cap lifted); none in the interpreter or with peer pointers."""
-        if self._interpreted(device) or not self.transport:
+    def _gpu_launch(self, device: torch.device) -> dict:
+        """Launch options of every low-latency kernel on a GPU: the register cap lifted (:data:`LL_MAXNREG`) and, on
+        the ``nvshmem`` transport, NVSHMEM's device bitcode to link (:func:`moe_ep.nvshmem.launch_options`); none in
+        the interpreter."""
+        if self._interpreted(device):
             return {}
+        if not self.transport:
+            return {"maxnreg": LL_MAXNREG}
         from .. import nvshmem
 
-        return nvshmem.launch_options(torch.cuda.get_device_capability(device))
+        return {**nvshmem.launch_options(torch.cuda.get_device_capability(device)), "maxnreg": LL_MAXNREG}
 
     def _copy_chunk(self, device: torch.device) -> int:
         """int32 words per step of the nvshmem transport's block copies to mapped peers."""

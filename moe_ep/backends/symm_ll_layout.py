@@ -29,10 +29,11 @@ def _pow2(n: int) -> int:
 
 
 def combine_recv_columns(hidden: int, fmt: int) -> int:
-    """Hidden columns per program of the compiled low-latency combine receive (4 warps, 2 tokens): 1024, and 512 for
-    the FP8 and LogFMT-10 wire formats, whose decode keeps more live per column (at 1024 columns ptxas spilled 104 and
-    64 bytes with Triton 3.6, the GPU machines' version; perf/RESULTS.md)."""
-    return min(_pow2(hidden), 512 if fmt in (FMT_FP8, FMT_LOGFMT) else 1024)
+    """Hidden columns per program of the compiled low-latency combine receive (4 warps, 2 tokens): 1024, and 256 for
+    the FP8 and LogFMT-10 wire formats, whose decode keeps more live per column. At 512 columns (with the register
+    cap lifted, ``LL_MAXNREG``) Triton 3.6's ptxas took 245-255 registers and spilled 24 bytes for LogFMT-10, 3.9 took
+    240 and spilled 12 with a 240 cap; at 256 neither spills (168 / 186 registers under 3.6, 146 / 117 under 3.9)."""
+    return min(_pow2(hidden), 256 if fmt in (FMT_FP8, FMT_LOGFMT) else 1024)
 
 
 @dataclasses.dataclass(frozen=True)

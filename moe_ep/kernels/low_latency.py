@@ -50,8 +50,9 @@ import triton
 import triton.language as tl
 
 from .fp8_cast import e4m3_byte, ll_group_scales
-from .low_latency_common import (  # noqa: F401 - GROUP, SIG_WORDS, signal_layout: the API of this module
+from .low_latency_common import (  # noqa: F401 - GROUP, LL_MAXNREG, SIG_WORDS, signal_layout: the API of this module
     GROUP,
+    LL_MAXNREG,
     SIG_WORDS,
     _adopt_masks,
     _disp_sig_word,
@@ -91,6 +92,7 @@ from .transport import peer_ptr as _peer
 
 __all__ = [
     "signal_layout",
+    "LL_MAXNREG",
     "_ll_dispatch_send_kernel",
     "_ll_dispatch_recv_kernel",
     "_ll_combine_send_kernel",

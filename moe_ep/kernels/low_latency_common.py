@@ -22,10 +22,16 @@ from .signals import (
 )
 from .transport import peer_ptr as _peer
 
-__all__ = ["GROUP", "SIG_WORDS", "signal_layout", "sig_stride"]
+__all__ = ["GROUP", "LL_MAXNREG", "SIG_WORDS", "signal_layout", "sig_stride"]
 
 GROUP = tl.constexpr(128)
 
+
+#: ``maxnreg`` every low-latency kernel launches with on a GPU (and the sm90 report compiles with). Without an explicit
+#: cap the ptxas of Triton 3.6 allocates 40-128 registers to the receive kernels and the LogFMT send and spills
+#: 4-44 bytes per thread inside their wait and copy loops; with it none spills (56 -> 95 registers for the FP8
+#: dispatch receive, 128 -> 168 for the combine receive). The same cap NVSHMEM-linked kernels need.
+LL_MAXNREG = 255
 
 SIG_WORDS = 4  # call signature words: hidden, T, E * 256 + K, kind and format flags
 _TIMEOUT = tl.constexpr(MASK_TIMEOUT)  # (jit code reads constexpr globals only)
