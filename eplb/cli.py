@@ -194,8 +194,8 @@ def _policy_per_layer(phy2log: np.ndarray, E: int, requested: str, groups: int, 
     else:
         node_of_slot = np.arange(P) // (P // nodes)
         group_of_slot = phy2log // (E // groups)
-        kept = np.array([all(len(set(node_of_slot[group_of_slot[l] == g].tolist())) <= 1 for g in range(groups))
-                         for l in range(L)])
+        kept = np.array([all(len(set(node_of_slot[group_of_slot[layer] == g].tolist())) <= 1 for g in range(groups))
+                         for layer in range(L)])
     parts = []
     for name, sel in (("hierarchical (each group on one node)", kept), ("global (groups across nodes)", ~kept)):
         if sel.any():

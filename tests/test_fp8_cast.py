@@ -100,7 +100,10 @@ def test_markstein_emulation_equals_ieee_division_sweep():
     # scales: the same e4m3 byte (a signed zero) either way.
     assert (q.view(np.int32) != ieee.view(np.int32))[~normal].any()  # the sweep does reach that case
     assert np.abs(ieee[~normal]).max() < 2.0 ** -104
-    e4 = lambda v: torch.from_numpy(np.clip(v, -448, 448)).to(FP8_DTYPE).view(torch.uint8)
+
+    def e4(v):
+        return torch.from_numpy(np.clip(v, -448, 448)).to(FP8_DTYPE).view(torch.uint8)
+
     assert torch.equal(e4(q), e4(ieee))
     # the sweep reaches the cases that need the correction: a plain y * r is off for many of them
     with np.errstate(all="ignore"):

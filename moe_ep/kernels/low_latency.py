@@ -34,7 +34,8 @@ Signals (int32 words of each rank's signal region; ``sig_off`` selects the doubl
     DISP_SIG / COMB_SIG + SIG_STRIDE r   on every receiver: the call signature of rank r (hidden, T,
                      E * 256 + K, flags), then (enable_shrink) r's timeout-masked ranks as bits, copied there by r
                      before it releases FULL; the receiver compares the signature with its own entry (written by its
-                     own send's publishing program, from the kernel's ``call_sig*`` arguments) and reports a mismatch in its status word (``STATUS_SIG_MISMATCH - r``)
+                     own send's publishing program, from the kernel's ``call_sig*`` arguments) and reports a mismatch in its
+                     status word (``STATUS_SIG_MISMATCH - r``)
                      instead of reading rows laid out for another call; it adopts the mask bits of live senders
                      (docs/protocols.md, "Agreement across survivors")
 
@@ -84,7 +85,6 @@ from .signals import (
     arrive_last,
     load_acquire,
     now_ns,
-    report_error,
     signal_release,
 )
 from .transport import NVSHMEM, PEER, copy_signature, publish, release_remote, xfer

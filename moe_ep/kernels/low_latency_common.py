@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 from .signals import (
-    HB_CAP,
     MASK_TIMEOUT,
     STATUS_MASK,
     STATUS_SHRINK,

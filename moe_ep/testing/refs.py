@@ -180,7 +180,6 @@ def ref_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
 
     ``clamp``: SwiGLU clamp of the gate (max) and up (both sides) before the activation. Selections of -1 add
     nothing."""
-    from ..fp8 import per_token_group_quant_fp8_ref
     from ..quant import dequant_block_fp8, dequant_fp8, silu_and_mul_quant_fp8_ref
 
     xq = dequant_fp8(*per_token_group_quant_fp8_ref(x)).double()  # the torch reference: any device, no kernel
