@@ -106,7 +106,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
     lo = rank * num_local
     fp8_weights = None
     if args.experts_impl == "fp8":
-        from .experts import ExpertWeights
+        from .layer.experts import ExpertWeights
         from .quant import dequant_block_fp8
 
         # The layer holds 128x128-block FP8 weights (as DeepSeek-V3 ships them); the reference uses the same.
@@ -156,7 +156,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
 
             def experts_normal():
                 if fp8_weights is not None:
-                    from .experts import contiguous_experts
+                    from .layer.experts import contiguous_experts
 
                     return contiguous_experts((rx, rs), ridx, rw, fp8_weights, num_tokens_per_expert=counts or None)
                 xin = dequant_fp8_ref(rx, rs)
@@ -178,7 +178,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
 
             def experts_ll():
                 if fp8_weights is not None:
-                    from .experts import masked_experts
+                    from .layer.experts import masked_experts
 
                     return masked_experts((lq, ls), count, fp8_weights, expected_m=max(1, selections // num_local))
                 y = torch.zeros(num_local, lq.shape[1], args.hidden, dtype=torch.bfloat16, device=device)

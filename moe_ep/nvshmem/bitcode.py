@@ -39,7 +39,7 @@ import os
 import re
 from typing import Optional
 
-from .errors import MoEEPError
+from ..errors import MoEEPError
 
 __all__ = ["WHEEL", "WHEEL_VERSION", "INSTALL_HINT", "NvshmemUnavailableError",
            "search_dirs", "find_device_bitcode", "extern_libs", "launch_options", "MAXNREG",

@@ -55,14 +55,14 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import validate as V
-from .buffer import Buffer
-from .elastic_dispatch import ElasticDispatchMixin, _align, recv_view_fits  # noqa: F401  (recv_view_fits: importable here)
-from .elastic_expand import (combine_plan, expand_plan, expand_received, expert_counts,  # noqa: F401  (importable here)
+from ... import validate as V
+from ..v1.buffer import Buffer
+from .dispatch import ElasticDispatchMixin, _align, recv_view_fits  # noqa: F401  (recv_view_fits: importable here)
+from .expand import (combine_plan, expand_plan, expand_received, expert_counts,  # noqa: F401  (importable here)
                              sum_expanded, uses_kernels)
-from .elastic_handle import EPHandle
-from .elastic_memory import elastic_memory_per_rank, elastic_num_bytes
-from .events import EventOverlap
+from .handle import EPHandle
+from .memory import elastic_memory_per_rank, elastic_num_bytes
+from ...events import EventOverlap
 
 __all__ = ["ElasticBuffer", "EPHandle"]
 
@@ -75,7 +75,7 @@ def _refuse_in_capture(what: str) -> None:
     """Raise a clear error when a CUDA graph is being captured on the current stream (or a capture is
     simulated by :func:`moe_ep.testing.streams.checked_streams`): construction allocates the communication
     buffers and meets the peers on the host, neither of which can be recorded into a graph."""
-    from .events import is_capturing, uses_streams
+    from ...events import is_capturing, uses_streams
 
     dev = _capture_device()
     if uses_streams(dev) and is_capturing(dev):
@@ -138,7 +138,7 @@ class ElasticBuffer(ElasticDispatchMixin):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ElasticBuffer needs torch.distributed to be initialised (init_process_group)")
         group = group if group is not None else dist.group.WORLD
-        from .backends.choose import backend_from_env
+        from ...backends.choose import backend_from_env
         backend = backend_from_env(backend)  # MOE_EP_BACKEND, for engine code that passes no backend
         self.group = group
         self.rank_idx = dist.get_rank(group)
@@ -358,7 +358,7 @@ class ElasticBuffer(ElasticDispatchMixin):
             previous_event_before_epilogue.current_stream_wait()
         valid = handle.recv_topk_idx >= 0
         if handle.do_expand and not self.allow_multiple_reduction:  # one float32 sum per token, one rounding
-            from .elastic_reduce import combine_one_rounding
+            from .reduce import combine_one_rounding
 
             if previous_event is not None:
                 previous_event.current_stream_wait()

@@ -24,7 +24,7 @@ CUDA at import time.
 
 from __future__ import annotations
 
-from .nvshmem_bitcode import (  # noqa: F401 - the private names too: every name of this module before the split
+from .bitcode import (  # noqa: F401 - the private names too: every name of this module before the split
     _BC,
     _CHAR6,
     INSTALL_HINT,
@@ -60,7 +60,7 @@ from .nvshmem_bitcode import (  # noqa: F401 - the private names too: every name
     triton_llvm_version,
     triton_version,
 )
-from .nvshmem_checks import (  # noqa: F401
+from .checks import (  # noqa: F401
     DRIVER_PARAMS,
     GDRDRV,
     IBGDA_DRIVER_OPTIONS,
@@ -78,7 +78,7 @@ from .nvshmem_checks import (  # noqa: F401
     driver_cuda_version,
     required_driver_cuda_version,
 )
-from .nvshmem_heap import (  # noqa: F401
+from .heap import (  # noqa: F401
     _INITIALISED,
     _PENDING,
     _REGISTERED,

@@ -17,11 +17,11 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import validate as V
-from .buffer import Buffer
-from .elastic_expand import combine_plan, expand_plan, expand_received, expert_counts, sum_expanded, uses_kernels
-from .elastic_handle import EPHandle
-from .events import EventOverlap, run_on_comm_stream
+from ... import validate as V
+from ..v1.buffer import Buffer
+from .expand import combine_plan, expand_plan, expand_received, expert_counts, sum_expanded, uses_kernels
+from .handle import EPHandle
+from ...events import EventOverlap, run_on_comm_stream
 
 __all__ = ["ElasticDispatchMixin", "recv_view_fits"]
 
@@ -372,7 +372,7 @@ class ElasticDispatchMixin:
             recv_data, recv_scales, recv_w = expand_received(recv_data, recv_scales, recv_w, h._exp_src, h._exp_k,
                                                              zero)
         if recv_scales is not None and use_tma_sf:
-            from .gemm import get_mn_major_tma_aligned_tensor
+            from ...gemm import get_mn_major_tma_aligned_tensor
 
             recv_scales = get_mn_major_tma_aligned_tensor(recv_scales)
         recv_x = (recv_data, recv_scales) if recv_scales is not None else recv_data

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from .nvshmem_bitcode import NvshmemUnavailableError
-from .nvshmem_checks import check_available
+from .bitcode import NvshmemUnavailableError
+from .checks import check_available
 
 __all__ = ["create_nvshmem_heap", "register_kernels", "registered_kernels"]
 
@@ -63,8 +63,8 @@ def create_nvshmem_heap(group, nbytes: int, num_signals: int, timeout_s: float =
     import torch
     import torch.distributed as dist
 
-    from .symm import SymmBuffer, _align, _create_cuda
-    from .sync import ArrivalCheck
+    from ..symm import SymmBuffer, _align, _create_cuda
+    from ..sync import ArrivalCheck
 
     if not isinstance(nbytes, int) or nbytes < 0 or not isinstance(num_signals, int) or num_signals < 0:
         raise ValueError(f"nbytes and num_signals must be non-negative ints, got {nbytes!r}, {num_signals!r}")

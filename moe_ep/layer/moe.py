@@ -37,8 +37,8 @@ from typing import Callable, Optional
 import torch
 
 from .experts import ExpertWeights, contiguous_experts, expanded_experts, masked_experts
-from .gemm import get_m_alignment_for_contiguous_layout
-from .quant import per_token_group_quant_fp8
+from ..gemm import get_m_alignment_for_contiguous_layout
+from ..quant import per_token_group_quant_fp8
 
 __all__ = ["MoELayer"]
 
@@ -69,7 +69,7 @@ class MoELayer:
     def __init__(self, buffer, weights: ExpertWeights, num_experts: int, *, mode: str = "decode",
                  num_max_dispatch_tokens_per_rank: Optional[int] = None, shared_expert: Optional[Callable] = None,
                  expected_m: Optional[int] = None, use_pdl: bool = False, dispatch: str = "permute"):
-        from .elastic import ElasticBuffer
+        from ..deepep.v2.buffer import ElasticBuffer
 
         if mode not in ("decode", "prefill"):
             raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
@@ -154,7 +154,7 @@ class MoELayer:
                                  use_psum_layout=True, use_pdl=self.use_pdl)
             out, _, _ = self.elastic.combine(y, handle)
         else:
-            from .elastic import recv_view_fits
+            from ..deepep.v2.buffer import recv_view_fits
 
             per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, self.num_experts)
             q = per_token_group_quant_fp8(x)

@@ -22,7 +22,7 @@ import re
 import subprocess
 from typing import Optional
 
-from .nvshmem_bitcode import (
+from .bitcode import (
     WHEEL,
     NvshmemUnavailableError,
     _arch_number,
