@@ -52,7 +52,7 @@ def _parser(prog: str = "python -m moe_ep demo") -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["both", "normal", "low-latency"], default="both",
                    help="which dispatch/combine mode(s) to run: normal (prefill) and/or low-latency (decode)")
     p.add_argument("--experts-impl", choices=["fp8", "torch"], default="fp8",
-                   help="fp8: FP8 grouped GEMMs (moe_ep.experts); torch: a float32 torch MLP per expert")
+                   help="fp8: FP8 grouped GEMMs (moe_ep.layer.experts); torch: a float32 torch MLP per expert")
     p.add_argument("--repeat", type=int, default=None,
                    help="timed repetitions, the median is printed (default 3 on GPUs, 1 on CPU: the interpreter is slow)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights and tokens")

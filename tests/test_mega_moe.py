@@ -123,8 +123,8 @@ def _mega_rank(rank: int, world: int, case: dict) -> dict:
 def _layer_diff(rank, world, case, x, idx, w, out, T) -> float:
     import moe_ep
     from moe_ep.backends.symm import SymmBackend
-    from moe_ep.experts import ExpertWeights
-    from moe_ep.moe import MoELayer
+    from moe_ep.layer.experts import ExpertWeights
+    from moe_ep.layer.moe import MoELayer
 
     E, k = case["E"], case["k"]
     w13, w2 = _weights(E, case["seed"])
@@ -302,5 +302,5 @@ def test_host_module_imports_without_triton():
     import subprocess
     import sys
 
-    code = "import sys, moe_ep, moe_ep.mega_moe; assert 'triton' not in sys.modules, 'triton loaded'"
+    code = "import sys, moe_ep, moe_ep.gemm.mega_moe; assert 'triton' not in sys.modules, 'triton loaded'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})

@@ -11,7 +11,7 @@ Usage (every rank; DeepGEMM's flow)::
     fp8_fp4_mega_moe(y, l1, l2, buf)                       # y: BF16 [n, hidden], n <= num_max_tokens_per_rank
 
 ``y[t] = sum_k topk_weights[t, k] * W2[e] @ FP8(silu(W1_gate[e] x_t) * (W1_up[e] x_t))`` with ``e = topk_idx[t, k]``
-(-1: no expert), expert ``e`` on rank ``e // L``: the expert-path layer's numerics (:mod:`moe_ep.experts`).
+(-1: no expert), expert ``e`` on rank ``e // L``: the expert-path layer's numerics (:mod:`moe_ep.layer.experts`).
 The token count ``n`` comes from ``y``'s shape (a host int); nothing is read from the device on the host.
 
 Where it runs (``mode``): ``"fused"``: one launch, a persistent grid (each program sends, computes, combines);

@@ -1,7 +1,7 @@
 """The NVSHMEM symmetric heap and the NVSHMEM initialisation of compiled kernel modules.
 
 - :func:`create_nvshmem_heap`: the symmetric heap from torch symmetric memory's NVSHMEM backend, as a
-  :class:`moe_ep.symm.SymmBuffer` (``provider="nvshmem"``), after :func:`moe_ep.nvshmem_checks.check_available`.
+  :class:`moe_ep.symm.SymmBuffer` (``provider="nvshmem"``), after :func:`moe_ep.nvshmem.checks.check_available`.
 - :func:`register_kernels`: every compiled specialisation of the given ``@triton.jit`` functions gets its CUDA
   module initialised for NVSHMEM (``nvshmemx_cumodule_init``), once per module.
 

@@ -6,8 +6,8 @@ applies DeepEP's stream/event semantics, and delegates the communication to a ba
 
 This module holds the constructor (backend choice), the stream and handle helpers every call uses, normal mode
 (``get_dispatch_layout`` / ``dispatch`` / ``combine``) and the lifecycle (``check_status``, ``destroy``). Its other
-parts: :mod:`moe_ep.buffer_ll` (low-latency mode and the rank-mask API, a base class of :class:`Buffer`),
-:mod:`moe_ep.buffer_config` (:class:`Config`, DeepEP's size hints), :mod:`moe_ep.buffer_checks` (guards shared
+parts: :mod:`moe_ep.deepep.v1.low_latency` (low-latency mode and the rank-mask API, a base class of :class:`Buffer`),
+:mod:`moe_ep.deepep.v1.config` (:class:`Config`, DeepEP's size hints), :mod:`moe_ep.deepep.v1.checks` (guards shared
 by the calls).
 """
 

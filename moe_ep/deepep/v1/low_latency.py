@@ -1,6 +1,6 @@
 """Low-latency mode of :class:`moe_ep.Buffer`: the decode calls and DeepEP's rank-mask API.
 
-:class:`LowLatencyCalls` is a base class of :class:`moe_ep.buffer.Buffer` (which holds the constructor, the stream
+:class:`LowLatencyCalls` is a base class of :class:`moe_ep.deepep.v1.buffer.Buffer` (which holds the constructor, the stream
 and handle helpers it uses, and normal mode); it is not for use on its own. The stream checker's reports name its
 calls after the public class (``Buffer.low_latency_dispatch``).
 
