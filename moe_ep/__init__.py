@@ -9,7 +9,6 @@ from . import _paths
 from ._env import require as _require
 
 _require("torch", "numpy")
-_paths.install()  # the modules that moved into folders keep their old import paths (moe_ep/_paths.py)
 
 import torch as _torch  # noqa: E402
 
@@ -17,6 +16,8 @@ from .deepep.v1.buffer import Buffer, Config
 from .errors import MoEEPError
 from .events import EventOverlap
 from .sync import CallMismatchError, RankTimeoutError, RemoteRankError
+
+_paths.install()  # the modules that moved into folders keep their old import paths (moe_ep/_paths.py)
 
 __version__ = "0.1.0"
 
