@@ -88,7 +88,7 @@ setup(
         "plot": ["matplotlib"],                    # python -m eplb plan --png, python -m serving adp's figures
         "serving": ["pyyaml", "matplotlib"],       # python -m serving plan's YAML configs, adp's figures
         "progress": ["tqdm"],
-        # internode low-latency EP (backend="nvshmem"): the NVSHMEM device bitcode Triton links (moe_ep/nvshmem_bitcode.py).
+        # internode low-latency EP (backend="nvshmem"): the NVSHMEM device bitcode Triton links (moe_ep/nvshmem/bitcode.py).
         # 3.8.0's bitcode (LLVM 22.1.8) has the IBGDA device code and needs triton>=3.8 to link; with triton 3.6-3.7
         # use torch's nvidia-nvshmem-cu13 3.4.5 instead (links, no IBGDA: internode puts via the CPU proxy).
         "nvshmem": ["nvidia-nvshmem-cu12==3.8.0"],

@@ -105,7 +105,7 @@ class LoadRecorder:
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the recorder atomically (a crash mid-save keeps the previous file): plain tensors and ints,
         load with `load` (or torch.load with weights_only=True)."""
-        from .io import atomic_write
+        from .files import atomic_write
         state = self.state_dict()
 
         def write(tmp):
@@ -117,7 +117,7 @@ class LoadRecorder:
     def load(cls, path: Union[str, os.PathLike], device: Optional[Union[str, torch.device]] = None) -> "LoadRecorder":
         """A recorder written by `save`. A missing or unreadable file raises OSError; anything that is not
         a recorder file (corrupt, truncated, wrong keys, shapes or dtypes) raises ValueError naming it."""
-        from .io import _torch_load
+        from .files import _torch_load
         try:
             state = _torch_load(path)
         except ValueError as exc:  # whatever the unpickler or zip reader raised on bad bytes

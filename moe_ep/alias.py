@@ -11,7 +11,7 @@ demo`` does. ``MOE_EP_BACKEND=symm`` (or ``torch`` / ``nvshmem``) picks the back
 for engine code that passes none.
 
 Submodules resolve to the module moe-ep already has, never a second copy: ``deep_ep.buffer`` is
-``moe_ep.buffer``, ``deep_ep.utils`` is :mod:`moe_ep.events` (``EventOverlap``, ``EventHandle``),
+``moe_ep.deepep.v1.buffer``, ``deep_ep.utils`` is :mod:`moe_ep.events` (``EventOverlap``, ``EventHandle``),
 ``deep_gemm.utils`` (``.layout``, ``.math``) is :mod:`moe_ep.gemm.utils`; ``from deep_ep import utils`` and
 ``from deep_gemm import utils`` give those modules too (installing ``deep_ep`` sets ``moe_ep.utils`` to
 :mod:`moe_ep.events`, as the import system sets a package's attribute for each submodule).
@@ -40,7 +40,7 @@ __all__ = ["install", "ALIASES"]
 # ``alias.X.Y`` resolves to ``target.X.Y``: the module object already imported under its own name (never executed
 # a second time).
 ALIASES = {
-    "deep_ep": ("moe_ep", {"utils": "moe_ep.events"}),
+    "deep_ep": ("moe_ep", {"utils": "moe_ep.events", "buffer": "moe_ep.deepep.v1.buffer"}),
     "deep_gemm": ("moe_ep.gemm", {}),
 }
 

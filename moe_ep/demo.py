@@ -52,7 +52,7 @@ def _parser(prog: str = "python -m moe_ep demo") -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["both", "normal", "low-latency"], default="both",
                    help="which dispatch/combine mode(s) to run: normal (prefill) and/or low-latency (decode)")
     p.add_argument("--experts-impl", choices=["fp8", "torch"], default="fp8",
-                   help="fp8: FP8 grouped GEMMs (moe_ep.experts); torch: a float32 torch MLP per expert")
+                   help="fp8: FP8 grouped GEMMs (moe_ep.layer.experts); torch: a float32 torch MLP per expert")
     p.add_argument("--repeat", type=int, default=None,
                    help="timed repetitions, the median is printed (default 3 on GPUs, 1 on CPU: the interpreter is slow)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights and tokens")
@@ -106,7 +106,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
     lo = rank * num_local
     fp8_weights = None
     if args.experts_impl == "fp8":
-        from .experts import ExpertWeights
+        from .layer.experts import ExpertWeights
         from .quant import dequant_block_fp8
 
         # The layer holds 128x128-block FP8 weights (as DeepSeek-V3 ships them); the reference uses the same.
@@ -156,7 +156,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
 
             def experts_normal():
                 if fp8_weights is not None:
-                    from .experts import contiguous_experts
+                    from .layer.experts import contiguous_experts
 
                     return contiguous_experts((rx, rs), ridx, rw, fp8_weights, num_tokens_per_expert=counts or None)
                 xin = dequant_fp8_ref(rx, rs)
@@ -178,7 +178,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
 
             def experts_ll():
                 if fp8_weights is not None:
-                    from .experts import masked_experts
+                    from .layer.experts import masked_experts
 
                     return masked_experts((lq, ls), count, fp8_weights, expected_m=max(1, selections // num_local))
                 y = torch.zeros(num_local, lq.shape[1], args.hidden, dtype=torch.bfloat16, device=device)

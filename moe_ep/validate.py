@@ -7,8 +7,8 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from .backends.torch_rows import _on_host, layout_from_topk
 from .fp8 import FP8_DTYPE, ceil_div
+from .topk_layout import _on_host, layout_from_topk
 
 __all__ = ["split_x", "check_topk_idx", "check_dispatch_values", "check_topk_weights", "check_num_experts", "check_low_latency_x",
            "check_combine_x", "check_bias", "combine_format"]
@@ -87,7 +87,7 @@ def check_topk_shape(topk_idx, num_tokens: int, device: torch.device) -> None:
 
 def topk_value_flags(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """`[2]` bool on the device: (an entry outside ``[-1, num_experts)``, an expert twice in a row). Host tensors
-    take numpy (:func:`moe_ep.backends.torch_rows._on_host`; a test holds the two paths equal)."""
+    take numpy (:func:`moe_ep.topk_layout._on_host`; a test holds the two paths equal)."""
     if topk_idx.numel() == 0:
         return torch.zeros(2, dtype=torch.bool, device=topk_idx.device)
     if _on_host(topk_idx):

@@ -26,8 +26,8 @@ import sys
 import time
 
 from _method import (COUNTED, CPU_WALL, EAGER, EAGER_WRITE_FLUSH, GRAPH_N, GRAPH_SINGLE, METHODS,  # noqa: F401
-                     PROFILER, L2Flush, aggregate_kernels, copy_limit, copy_single, describe, kernel_times, measure,
-                     rotation_plan, time_graph_n, time_single)
+                     PROFILER, L2Flush, Timing, aggregate_kernels, copy_limit, copy_single, describe, kernel_times,
+                     l2_bytes, measure, quantiles, rotation_plan, time_graph_n, time_single)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -296,36 +296,6 @@ class Records:
             print(f"INVALID: {len(bad)} of {len(self.rows)} rows failed their check against the reference ({cases})")
             return error(prog, f"INVALID: {len(bad)} rows failed the check against the reference")
         return 0
-
-
-class Timing(tuple):
-    """``(median, p10, p90, iterations)`` in microseconds."""
-
-    median = property(lambda s: s[0])
-    p10 = property(lambda s: s[1])
-    p90 = property(lambda s: s[2])
-    n = property(lambda s: s[3])
-
-
-def quantiles(samples) -> Timing:
-    xs = sorted(samples)
-    n = len(xs)
-
-    def q(f):
-        pos = f * (n - 1)
-        lo = int(pos)
-        hi = min(lo + 1, n - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-    return Timing((q(0.5), q(0.1), q(0.9), n))
-
-
-def l2_bytes(device=None) -> int:
-    """The L2 cache size of a CUDA device in bytes (0 on CPU or when torch does not say)."""
-    import torch
-
-    if device is None or getattr(device, "type", device) != "cuda":
-        return 0
-    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
 
 
 def fits_l2(nbytes, device=None) -> bool | None:

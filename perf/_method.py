@@ -47,6 +47,40 @@ DEFAULT_N = 20
 MIN_FLUSH_BYTES = 64 << 20
 
 
+class Timing(tuple):
+    """``(median, p10, p90, iterations)`` in microseconds."""
+
+    median = property(lambda s: s[0])
+    p10 = property(lambda s: s[1])
+    p90 = property(lambda s: s[2])
+    n = property(lambda s: s[3])
+
+
+def quantiles(samples) -> Timing:
+    xs = sorted(samples)
+    n = len(xs)
+
+    def q(f):
+        pos = f * (n - 1)
+        lo = int(pos)
+        hi = min(lo + 1, n - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return Timing((q(0.5), q(0.1), q(0.9), n))
+
+
+def l2_bytes(device=None) -> int:
+    """The L2 cache size of a CUDA device in bytes (0 on CPU or when torch does not say)."""
+    import torch
+
+    if device is None or getattr(device, "type", device) != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+
+
+# the functions below take an ``l2_bytes`` argument (an override): the device's reading under another name
+_device_l2 = l2_bytes
+
+
 def _cuda(device) -> bool:
     return device is not None and getattr(device, "type", device) == "cuda"
 
@@ -82,9 +116,7 @@ class L2Flush:
                  min_bytes: int = MIN_FLUSH_BYTES):
         import torch
 
-        from _common import l2_bytes as _l2
-
-        self.bytes = _l2(device) if l2_bytes is None else int(l2_bytes)
+        self.bytes = _device_l2(device) if l2_bytes is None else int(l2_bytes)
         self.write = write
         self.kind = "write" if write else "read"
         nb = flush_bytes(self.bytes, min_bytes)
@@ -135,8 +167,6 @@ def time_graph_n(set_calls, device, plan: dict, replays: int = 5):
     one graph of ``plan["order"]``'s calls, replayed ``replays`` times with CUDA events around each replay;
     per-call microseconds = replay time / N. CPU: the same calls eagerly, wall time. Returns ``(Timing, info)``;
     ``info`` carries the method and the plan's numbers (no ``order``)."""
-    from _common import quantiles
-
     if len(set_calls) != plan["sets"]:
         raise ValueError(f"{len(set_calls)} call sets for a plan of {plan['sets']}")
     calls = [set_calls[i] for i in plan["order"]]
@@ -173,9 +203,7 @@ def copy_limit(op_bytes: int, device, l2_bytes: int | None = None, n: int = DEFA
     per second, read + written), "method", plan numbers}``; ``ratio = limit us / op us``."""
     import torch
 
-    from _common import l2_bytes as _l2
-
-    l2 = _l2(device) if l2_bytes is None else l2_bytes
+    l2 = _device_l2(device) if l2_bytes is None else l2_bytes
     payload = copy_plan_bytes(op_bytes)
     plan = rotation_plan(2 * payload, l2, n=n)
     bufs = [(torch.empty(payload, dtype=torch.uint8, device=device), torch.empty(payload, dtype=torch.uint8,
@@ -188,8 +216,6 @@ def copy_limit(op_bytes: int, device, l2_bytes: int | None = None, n: int = DEFA
 def time_single(fn, device, iters: int = 20, flush: "L2Flush | None" = None):
     """``graph-single``: a graph of one ``fn()`` replayed ``iters`` times, each after ``flush()`` (read-only, outside
     the events). CPU: eager wall time. Returns ``(Timing, info)``."""
-    from _common import quantiles
-
     if flush is not None and flush.write:
         raise ValueError("graph-single times after a read-only flush")
     out = []
@@ -233,9 +259,7 @@ def measure(make_set, op_bytes: int, device, l2_bytes: int | None = None, n: int
     than that: ``graph-single`` (latency). The copy limit is measured by the same method on the same bytes.
     Returns ``{"us", "p10", "p90", "iterations", "method", "method_detail", "limit_us", "limit_GBps", "GBps",
     "ratio" (limit us / us), plan numbers}``."""
-    from _common import l2_bytes as _l2
-
-    l2 = _l2(device) if l2_bytes is None else l2_bytes
+    l2 = _device_l2(device) if l2_bytes is None else l2_bytes
     try:
         plan = rotation_plan(op_bytes, l2, n=n, max_sets=max_sets)
     except ValueError:

@@ -60,7 +60,7 @@ _RANK = 3  # a rank that is neither 0 nor 1: no accidental specialisation
 
 #: host modules whose ``sm90_cases()`` build their kernels' cases (kernel modules stay leaves: they import no
 #: testing or host code), in report order
-HOST_CASE_MODULES = ("moe_ep.elastic_expand", "moe_ep.gemm", "moe_ep.gemm.gluon", "moe_ep.mega_moe")
+HOST_CASE_MODULES = ("moe_ep.deepep.v2.expand", "moe_ep.gemm", "moe_ep.gemm.gluon", "moe_ep.gemm.mega_moe")
 
 
 def _host_cases() -> list[Case]:

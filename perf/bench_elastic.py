@@ -11,7 +11,7 @@ of ``H + 4 * H / 128`` bytes, ``--tokens`` per rank, EP ``--ranks``), from a sam
   dispatch + permute ones (the ratio column says what fusing would save);
 - ``launches``: aten ops (each one kernel launch on a GPU) besides the communication, counted with a
   ``TorchDispatchMode`` on a one-rank gloo group at a small shape (the count does not depend on the size):
-  ``ElasticBuffer.dispatch(do_expand=True)`` vs ``Buffer.dispatch`` + ``moe_ep.experts.permute_to_contiguous``
+  ``ElasticBuffer.dispatch(do_expand=True)`` vs ``Buffer.dispatch`` + ``moe_ep.layer.experts.permute_to_contiguous``
   + the two row gathers the contiguous layer does.
 
 Layer (``MoELayer(mode="prefill")``, ``dispatch="permute"`` vs ``dispatch="expanded"``), counted on the receiving
@@ -35,7 +35,7 @@ communication is a self-copy and every op past it sees that rank's real shapes),
 
 Memory per rank (computed, not measured): ``ElasticBuffer.memory_per_rank`` (what our constructor allocates:
 the ``symm`` region sized by ``get_buffer_size_hint``, plus its signal words; the ``torch`` backend allocates
-nothing persistent) vs DeepEP V2's ``get_buffer_size_hint`` restated in ``moe_ep.elastic_memory`` (BF16 and FP8
+nothing persistent) vs DeepEP V2's ``get_buffer_size_hint`` restated in ``moe_ep.deepep.v2.memory`` (BF16 and FP8
 dispatch; 8 GPUs per NVLink domain with hybrid mode, and one NVLink domain of all ranks) for DeepSeek-V3
 (hidden 7168, 256 experts, top-8): prefill ``--memory-prefill-tokens``, decode ``--memory-decode-tokens``, EP
 ``--memory-ranks``.
@@ -94,7 +94,7 @@ def count_launches(world_tokens: int = 8, hidden: int = 256) -> tuple[int, int]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import moe_ep
-    from moe_ep.experts import permute_to_contiguous
+    from moe_ep.layer.experts import permute_to_contiguous
     from moe_ep.gemm import get_mn_major_tma_aligned_tensor
     from moe_ep.testing.inputs import make_rank_inputs
 
@@ -229,9 +229,9 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
     import torch.distributed as dist
 
     import moe_ep
-    import moe_ep.elastic_dispatch as ed  # its _masks_to_me is the face's one all_to_all_single
-    import moe_ep.experts as ex
-    import moe_ep.moe as mo
+    import moe_ep.deepep.v2.dispatch as ed  # its _masks_to_me is the face's one all_to_all_single
+    import moe_ep.layer.experts as ex
+    import moe_ep.layer.moe as mo
     from moe_ep.fp8 import FP8_DTYPE
     from moe_ep.gemm import get_mn_major_tma_aligned_tensor
 
@@ -258,7 +258,7 @@ def count_layer(tokens: int, ranks: int, hidden: int = HIDDEN, inter: int = INTE
 
     import types
 
-    import moe_ep.elastic_expand as ee
+    import moe_ep.deepep.v2.expand as ee
     import moe_ep.kernels.expand as ke
 
     def torch_path(fn, *a):  # the CPU path's torch ops, for a stubbed kernel (the switch is on while counting)
@@ -333,7 +333,7 @@ def symm_receive_copy_bytes(recv_rows: int, hidden: int = HIDDEN, topk: int = TO
 def memory_rows(rec, prefill_tokens, decode_tokens, ranks_list, hidden=HIDDEN, topk=TOPK) -> None:
     """The memory-per-rank table (see the module docstring), printed and recorded."""
     from moe_ep import ElasticBuffer
-    from moe_ep.elastic_memory import deepep_v2_buffer_size_hint as deepep
+    from moe_ep.deepep.v2.memory import deepep_v2_buffer_size_hint as deepep
 
     MB = 2 ** 20
     print(C.table_header(["phase", "tokens/rank", "EP", "ours symm MiB (fixed, rounds)", "ours symm MiB (whole batch)",
@@ -354,7 +354,7 @@ def memory_rows(rec, prefill_tokens, decode_tokens, ranks_list, hidden=HIDDEN, t
                     deepep_fp8_one_domain=d[(True, R)],
                     note="computed: ElasticBuffer.memory_per_rank (the default fixed size; whole_batch=True: one round, "
                          "views) vs DeepEP V2 get_buffer_size_hint (restated in "
-                         "moe_ep.elastic_memory; its ~16 MB workspace not included); symm is intranode only")
+                         "moe_ep.deepep.v2.memory; its ~16 MB workspace not included); symm is intranode only")
             print(f"| {phase} | {tokens} | {R} | {ours / MB:.0f} | {whole / MB:.0f} | 0 | {d[(False, 8)] / MB:.0f} | "
                   f"{d[(False, R)] / MB:.0f} | {d[(True, 8)] / MB:.0f} | {d[(True, R)] / MB:.0f} | {ratio:.2f} |")
 

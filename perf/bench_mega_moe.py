@@ -129,9 +129,9 @@ def _parse(argv=None):
 # ------------------------------------------------------------------------------------------------ inputs
 
 def make_weights(rank: int, world: int, args, device):
-    """This rank's experts as ``moe_ep.experts.ExpertWeights`` (FP8, 128x128 block scales), quantized expert by
+    """This rank's experts as ``moe_ep.layer.experts.ExpertWeights`` (FP8, 128x128 block scales), quantized expert by
     expert on the device (DeepSeek-V3 on EP8: 32 experts, 1.4 GB of FP8)."""
-    from moe_ep.experts import ExpertWeights
+    from moe_ep.layer.experts import ExpertWeights
     from moe_ep.quant import per_block_quant_fp8
 
     H, inter, L = args.hidden, args.intermediate, args.experts // world
@@ -266,7 +266,7 @@ class Mega:
 
     def __init__(self, args, ctx, T, weights, inputs):
         from moe_ep.gemm import fp8_mega_moe, get_symm_buffer_for_mega_moe, transform_weights_for_mega_moe
-        from moe_ep.mega_moe import mega_moe_symm_bytes
+        from moe_ep.gemm.mega_moe import mega_moe_symm_bytes
 
         self.run_layer = fp8_mega_moe
         self.buf = get_symm_buffer_for_mega_moe(None, args.experts, T, args.topk, args.hidden, args.intermediate,
@@ -301,7 +301,7 @@ class Layer:
     def __init__(self, mode, args, ctx, T, weights):
         import moe_ep
         from moe_ep.backends.symm import SymmBackend
-        from moe_ep.moe import MoELayer
+        from moe_ep.layer.moe import MoELayer
 
         if mode == "decode":
             self.symm_bytes = SymmBackend.get_low_latency_size_hint(T, args.hidden, ctx.world, args.experts, args.topk)

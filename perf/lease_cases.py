@@ -272,7 +272,7 @@ def normal(world, N, H, E, K, fp8):
 
 # ------------------------------------------------------------------------------------------ others
 def expand(m, n, hidden):
-    from moe_ep.elastic_expand import gather_rows
+    from moe_ep.deepep.v2.expand import gather_rows
     from moe_ep.fp8 import FP8_DTYPE
     from moe_ep.kernels.expand import expand_rows
 

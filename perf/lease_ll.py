@@ -188,8 +188,8 @@ def layer_decode(T, H, LE, K, inter, iters):
     """One decode ``MoELayer`` step on a one-rank group holding ``LE`` experts: ``graph-single`` and eager."""
     import moe_ep
     from moe_ep.backends.symm import SymmBackend
-    from moe_ep.experts import ExpertWeights
-    from moe_ep.moe import MoELayer
+    from moe_ep.layer.experts import ExpertWeights
+    from moe_ep.layer.moe import MoELayer
     from moe_ep.testing.refs import ref_moe
 
     _one_rank_group()

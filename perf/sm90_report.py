@@ -26,8 +26,8 @@ programs (what a persistent launch may put on every SM at once).
 Must run without ``TRITON_INTERPRET`` (the flag is read when ``@triton.jit`` functions are defined): run as a
 script it re-executes itself without the variable; imported with it set, it raises.
 
-HOST CASES: the modules of ``_sm90_case.HOST_CASE_MODULES`` (``moe_ep.elastic_expand``, ``moe_ep.gemm``, ``moe_ep.gemm.gluon``,
-``moe_ep.mega_moe``) build their kernels' cases in ``sm90_cases()`` (a list of dicts with keys ``name, config, kernel,
+HOST CASES: the modules of ``_sm90_case.HOST_CASE_MODULES`` (``moe_ep.deepep.v2.expand``, ``moe_ep.gemm``, ``moe_ep.gemm.gluon``,
+``moe_ep.gemm.mega_moe``) build their kernels' cases in ``sm90_cases()`` (a list of dicts with keys ``name, config, kernel,
 signature, constexprs, num_warps, num_stages`` and optional ``attrs``, ``options``), appended to :data:`CASES` in that
 order (see :func:`_host_cases`); the kernel modules stay leaves.
 

@@ -107,10 +107,10 @@ def test_submodules_resolve_to_the_one_module(tmp_path):
                                m_grouped_gemm_fp8_fp8_bf16_nt_contiguous, ceil_div as cd)
         from deep_ep import utils as ep_utils, buffer as ep_buffer
         from deep_gemm import utils as gemm_utils
-        import moe_ep.buffer, moe_ep.events, moe_ep.gemm.utils.math
-        assert ep_utils is sys.modules["deep_ep.utils"] is moe_ep.events and ep_buffer is moe_ep.buffer
+        import moe_ep.deepep.v1.buffer, moe_ep.events, moe_ep.gemm.utils.math
+        assert ep_utils is sys.modules["deep_ep.utils"] is moe_ep.events and ep_buffer is moe_ep.deepep.v1.buffer
         assert gemm_utils is sys.modules["deep_gemm.utils"] is moe_ep.gemm.utils and gemm_utils.ceil_div is ceil_div
-        assert deep_ep.buffer is moe_ep.buffer and deep_ep.buffer.Buffer is moe_ep.Buffer is Buffer
+        assert deep_ep.buffer is moe_ep.deepep.v1.buffer and deep_ep.buffer.Buffer is moe_ep.Buffer is Buffer
         assert sys.modules["deep_ep.utils"] is moe_ep.events and EventOverlap is moe_ep.EventOverlap
         assert deep_gemm.utils.math is moe_ep.gemm.utils.math and ptc is per_token_cast_to_fp8 and cd is ceil_div
         # nothing executed twice: every deep_* entry is a moe_ep module object (a second execution would be

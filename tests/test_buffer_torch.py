@@ -50,15 +50,15 @@ def test_host_routing_math_equals_the_device_ops(n, E, R, k):
     same values, -1 holes, duplicates and out-of-range ids included."""
     import torch
 
+    from moe_ep import topk_layout as TL
     from moe_ep import validate as V
-    from moe_ep.backends import torch_rows as TA
 
     g = torch.Generator().manual_seed(n * 1000 + E)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n else torch.empty(0, k).long()
     if n:
         idx[torch.rand(n, k, generator=g) < 0.3] = -1
         idx[0] = -1
-    for got, want in zip(TA._layout_host(idx, E, R), TA._layout_torch(idx, E, R)):
+    for got, want in zip(TL._layout_host(idx, E, R), TL._layout_torch(idx, E, R)):
         assert got.dtype == want.dtype and torch.equal(got, want)
     if not n:
         return

@@ -170,15 +170,15 @@ def test_deepep_helpers_and_refusals():
 
 
 def test_buffer_names_survive_the_module_split():
-    """``moe_ep.Buffer`` is assembled from modules (``buffer``, ``buffer_ll``, ``buffer_config``, ``buffer_checks``):
+    """``moe_ep.Buffer`` is assembled from modules (``buffer``, ``low_latency``, ``config``, ``checks`` of moe_ep/deepep/v1):
     every closure a method hands to the stream machinery is reported as ``Buffer.<method>`` (the stream checker
-    names a call after the object it was made on, not the base class defining it), and the names ``moe_ep.buffer``
+    names a call after the object it was made on, not the base class defining it), and the names ``moe_ep.deepep.v1.buffer``
     held before the split still import from there."""
     import types
 
     import moe_ep
     from moe_ep import events
-    from moe_ep.buffer import BACKENDS, Buffer, Config, _CheckedLayout, _capturing, _reports_refusal
+    from moe_ep.deepep.v1.buffer import BACKENDS, Buffer, Config, _CheckedLayout, _capturing, _reports_refusal
 
     assert (moe_ep.Buffer, moe_ep.Config) == (Buffer, Config) and BACKENDS[0] == "auto"
     assert callable(_capturing) and callable(_reports_refusal) and isinstance(_CheckedLayout, type)

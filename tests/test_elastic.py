@@ -204,7 +204,7 @@ def test_mode_matrix_2_ranks_receive_as_view():
 def test_expanded_cases_through_the_expand_kernels(backend, monkeypatch):
     """The expanded cases of the matrix with the expanded layout's gathers and the expanded combine's sum run as
     Triton kernels (as on GPUs; the forked ranks inherit the switch): the same references, bitwise."""
-    from moe_ep import elastic_expand
+    from moe_ep.deepep.v2 import expand as elastic_expand
 
     monkeypatch.setattr(elastic_expand, "USE_KERNELS", True)
     launch(_run_cases, 2, backend, [c for c in CASES if c["expand"]], 8, [5, 7], timeout_s=300)
@@ -251,7 +251,7 @@ def test_mode_matrix_small_buffer_4_ranks_empty_rank_and_hot_expert():
 
 # ---------------------------------------------------------------------------------------------- expanded = GEMM's a
 def _gemm_operand(rank, world):
-    from moe_ep.experts import permute_to_contiguous
+    from moe_ep.layer.experts import permute_to_contiguous
 
     eb = _make("torch", world)
     ins = make_all_inputs(world, 6, HIDDEN, 8, 3, seed=5)
@@ -266,7 +266,7 @@ def _gemm_operand(rank, world):
     assert m_exp == rx[0].shape[0] and torch.equal(m_indices, h.m_indices)
     assert torch.equal(h.recv_src_metadata[:, 2:], dst)
     # the experts on the handle's psum layout (what MoELayer feeds the GEMMs: no m_indices) = on m_indices, bitwise
-    from moe_ep.experts import ExpertWeights, expanded_experts
+    from moe_ep.layer.experts import ExpertWeights, expanded_experts
 
     g = torch.Generator().manual_seed(rank)
     num_local = 8 // world

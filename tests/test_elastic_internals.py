@@ -40,13 +40,13 @@ def test_memory_per_rank_equals_the_bytes_allocated(world, num_topk, num_bytes):
                                                     num_bytes=num_bytes)
         assert allocated == want, (allocated, want)
         assert nb == (num_bytes if num_bytes is not None else
-                      moe_ep.elastic_memory.elastic_num_bytes(world, NUM_MAX, HIDDEN, num_topk))
+                      moe_ep.deepep.v2.memory.elastic_num_bytes(world, NUM_MAX, HIDDEN, num_topk))
     assert moe_ep.ElasticBuffer.memory_per_rank(world, NUM_MAX, HIDDEN, num_topk, backend="torch") == 0
 
 
 def test_memory_helpers_refuse_bad_input_and_match_deepep_hand_counts():
-    from moe_ep.elastic_memory import deepep_v2_buffer_size_hint as hint
-    from moe_ep.elastic_memory import elastic_memory_per_rank as mem
+    from moe_ep.deepep.v2.memory import deepep_v2_buffer_size_hint as hint
+    from moe_ep.deepep.v2.memory import elastic_memory_per_rank as mem
 
     for bad in (lambda: mem(0, 8, 128), lambda: mem(2, -1, 128), lambda: mem(2, 8, 128, backend="nccl"),
                 lambda: mem(2, 0, 0, backend="symm"), lambda: mem(2, 8, 128, num_bytes=0),
@@ -72,7 +72,7 @@ def test_chunk_tokens_is_checked_once_the_same_way_by_every_sizing_entry_point(b
     too) and chunk_for refuse the same values with the same message; none rounds a float or takes a bool as 1."""
     from moe_ep.backends.symm import SymmBackend
     from moe_ep.backends.symm_normal import SymmNormal
-    from moe_ep.elastic_memory import chunk_for, elastic_num_bytes
+    from moe_ep.deepep.v2.memory import chunk_for, elastic_num_bytes
 
     calls = (lambda: SymmNormal.size_hint(None, 256, 8, 4, chunk_tokens=bad),
              lambda: SymmBackend.get_normal_size_hint(4096, 256, 8, 4, chunk_tokens=bad),
@@ -91,7 +91,7 @@ def test_chunk_tokens_clamp_is_the_same_for_both_sizings():
     import numpy as np
 
     from moe_ep.backends.symm_normal import SymmNormal
-    from moe_ep.elastic_memory import ALIGN_2MB, align, chunk_for, elastic_num_bytes
+    from moe_ep.deepep.v2.memory import ALIGN_2MB, align, chunk_for, elastic_num_bytes
 
     assert chunk_for(4, 4096) == 1024 and chunk_for(64, 4096) == 64  # max(64, 4096 // R)
     assert chunk_for(4, 3) == 3 and chunk_for(4, 3, 7) == 3 and chunk_for(4, 4096, 7) == 7
@@ -106,11 +106,11 @@ def test_chunk_tokens_clamp_is_the_same_for_both_sizings():
                     None, 256, 8, 4, chunk_tokens=chunk_for(4, T, ct))
 
 def test_readme_prefill_memory_table_is_the_computed_one():
-    """Every row of the prefill memory table (docs/deepep-v2.md) is what moe_ep.elastic_memory computes (ours fixed, one round,
+    """Every row of the prefill memory table (docs/deepep-v2.md) is what moe_ep.deepep.v2.memory computes (ours fixed, one round,
     whole batch; DeepEP V1 and V2 hints), and the fixed size stays within DeepEP V2's hint at the README's shapes."""
     import pathlib
 
-    from moe_ep.elastic_memory import (deepep_v1_buffer_size_hints, deepep_v2_buffer_size_hint,
+    from moe_ep.deepep.v2.memory import (deepep_v1_buffer_size_hints, deepep_v2_buffer_size_hint,
                                        elastic_memory_per_rank, elastic_num_bytes, prefill_memory_rows)
 
     readme = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "deepep-v2.md").read_text()
@@ -202,7 +202,7 @@ def _sum_in_order(vals: torch.Tensor) -> torch.Tensor:
 def _expanded_sum_order(rank, world):
     """Each token's experts sit on one rank (so the combined row is that rank's local sum, exactly), 1-6 of the
     8 top-k slots used, the rest holes, experts descending along k (so expanded-row order is reverse k order)."""
-    from moe_ep.elastic import ElasticBuffer
+    from moe_ep.deepep.v2.buffer import ElasticBuffer
     from moe_ep.testing.traps import host_reads_trapped
 
     K, E = 8, 16
@@ -256,7 +256,7 @@ def _expanded_sum_random(rank, world, seed):
     """Random routing with -1 entries (and every other rank's experts as holes), top-8 of 12 experts, so
     fewer local experts (6) than top-k slots: the rows before the cross-rank combine equal the plain K-pass
     sum bitwise, CPU-synced handle and worst-case sizes alike (the order itself is pinned by the test above)."""
-    from moe_ep.elastic import ElasticBuffer
+    from moe_ep.deepep.v2.buffer import ElasticBuffer
 
     K, E = 8, 12
     eb = _make("torch", world, num_topk=K)

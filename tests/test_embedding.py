@@ -96,7 +96,7 @@ def test_every_error_class_has_the_base_and_keeps_its_standard_one():
 
     classes = _error_classes()
     assert {"moe_ep.sync.RankTimeoutError", "moe_ep.sync.CallMismatchError", "moe_ep.sync.RemoteRankError",
-            "moe_ep.nvshmem_bitcode.NvshmemUnavailableError", "eplb.cli.CliError", "serving.sim.SimError"} <= set(classes)
+            "moe_ep.nvshmem.bitcode.NvshmemUnavailableError", "eplb.cli.CliError", "serving.sim.SimError"} <= set(classes)
     for name, cls in classes.items():
         base = serving.ServingError if name.startswith("serving.") else moe_ep.MoEEPError
         assert issubclass(cls, base) or cls is base, name

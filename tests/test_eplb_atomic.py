@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import eplb
+import eplb.files as efiles
 import eplb.io as eio
 from eplb.cli import main
 
@@ -70,7 +71,7 @@ def test_crash_after_a_half_written_temp_file_keeps_the_previous(name, tmp_path,
     path = str(tmp_path / f"f{ext}")
     write(path, 2)
     assert read(path) == 2
-    real_fsync = eio._fsync
+    real_fsync = efiles._fsync
 
     def die(p, folder=False):
         if not folder and os.path.basename(p).startswith(".tmp-"):
@@ -78,10 +79,10 @@ def test_crash_after_a_half_written_temp_file_keeps_the_previous(name, tmp_path,
                 f.truncate(os.path.getsize(p) // 2)
             raise Crash
         real_fsync(p, folder)
-    monkeypatch.setattr(eio, "_fsync", die)
+    monkeypatch.setattr(efiles, "_fsync", die)
     with pytest.raises(Crash):
         write(path, 3)
-    monkeypatch.setattr(eio, "_fsync", real_fsync)
+    monkeypatch.setattr(efiles, "_fsync", real_fsync)
     assert read(path) == 2
     write(path, 3)  # and the next write goes through
     assert read(path) == 3
@@ -150,7 +151,7 @@ def test_plan_outputs_all_or_none_when_a_later_write_fails(tmp_path, monkeypatch
     # and the error names the user's path, not the temporary file.
     np.save(tmp_path / "in.npy", np.arange(1, 17)[None].repeat(2, 0))
     import errno
-    real = eio.tempfile.mkstemp
+    real = efiles.tempfile.mkstemp
     calls = []
 
     def mkstemp(*a, **k):
@@ -161,7 +162,7 @@ def test_plan_outputs_all_or_none_when_a_later_write_fails(tmp_path, monkeypatch
             os.unlink(tmp)
             raise OSError(errno.ENOSPC, "No space left on device", tmp)
         return fd, tmp
-    monkeypatch.setattr(eio.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(efiles.tempfile, "mkstemp", mkstemp)
     rc = main(["plan", str(tmp_path / "in.npy"), "--replicas", "24", "--gpus", "8", "-o", str(tmp_path / "o.json"),
                "--pt", str(tmp_path / "o.pt")])
     out, err = capsys.readouterr()

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from moe_ep.elastic_expand import gather_rows, sum_expanded
+from moe_ep.deepep.v2.expand import gather_rows, sum_expanded
 from moe_ep.fp8 import FP8_DTYPE
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -56,7 +56,7 @@ def _handle(src: torch.Tensor, hidden: int):
 
 @pytest.mark.parametrize("P", [0, 1, 3, 8])
 def test_sum_rows_equals_the_torch_sum_bitwise(P):
-    from moe_ep import elastic_expand
+    from moe_ep.deepep.v2 import expand as elastic_expand
     from moe_ep.kernels.expand import sum_rows
 
     g = torch.Generator().manual_seed(P)

@@ -94,7 +94,7 @@ def test_aliases_and_layout_module():
         assert getattr(layout, name) is getattr(gemm, name) is getattr(utils, name)
     assert gemm.get_theoretical_mk_alignment_for_contiguous_layout() == 128
     assert gemm.get_theoretical_mk_alignment_for_contiguous_layout(16) == 128
-    from moe_ep.mega_moe import fp8_fp4_mega_moe, fp8_mega_moe
+    from moe_ep.gemm.mega_moe import fp8_fp4_mega_moe, fp8_mega_moe
     assert gemm.fp8_fp4_mega_moe is fp8_fp4_mega_moe and gemm.fp8_mega_moe is fp8_mega_moe
     with pytest.raises(NotImplementedError, match="BF16"):
         gemm.bf16_mega_moe(None, None, None, None)

@@ -53,8 +53,8 @@ def _buffer_rank(rank: int, world: int, backend: str, layers: bool) -> bool:
     interpreter's time short)."""
     import moe_ep
     from moe_ep.backends.symm import SymmBackend
-    from moe_ep.experts import ExpertWeights
-    from moe_ep.moe import MoELayer
+    from moe_ep.layer.experts import ExpertWeights
+    from moe_ep.layer.moe import MoELayer
     from moe_ep.testing.inputs import make_elastic_buffer, make_expert_weights
 
     kw = {}

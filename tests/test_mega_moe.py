@@ -123,8 +123,8 @@ def _mega_rank(rank: int, world: int, case: dict) -> dict:
 def _layer_diff(rank, world, case, x, idx, w, out, T) -> float:
     import moe_ep
     from moe_ep.backends.symm import SymmBackend
-    from moe_ep.experts import ExpertWeights
-    from moe_ep.moe import MoELayer
+    from moe_ep.layer.experts import ExpertWeights
+    from moe_ep.layer.moe import MoELayer
 
     E, k = case["E"], case["k"]
     w13, w2 = _weights(E, case["seed"])
@@ -299,8 +299,19 @@ def test_bad_routing_is_reported_by_the_device(what):
 
 
 def test_host_module_imports_without_triton():
+    """The host module imports its kernels on first launch, never at import time (the package it lives in,
+    moe_ep.gemm, loads Triton for its GEMMs; ``import moe_ep`` loads neither)."""
+    import ast
     import subprocess
     import sys
 
-    code = "import sys, moe_ep, moe_ep.mega_moe; assert 'triton' not in sys.modules, 'triton loaded'"
+    import moe_ep.gemm.mega_moe as host
+
+    code = ("import sys, moe_ep; assert 'triton' not in sys.modules, 'triton loaded'; "
+            "assert 'moe_ep.gemm.mega_moe' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    with open(host.__file__) as f:
+        tree = ast.parse(f.read())
+    top = [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
+    top += [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in top if m.split(".")[0] == "triton" or "kernels" in m.split(".")], top

@@ -15,7 +15,7 @@ from moe_ep.testing.sm90 import REPORT_PROLOGUE, compile_in_subprocess
 pytestmark = pytest.mark.slow
 
 SCRIPT = REPORT_PROLOGUE + r'''
-from moe_ep.mega_moe import sm90_cases
+from moe_ep.gemm.mega_moe import sm90_cases
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton

@@ -22,8 +22,8 @@ H, INTER, E, K = 128, 128, 8, 2
 def _layer(rank: int, world: int, n: int, device: torch.device, **buffer_kwargs):
     import moe_ep
     from moe_ep.backends.symm import SymmBackend
-    from moe_ep.experts import ExpertWeights
-    from moe_ep.moe import MoELayer
+    from moe_ep.layer.experts import ExpertWeights
+    from moe_ep.layer.moe import MoELayer
 
     g = torch.Generator().manual_seed(11)
     w13 = torch.randn(E, 2 * INTER, H, generator=g) / H ** 0.5
@@ -108,7 +108,7 @@ def test_trap_catches_host_reads():
 
 def test_trap_flags_the_prefill_path():
     """The contiguous experts read counts on the host when the dispatch gave none: the trap must see it."""
-    from moe_ep.experts import ExpertWeights, contiguous_experts
+    from moe_ep.layer.experts import ExpertWeights, contiguous_experts
 
     weights = ExpertWeights.from_float(torch.randn(2, 256, 128), torch.randn(2, 128, 128))
     x = torch.randn(4, 128).to(torch.bfloat16)

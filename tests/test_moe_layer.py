@@ -44,8 +44,8 @@ def _inputs(rank: int, n: int, num_experts: int, k: int, seed: int):
 def _layer_rank(rank: int, world: int, case: dict) -> dict:
     import moe_ep
     from moe_ep.backends.symm import SymmBackend
-    from moe_ep.experts import ExpertWeights
-    from moe_ep.moe import MoELayer
+    from moe_ep.layer.experts import ExpertWeights
+    from moe_ep.layer.moe import MoELayer
 
     num_experts, k, n, mode, backend = case["E"], case["k"], case["n"][rank], case["mode"], case["backend"]
     w13, w2 = _global_weights(num_experts, case["seed"])
@@ -109,8 +109,8 @@ def test_layer_matches_dense(world, n, E, k, mode, backend, shared):
 
 
 def test_layer_argument_errors():
-    from moe_ep.experts import ExpertWeights
-    from moe_ep.moe import MoELayer
+    from moe_ep.layer.experts import ExpertWeights
+    from moe_ep.layer.moe import MoELayer
 
     class FakeBuffer:
         group_size, low_latency_mode = 2, False
@@ -135,8 +135,8 @@ def _expanded_rank(rank: int, world: int, case: dict) -> dict:
     both against the references, and against each other."""
     import moe_ep
     from moe_ep.backends.symm import SymmBackend
-    from moe_ep.experts import ExpertWeights
-    from moe_ep.moe import MoELayer
+    from moe_ep.layer.experts import ExpertWeights
+    from moe_ep.layer.moe import MoELayer
 
     num_experts, k, n, backend = case["E"], case["k"], case["n"][rank], case["backend"]
     w13, w2 = _global_weights(num_experts, case["seed"])
@@ -200,8 +200,8 @@ def test_expanded_dispatch_layer_matches_permute_and_dense(world, n, E, k, backe
 
 
 def test_expanded_dispatch_argument_errors():
-    from moe_ep.experts import ExpertWeights, expanded_experts
-    from moe_ep.moe import MoELayer
+    from moe_ep.layer.experts import ExpertWeights, expanded_experts
+    from moe_ep.layer.moe import MoELayer
 
     class FakeBuffer:
         group_size, low_latency_mode = 2, True

@@ -1,4 +1,4 @@
-"""Host side of the nvshmem backend (moe_ep/nvshmem.py, re-exporting moe_ep/nvshmem_{bitcode,checks,heap}.py): bitcode
+"""Host side of the nvshmem backend (moe_ep/nvshmem/__init__.py, re-exporting moe_ep/nvshmem/{bitcode,checks,heap}.py): bitcode
 finder, availability checks, module-init hook; and the sm90 evidence: a tiny kernel calling NVSHMEM compiled for sm90
 and its PTX scanned."""
 
@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from moe_ep import nvshmem
-from moe_ep import nvshmem_bitcode as bitcode
-from moe_ep import nvshmem_checks as checks
-from moe_ep import nvshmem_heap as heap
+from moe_ep.nvshmem import bitcode, checks, heap
 from moe_ep.nvshmem import NvshmemUnavailableError
 from moe_ep.testing.sm90 import REPORT_PROLOGUE
 

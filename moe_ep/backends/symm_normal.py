@@ -146,7 +146,7 @@ class SymmNormal(NormalDispatchMixin, RefusalMixin):
     def chunk(world_size: int, num_max_tokens=None, chunk_tokens=None) -> int:
         """Tokens per source per round of a fixed size: ``chunk_tokens`` (default :meth:`default_chunk`), at most
         ``num_max_tokens`` when given (a batch that small takes one round), at least 1. The one check of
-        ``chunk_tokens`` (:meth:`size_hint` and :mod:`moe_ep.elastic_memory` both call this): None or a positive
+        ``chunk_tokens`` (:meth:`size_hint` and :mod:`moe_ep.deepep.v2.memory` both call this): None or a positive
         int (a bool, float or string is refused, not rounded)."""
         if chunk_tokens is None:
             c = SymmNormal.default_chunk(world_size)

@@ -107,8 +107,8 @@ from .utils.math import align, calc_diff, ceil_div, per_block_cast_to_fp8, per_t
 # DeepGEMM v1's name for the M-major, TMA-aligned scale layout
 get_col_major_tma_aligned_tensor = get_mn_major_tma_aligned_tensor
 
-if TYPE_CHECKING:  # resolved lazily by __getattr__ below (moe_ep.mega_moe imports this module)
-    from ..mega_moe import (bf16_mega_moe, fp8_fp4_mega_moe, fp8_mega_moe, get_symm_buffer_for_mega_moe,
+if TYPE_CHECKING:  # resolved lazily by __getattr__ below (moe_ep.gemm.mega_moe)
+    from .mega_moe import (bf16_mega_moe, fp8_fp4_mega_moe, fp8_mega_moe, get_symm_buffer_for_mega_moe,
                             transform_weights_for_mega_moe)
 
 __all__ = [
@@ -160,14 +160,14 @@ __all__ = [
 ]
 
 
-# DeepGEMM's mega-MoE names (moe_ep/mega_moe.py imports this module, so they are resolved on first use).
+# DeepGEMM's mega-MoE names (moe_ep/gemm/mega_moe.py: resolved on first use, so that importing this module stays light).
 _MEGA_MOE_NAMES = ("fp8_fp4_mega_moe", "bf16_mega_moe", "fp8_mega_moe", "get_symm_buffer_for_mega_moe",
                    "transform_weights_for_mega_moe")
 
 
 def __getattr__(name):
     if name in _MEGA_MOE_NAMES:
-        from .. import mega_moe
+        from . import mega_moe
         return getattr(mega_moe, name)
     if name == "_num_sms":  # the SM cap lives in .runtime (set_num_sms rebinds it there); read it live
         from . import runtime

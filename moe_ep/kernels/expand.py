@@ -6,11 +6,11 @@
   ``w[exp_src[r], exp_k[r]]`` (0 on padding). Replaces the torch gathers, ``where`` and zero fills.
 - :func:`_sum_expanded_kernel`: the expanded combine's per-received-row sum: ``0 + x[s_1] + x[s_2] + ...`` in
   float32 over the row's selections (``src`` `[M, P]`, k ascending, -1 after them), one round-to-nearest-even
-  cast to BF16: bitwise :func:`moe_ep.elastic_expand.sum_expanded`. A hole's load is masked, so only real
+  cast to BF16: bitwise :func:`moe_ep.deepep.v2.expand.sum_expanded`. A hole's load is masked, so only real
   selections are read, also for worst-case (not CPU-synced) handles, where the torch version makes
   ``min(K, L)`` passes over every row.
 
-:class:`moe_ep.ElasticBuffer` runs these on CUDA tensors (``moe_ep.elastic_expand`` picks); the torch ops stay
+:class:`moe_ep.ElasticBuffer` runs these on CUDA tensors (``moe_ep.deepep.v2.expand`` picks); the torch ops stay
 the CPU path and the reference the interpreter tests compare against, bitwise.
 """
 
@@ -119,7 +119,7 @@ def expand_rows(t: torch.Tensor, exp_src: torch.Tensor, zero: bool, w: Optional[
 
 def sum_rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """BF16 `[M, H]`: per row of ``src`` `[M, P]`, the float32 sum of ``x``'s rows it names (k ascending, -1
-    skipped), rounded once: :func:`moe_ep.elastic_expand.sum_expanded`'s value, in one launch."""
+    skipped), rounded once: :func:`moe_ep.deepep.v2.expand.sum_expanded`'s value, in one launch."""
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"sum_rows needs BF16 [N, H] rows, got {x.dtype} {tuple(x.shape)}")
     M, H = src.shape[0], x.shape[1]

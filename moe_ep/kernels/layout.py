@@ -50,7 +50,7 @@ def _layout_kernel(
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int, bad_flag: torch.Tensor = None):
     """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)``
-    for a validated ``topk_idx`` `[N, K]` int64 (bitwise what ``moe_ep.backends.torch_rows.layout_from_topk``
+    for a validated ``topk_idx`` `[N, K]` int64 (bitwise what ``moe_ep.topk_layout.layout_from_topk``
     computes). Ids ``>= num_experts`` (possible only with the host checks off) are counted nowhere and set
     ``bad_flag`` (`[1]` int32, when given) to 1 on the device."""
     n, k = topk_idx.shape

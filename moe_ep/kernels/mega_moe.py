@@ -21,7 +21,7 @@ PHASE  what a program does
        float32, k ascending, holes (-1) skipped, one rounding to BF16; the last program resets ``COMB_FULL``
 =====  ==========================================================================================
 
-Numerics are the expert-path layer's (:mod:`moe_ep.experts`): per 128-wide K block an FP8 MMA in float32,
+Numerics are the expert-path layer's (:mod:`moe_ep.layer.experts`): per 128-wide K block an FP8 MMA in float32,
 ``acc += part * sa * sb`` (1x128 activation scales, 128x128 weight block scales), GEMM1's output rounded
 to BF16 (the layer stores it as BF16), SiLU-and-mul as in :mod:`moe_ep.kernels.silu_quant`, FP8
 quantization with the shared e4m3 helpers (bitwise equal to :mod:`moe_ep.fp8`), GEMM2's output rounded to
@@ -30,7 +30,7 @@ BF16, the weighted sum as the low-latency combine does it.
 Activation ring: ``S`` slots, each ``BLOCK_M`` rows of received tokens (FP8 ``[BLOCK_M, H]`` + scales
 ``[BLOCK_M, H/128]``) and of the intermediate (FP8 ``[BLOCK_M, I]`` + scales). Program ``p`` of the
 expert phase owns slot ``p`` (its items ``p, p + P, ..`` reuse it in turn), so ``S`` = the programs of the
-expert phase, capped by the work items the shapes allow (``moe_ep.mega_moe.ring_slots``). The ring is
+expert phase, capped by the work items the shapes allow (``moe_ep.gemm.mega_moe.ring_slots``). The ring is
 local scratch: only the program that fills a slot reads it.
 
 Signals (int32 words of each rank's signal region, :func:`signal_layout`): ``DISP_FULL + s`` (set by source

@@ -100,18 +100,18 @@ def host_reads_trapped():
         saved.append((executor, "__call__", executor.__call__))
     except ImportError:  # pragma: no cover - Triton without an interpreter
         pass
-    from ..backends import torch_rows
+    from .. import topk_layout
     from ..backends.symm_refusal import RefusalMixin
     from ..symm import SymmBuffer
 
-    saved.append((torch_rows, "host_numpy", torch_rows.host_numpy))
+    saved.append((topk_layout, "host_numpy", topk_layout.host_numpy))
 
     polls = (SymmBuffer, RefusalMixin)
     saved.append((SymmBuffer, "check_status", SymmBuffer.check_status))
     saved += [(RefusalMixin, n, getattr(RefusalMixin, n)) for n in ("_check_refused", "poll_refused")]
     try:
         for owner, name, original in saved:
-            if owner is torch_rows:
+            if owner is topk_layout:
                 setattr(owner, name, False)
             elif owner is executor or owner in polls:
                 setattr(owner, name, _kernel_scope(original))

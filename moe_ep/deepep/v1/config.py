@@ -67,7 +67,7 @@ class Config:
           what receive views need).
 
         The ``torch`` backend ignores the number (it allocates per call)."""
-        from .backends.symm_normal import SymmNormal
+        from ...backends.symm_normal import SymmNormal
 
         self._check_hint_args(hidden_bytes, num_ranks)
         hidden = (hidden_bytes + 1) // 2

@@ -1,7 +1,7 @@
 """The NVSHMEM symmetric heap and the NVSHMEM initialisation of compiled kernel modules.
 
 - :func:`create_nvshmem_heap`: the symmetric heap from torch symmetric memory's NVSHMEM backend, as a
-  :class:`moe_ep.symm.SymmBuffer` (``provider="nvshmem"``), after :func:`moe_ep.nvshmem_checks.check_available`.
+  :class:`moe_ep.symm.SymmBuffer` (``provider="nvshmem"``), after :func:`moe_ep.nvshmem.checks.check_available`.
 - :func:`register_kernels`: every compiled specialisation of the given ``@triton.jit`` functions gets its CUDA
   module initialised for NVSHMEM (``nvshmemx_cumodule_init``), once per module.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from .nvshmem_bitcode import NvshmemUnavailableError
-from .nvshmem_checks import check_available
+from .bitcode import NvshmemUnavailableError
+from .checks import check_available
 
 __all__ = ["create_nvshmem_heap", "register_kernels", "registered_kernels"]
 
@@ -63,8 +63,8 @@ def create_nvshmem_heap(group, nbytes: int, num_signals: int, timeout_s: float =
     import torch
     import torch.distributed as dist
 
-    from .symm import SymmBuffer, _align, _create_cuda
-    from .sync import ArrivalCheck
+    from ..symm import SymmBuffer, _align, _create_cuda
+    from ..sync import ArrivalCheck
 
     if not isinstance(nbytes, int) or nbytes < 0 or not isinstance(num_signals, int) or num_signals < 0:
         raise ValueError(f"nbytes and num_signals must be non-negative ints, got {nbytes!r}, {num_signals!r}")

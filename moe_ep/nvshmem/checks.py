@@ -1,12 +1,12 @@
 """Availability checks of the ``nvshmem`` backend: everything besides the bitcode that must be in place (GPU, driver,
 torch built with NVSHMEM, IBGDA, one NVSHMEM release), gathered by :func:`check_available`.
 
-- :func:`check_available`: one :class:`~moe_ep.nvshmem_bitcode.NvshmemUnavailableError` naming everything that is
+- :func:`check_available`: one :class:`~moe_ep.nvshmem.bitcode.NvshmemUnavailableError` naming everything that is
   missing (wheel, a Triton that links the bitcode, GPU, driver, torch build, IBGDA) and how to fix each, raised before
   anything is allocated.
 - Each ``check_*`` returns ``None`` when fine, else one line: what is missing and how to fix it. The bitcode's own
-  checks (:func:`~moe_ep.nvshmem_bitcode.check_triton_link`, :func:`~moe_ep.nvshmem_bitcode.check_ibgda_bitcode`)
-  live in :mod:`moe_ep.nvshmem_bitcode`.
+  checks (:func:`~moe_ep.nvshmem.bitcode.check_triton_link`, :func:`~moe_ep.nvshmem.bitcode.check_ibgda_bitcode`)
+  live in :mod:`moe_ep.nvshmem.bitcode`.
 
 Nothing here imports Triton or touches CUDA at import time. Part of :mod:`moe_ep.nvshmem`, which re-exports every
 name.
@@ -22,7 +22,7 @@ import re
 import subprocess
 from typing import Optional
 
-from .nvshmem_bitcode import (
+from .bitcode import (
     WHEEL,
     NvshmemUnavailableError,
     _arch_number,

@@ -6,7 +6,7 @@ wrote it, whether this Triton can link it.
   wheel ships one file per architecture (``libnvshmem_device_sm_90.bc`` ...) and no ``libnvshmem_device.bc``; other
   installs ship the single file.
 - :func:`check_triton_link`: this Triton's bundled LLVM can read that bitcode (an LLVM reads bitcode of its own or an
-  older release only); :func:`extern_libs` and :func:`moe_ep.nvshmem_checks.check_available` raise
+  older release only); :func:`extern_libs` and :func:`moe_ep.nvshmem.checks.check_available` raise
   :class:`NvshmemUnavailableError` naming both versions and what to install when it cannot.
 - :func:`check_ibgda_bitcode`: the bitcode has NVSHMEM's IBGDA device code.
 
@@ -39,7 +39,7 @@ import os
 import re
 from typing import Optional
 
-from .errors import MoEEPError
+from ..errors import MoEEPError
 
 __all__ = ["WHEEL", "WHEEL_VERSION", "INSTALL_HINT", "NvshmemUnavailableError",
            "search_dirs", "find_device_bitcode", "extern_libs", "launch_options", "MAXNREG",
@@ -338,7 +338,7 @@ def _vt(version: Optional[str]) -> Optional[tuple]:
 
 
 # ---------------------------------------------------------------------------------------------- NVSHMEM release
-# (the host-library check in nvshmem_checks compares the same readings)
+# (the host-library check in checks.py compares the same readings)
 def _version_in_file(path: str) -> Optional[str]:
     """The ``NVSHMEM vX.Y.Z`` banner inside a host library, read without loading it."""
     try:

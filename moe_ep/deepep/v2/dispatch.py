@@ -2,12 +2,12 @@
 inherits: argument checks (refused on every rank together, :meth:`~ElasticDispatchMixin._refusing`), the call to
 :meth:`moe_ep.Buffer.dispatch`, the source metadata of the receive (global token index, source rank, per-rank
 prefix sums), the move of top-k weights along a cached layout, the expanded layout's plans
-(:mod:`moe_ep.elastic_expand`) and the :class:`~moe_ep.elastic_handle.EPHandle` that combine and cached dispatch
+(:mod:`moe_ep.deepep.v2.expand`) and the :class:`~moe_ep.deepep.v2.handle.EPHandle` that combine and cached dispatch
 reuse; and :func:`recv_view_fits`, the same-on-every-rank choice between a receive view and the copying receive.
 
 The mixin holds no state of its own: it reads the attributes :class:`moe_ep.ElasticBuffer` sets (``_buf``,
 ``group``, ``rank_idx``, ``num_ranks``, ``num_max_tokens_per_rank``). Construction, queries and combine live in
-:mod:`moe_ep.elastic`.
+:mod:`moe_ep.deepep.v2.buffer`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import validate as V
-from .buffer import Buffer
-from .elastic_expand import combine_plan, expand_plan, expand_received, expert_counts, sum_expanded, uses_kernels
-from .elastic_handle import EPHandle
-from .events import EventOverlap, run_on_comm_stream
+from ... import validate as V
+from ..v1.buffer import Buffer
+from .expand import combine_plan, expand_plan, expand_received, expert_counts, sum_expanded, uses_kernels
+from .handle import EPHandle
+from ...events import EventOverlap, run_on_comm_stream
 
 __all__ = ["ElasticDispatchMixin", "recv_view_fits"]
 
@@ -115,7 +115,7 @@ class ElasticDispatchMixin:
         out = torch.where((dst >= 0) & ~repeat, self.rank_idx * num_max + slot, -1)
         return out.to(torch.int32).contiguous()
 
-    # expanded layout: moe_ep/elastic_expand.py
+    # expanded layout: moe_ep/deepep/v2/expand.py
     _expert_counts = staticmethod(expert_counts)
     _expand_plan = staticmethod(expand_plan)
     _combine_plan = staticmethod(combine_plan)
@@ -372,7 +372,7 @@ class ElasticDispatchMixin:
             recv_data, recv_scales, recv_w = expand_received(recv_data, recv_scales, recv_w, h._exp_src, h._exp_k,
                                                              zero)
         if recv_scales is not None and use_tma_sf:
-            from .gemm import get_mn_major_tma_aligned_tensor
+            from ...gemm import get_mn_major_tma_aligned_tensor
 
             recv_scales = get_mn_major_tma_aligned_tensor(recv_scales)
         recv_x = (recv_data, recv_scales) if recv_scales is not None else recv_data

@@ -33,7 +33,7 @@ def _check_ints(**kw) -> None:
 def chunk_for(num_ranks: int, num_max_tokens_per_rank: int, chunk_tokens: int | None = None) -> int:
     """Tokens per source per round of the fixed size: ``chunk_tokens`` (default ``max(64, 4096 // num_ranks)``),
     at most ``num_max_tokens_per_rank`` (a batch that small takes one round)."""
-    from .backends.symm_normal import SymmNormal
+    from ...backends.symm_normal import SymmNormal
 
     return SymmNormal.chunk(num_ranks, num_max_tokens_per_rank or None, chunk_tokens)  # (checks chunk_tokens)
 
@@ -48,7 +48,7 @@ def elastic_num_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
     :func:`chunk_for` tokens (dispatch, then combine, in the same bytes); larger batches move in rounds.
     ``whole_batch=True``: the one-round size of ``num_max_tokens_per_rank`` tokens with separate dispatch and
     combine halves (the fastest path at large batches, and what a receive view of the whole batch needs)."""
-    from .backends.symm import SymmBackend
+    from ...backends.symm import SymmBackend
 
     _check_ints(num_ranks=num_ranks, num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
                 num_topk=num_topk)
@@ -76,8 +76,8 @@ def elastic_memory_per_rank(num_ranks: int, num_max_tokens_per_rank: int = 0, hi
 
     The small per-rank bookkeeping tensors (address tables, a status word array) are left out.
     """
-    from .backends.symm import _normal_path
-    from .symm import _align as symm_align
+    from ...backends.symm import _normal_path
+    from ...symm import _align as symm_align
 
     if backend not in ("symm", "torch", "auto"):
         raise ValueError(f"backend must be 'symm', 'torch' or 'auto', got {backend!r}")

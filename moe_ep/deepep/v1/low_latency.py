@@ -1,6 +1,6 @@
 """Low-latency mode of :class:`moe_ep.Buffer`: the decode calls and DeepEP's rank-mask API.
 
-:class:`LowLatencyCalls` is a base class of :class:`moe_ep.buffer.Buffer` (which holds the constructor, the stream
+:class:`LowLatencyCalls` is a base class of :class:`moe_ep.deepep.v1.buffer.Buffer` (which holds the constructor, the stream
 and handle helpers it uses, and normal mode); it is not for use on its own. The stream checker's reports name its
 calls after the public class (``Buffer.low_latency_dispatch``).
 
@@ -16,10 +16,10 @@ from typing import Optional
 
 import torch
 
-from . import validate as V
-from .backends.base import LowLatencyHandle
-from . import events
-from .buffer_checks import _reports_refusal
+from ... import validate as V
+from ...backends.base import LowLatencyHandle
+from ... import events
+from .checks import _reports_refusal
 
 __all__: list = []
 
@@ -97,14 +97,14 @@ class LowLatencyCalls:
         self._mask_seen = now
         timed = [r for r in new if now[r] == 2]
         if self._impl.ll_take_late_writes():
-            from .sync import RankMaskedWarning
+            from ...sync import RankMaskedWarning
             masked = [r for r, v in enumerate(now) if v]
             warnings.warn(RankMaskedWarning(
                 f"moe_ep low-latency combine: a row written late by a masked rank (of {masked}; this is rank "
                 f"{self.rank}) landed in a live slot and was not summed: the tokens it hit are NaN; stop the masked "
                 "rank and re-run the step (the Buffer stays usable)", masked), stacklevel=3)
         if timed:
-            from .sync import RankMaskedWarning
+            from ...sync import RankMaskedWarning
             warnings.warn(RankMaskedWarning(
                 f"moe_ep low-latency call: rank(s) {timed} did not arrive within {self.timeout_s:.1f} s and were masked "
                 f"(this is rank {self.rank}); their tokens and experts were left out of this call: re-map with the "
@@ -132,7 +132,7 @@ class LowLatencyCalls:
         :meth:`moe_ep.backends.symm.SymmBackend.get_low_latency_size_hint`); docs/sizing.md has the numbers.
         Every backend refuses a buffer too small for a call, with the same message (``torch`` checks the
         ``symm`` layout)."""
-        from .backends.symm_ll import ll_buffer_bytes
+        from ...backends.symm_ll import ll_buffer_bytes
 
         t, e = num_max_dispatch_tokens_per_rank, num_experts
         total = max(ll_buffer_bytes(t, hidden, num_ranks, e, num_topk=min(e, 32), transport=0),
@@ -153,7 +153,7 @@ class LowLatencyCalls:
         call; ``symm`` / ``nvshmem`` refuse 0 at creation and check their own layout in the call)."""
         if self.backend_name in ("symm", "nvshmem") or self.num_rdma_bytes == 0:
             return
-        from .backends.symm_ll_layout import check_capacity
+        from ...backends.symm_ll_layout import check_capacity
         check_capacity(self.num_rdma_bytes, T, hidden, self.group_size, E, K, 0, what)
 
     def _check_low_latency(self) -> None:

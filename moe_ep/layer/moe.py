@@ -13,7 +13,7 @@ mode           dispatch                           experts                       
 ``mode="prefill", dispatch="expanded"`` replaces the permute with DeepEP V2's expanded receive: quant ->
 ``ElasticBuffer.dispatch(do_expand=True, expert_alignment=128)`` (one row per (token, local expert), already in
 128-row expert blocks, with ``handle.psum_num_recv_tokens_per_expert``,
-the GEMM's psum layout) -> :func:`moe_ep.experts.expanded_experts` (GEMM1 ->
+the GEMM's psum layout) -> :func:`moe_ep.layer.experts.expanded_experts` (GEMM1 ->
 SiLU-and-mul-quant -> GEMM2 on those rows, each row weighted by its top-k weight) -> the expanded
 ``ElasticBuffer.combine`` (sums a token's rows, then over ranks). The default ``dispatch="permute"`` is the
 table's prefill row. Output: the same sum, with one more BF16 rounding (each weighted row) than the permute
@@ -23,7 +23,7 @@ permute, reads the rows straight from where the senders wrote them, before the l
 the whole receive of ``num_max_dispatch_tokens_per_rank`` tokens per rank (the ElasticBuffer's
 ``num_max_tokens_per_rank`` on the expanded path) fits the buffer's view area; otherwise (a fixed, chunk-sized
 buffer, or no token bound given to the permute path) they take the copying receive, which streams any batch
-through the buffer in rounds: the same results (:func:`moe_ep.elastic_dispatch.recv_view_fits`, the same decision on every
+through the buffer in rounds: the same results (:func:`moe_ep.deepep.v2.dispatch.recv_view_fits`, the same decision on every
 rank).
 
 The same object plugs into the two-microbatch schedules: pass ``layer.experts`` as the ``experts=``
@@ -37,8 +37,8 @@ from typing import Callable, Optional
 import torch
 
 from .experts import ExpertWeights, contiguous_experts, expanded_experts, masked_experts
-from .gemm import get_m_alignment_for_contiguous_layout
-from .quant import per_token_group_quant_fp8
+from ..gemm import get_m_alignment_for_contiguous_layout
+from ..quant import per_token_group_quant_fp8
 
 __all__ = ["MoELayer"]
 
@@ -49,7 +49,7 @@ class MoELayer:
     Arguments:
         buffer: a :class:`moe_ep.Buffer` (``low_latency_mode=True`` for ``mode="decode"``), or, for
             ``mode="prefill"``, a :class:`moe_ep.ElasticBuffer` (its Buffer runs the permute path).
-        weights: :class:`moe_ep.experts.ExpertWeights` of this rank's ``L = num_experts / R`` experts.
+        weights: :class:`moe_ep.layer.experts.ExpertWeights` of this rank's ``L = num_experts / R`` experts.
         num_experts: ``E``, routed experts over all ranks.
         mode: ``"decode"`` (low-latency, masked layout) or ``"prefill"`` (normal, contiguous layout).
         num_max_dispatch_tokens_per_rank: ``T`` of the low-latency buffers (decode).
@@ -69,7 +69,7 @@ class MoELayer:
     def __init__(self, buffer, weights: ExpertWeights, num_experts: int, *, mode: str = "decode",
                  num_max_dispatch_tokens_per_rank: Optional[int] = None, shared_expert: Optional[Callable] = None,
                  expected_m: Optional[int] = None, use_pdl: bool = False, dispatch: str = "permute"):
-        from .elastic import ElasticBuffer
+        from ..deepep.v2.buffer import ElasticBuffer
 
         if mode not in ("decode", "prefill"):
             raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
@@ -78,7 +78,7 @@ class MoELayer:
         if dispatch == "expanded" and mode != "prefill":
             raise ValueError("dispatch='expanded' is a prefill path (mode='prefill'); decode uses the masked layout")
         if not isinstance(weights, ExpertWeights):
-            raise TypeError(f"weights must be moe_ep.experts.ExpertWeights, got {type(weights).__name__}")
+            raise TypeError(f"weights must be moe_ep.layer.experts.ExpertWeights, got {type(weights).__name__}")
         self.elastic = None
         if isinstance(buffer, ElasticBuffer):
             if mode == "decode":
@@ -154,7 +154,7 @@ class MoELayer:
                                  use_psum_layout=True, use_pdl=self.use_pdl)
             out, _, _ = self.elastic.combine(y, handle)
         else:
-            from .elastic import recv_view_fits
+            from ..deepep.v2.buffer import recv_view_fits
 
             per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx, self.num_experts)
             q = per_token_group_quant_fp8(x)

@@ -42,9 +42,9 @@ allocation or rendezvous). Construct before capturing, or wrap a Buffer made bef
 :meth:`ElasticBuffer.from_buffer` (allocates nothing).
 
 Where the code lives: this module holds construction, the queries and size hints, the out-of-scope stubs and
-combine; dispatch (checks, source metadata, cached weights, the handle) is :mod:`moe_ep.elastic_dispatch`, which
-:class:`ElasticBuffer` inherits; the expanded layout is :mod:`moe_ep.elastic_expand`, the handle
-:mod:`moe_ep.elastic_handle`, the sizes :mod:`moe_ep.elastic_memory`.
+combine; dispatch (checks, source metadata, cached weights, the handle) is :mod:`moe_ep.deepep.v2.dispatch`, which
+:class:`ElasticBuffer` inherits; the expanded layout is :mod:`moe_ep.deepep.v2.expand`, the handle
+:mod:`moe_ep.deepep.v2.handle`, the sizes :mod:`moe_ep.deepep.v2.memory`.
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import validate as V
-from .buffer import Buffer
-from .elastic_dispatch import ElasticDispatchMixin, _align, recv_view_fits  # noqa: F401  (recv_view_fits: importable here)
-from .elastic_expand import (combine_plan, expand_plan, expand_received, expert_counts,  # noqa: F401  (importable here)
+from ... import validate as V
+from ..v1.buffer import Buffer
+from .dispatch import ElasticDispatchMixin, _align, recv_view_fits  # noqa: F401  (recv_view_fits: importable here)
+from .expand import (combine_plan, expand_plan, expand_received, expert_counts,  # noqa: F401  (importable here)
                              sum_expanded, uses_kernels)
-from .elastic_handle import EPHandle
-from .elastic_memory import elastic_memory_per_rank, elastic_num_bytes
-from .events import EventOverlap
+from .handle import EPHandle
+from .memory import elastic_memory_per_rank, elastic_num_bytes
+from ...events import EventOverlap
 
 __all__ = ["ElasticBuffer", "EPHandle"]
 
@@ -75,7 +75,7 @@ def _refuse_in_capture(what: str) -> None:
     """Raise a clear error when a CUDA graph is being captured on the current stream (or a capture is
     simulated by :func:`moe_ep.testing.streams.checked_streams`): construction allocates the communication
     buffers and meets the peers on the host, neither of which can be recorded into a graph."""
-    from .events import is_capturing, uses_streams
+    from ...events import is_capturing, uses_streams
 
     dev = _capture_device()
     if uses_streams(dev) and is_capturing(dev):
@@ -108,7 +108,7 @@ class ElasticBuffer(ElasticDispatchMixin):
         allow_hybrid_mode, prefer_overlap_with_compute, sl_idx, num_allocated_qps: RDMA / SM-count tuning with
             no counterpart here (ignored).
         allow_multiple_reduction: ``False`` asks combine for a single rounding; the non-expanded combine has
-            one; the expanded one then sends float32 partial sums back (:mod:`moe_ep.elastic_reduce`: one float32
+            one; the expanded one then sends float32 partial sums back (:mod:`moe_ep.deepep.v2.reduce`: one float32
             sum per token, cast once; host-synchronising), ``True`` sums expanded rows locally, casts, then sums
             over ranks (two roundings, the Buffer's own combine).
         num_cpu_timeout_secs, num_gpu_timeout_secs: the Buffer's ``timeout_s`` is the CPU one for ``torch``
@@ -138,7 +138,7 @@ class ElasticBuffer(ElasticDispatchMixin):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ElasticBuffer needs torch.distributed to be initialised (init_process_group)")
         group = group if group is not None else dist.group.WORLD
-        from .backends.choose import backend_from_env
+        from ...backends.choose import backend_from_env
         backend = backend_from_env(backend)  # MOE_EP_BACKEND, for engine code that passes no backend
         self.group = group
         self.rank_idx = dist.get_rank(group)
@@ -220,7 +220,7 @@ class ElasticBuffer(ElasticDispatchMixin):
                              allow_multiple_reduction: bool = True, *, chunk_tokens: Optional[int] = None,
                              whole_batch: bool = False) -> int:
         """Bytes for ``num_bytes`` (2 MB-aligned, as V2) of the ``symm`` backend (BF16 rows, enough for FP8 too;
-        ``num_topk=0`` sizes for a top-k of 32); see :func:`moe_ep.elastic_memory.elastic_num_bytes`.
+        ``num_topk=0`` sizes for a top-k of 32); see :func:`moe_ep.deepep.v2.memory.elastic_num_bytes`.
 
         Default: a fixed size that does not grow with ``num_max_tokens_per_rank``: ``chunk_tokens`` tokens per
         source per round (default ``max(64, 4096 // num_ranks)``) in one area that dispatch and combine
@@ -239,8 +239,8 @@ class ElasticBuffer(ElasticDispatchMixin):
         """Bytes one rank's ElasticBuffer allocates at construction for these shapes and backend (``torch``: 0;
         ``symm``: the symmetric region, ``num_bytes`` defaulting to :meth:`get_buffer_size_hint` with
         ``chunk_tokens`` / ``whole_batch``, plus its signal words); no group needed. See
-        :func:`moe_ep.elastic_memory.elastic_memory_per_rank`, and
-        :func:`moe_ep.elastic_memory.deepep_v2_buffer_size_hint` for DeepEP V2's size of the same shapes."""
+        :func:`moe_ep.deepep.v2.memory.elastic_memory_per_rank`, and
+        :func:`moe_ep.deepep.v2.memory.deepep_v2_buffer_size_hint` for DeepEP V2's size of the same shapes."""
         return elastic_memory_per_rank(num_ranks, num_max_tokens_per_rank, hidden, num_topk, backend=backend,
                                        num_bytes=num_bytes, chunk_tokens=chunk_tokens, whole_batch=whole_batch)
 
@@ -358,7 +358,7 @@ class ElasticBuffer(ElasticDispatchMixin):
             previous_event_before_epilogue.current_stream_wait()
         valid = handle.recv_topk_idx >= 0
         if handle.do_expand and not self.allow_multiple_reduction:  # one float32 sum per token, one rounding
-            from .elastic_reduce import combine_one_rounding
+            from .reduce import combine_one_rounding
 
             if previous_event is not None:
                 previous_event.current_stream_wait()

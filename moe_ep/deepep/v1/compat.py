@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from .events import EventOverlap
+from ...events import EventOverlap
 
 __all__ = ["DeepEPV1Calls"]
 

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import torch
 
-from .fp8 import FP8_DTYPE
+from ...fp8 import FP8_DTYPE
 
 __all__ = ["expert_counts", "expand_plan", "m_indices_from_psum", "combine_plan", "gather_rows", "expand_received",
            "sum_expanded", "USE_KERNELS", "uses_kernels", "sm90_cases"]
@@ -101,7 +101,7 @@ def expand_received(data: torch.Tensor, scales: Optional[torch.Tensor], weights:
     (weights 1-D per expanded row, 0 on padding). Padding rows of data / scales are zero with ``zero``, else
     unspecified. Kernels (one launch for rows + weights, one for scales) where :data:`USE_KERNELS` says so."""
     if uses_kernels(data):
-        from .kernels.expand import expand_rows, words_of
+        from ...kernels.expand import expand_rows, words_of
 
         if words_of(data) is not None and (scales is None or words_of(scales) is not None):
             out, w = expand_rows(data, exp_src, zero, weights, exp_k if weights is not None else None)
@@ -126,7 +126,7 @@ def sum_expanded(x: torch.Tensor, h) -> torch.Tensor:  # h: an expanded EPHandle
     of +0.0 can only differ in the sign of a zero; the final ``+ 0.0`` makes that +0.0 too."""
     src, order, sorted_src, pass_rows = h._comb_src, h._comb_order, h._comb_sorted_src, h._comb_rows
     if uses_kernels(x) and x.dtype == torch.bfloat16 and x.dim() == 2:
-        from .kernels.expand import sum_rows
+        from ...kernels.expand import sum_rows
 
         return sum_rows(x, src)
     M, H = src.shape[0], h._hidden
@@ -159,8 +159,8 @@ def sum_expanded(x: torch.Tensor, h) -> torch.Tensor:  # h: an expanded EPHandle
 def sm90_cases() -> list[dict]:
     """Both kernels as ElasticBuffer launches them on a GPU for DeepSeek-V3 prefill (FP8 rows of 7168 bytes =
     1792 words, 56 scale words, EP8: about 40K expanded rows; the sum over min(top-8, 32 local) = 8 columns)."""
-    from .kernels.expand import _expand_rows_kernel, _sum_expanded_kernel
-    from .testing.sm90 import launch_case
+    from ...kernels.expand import _expand_rows_kernel, _sum_expanded_kernel
+    from ...testing.sm90 import launch_case
 
     ptrs = {"src_ptr": "*i32", "exp_src_ptr": "*i64", "out_ptr": "*i32", "w_ptr": "*fp32", "exp_k_ptr": "*i64",
             "out_w_ptr": "*fp32"}

@@ -11,7 +11,7 @@ Usage (every rank; DeepGEMM's flow)::
     fp8_fp4_mega_moe(y, l1, l2, buf)                       # y: BF16 [n, hidden], n <= num_max_tokens_per_rank
 
 ``y[t] = sum_k topk_weights[t, k] * W2[e] @ FP8(silu(W1_gate[e] x_t) * (W1_up[e] x_t))`` with ``e = topk_idx[t, k]``
-(-1: no expert), expert ``e`` on rank ``e // L``: the expert-path layer's numerics (:mod:`moe_ep.experts`).
+(-1: no expert), expert ``e`` on rank ``e // L``: the expert-path layer's numerics (:mod:`moe_ep.layer.experts`).
 The token count ``n`` comes from ``y``'s shape (a host int); nothing is read from the device on the host.
 
 Where it runs (``mode``): ``"fused"``: one launch, a persistent grid (each program sends, computes, combines);
@@ -38,8 +38,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .fp8 import FP8_DTYPE
-from .symm import SymmBuffer, _align, create_symm_buffer
+from ..fp8 import FP8_DTYPE
+from ..symm import SymmBuffer, _align, create_symm_buffer
 
 import logging
 
@@ -93,7 +93,7 @@ def _layout(world: int, num_experts: int, tokens: int, topk: int, hidden: int) -
 def mega_moe_symm_bytes(world: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
                         hidden: int) -> int:
     """Symmetric bytes per rank of a mega-MoE buffer (data and signal words; the module's formula)."""
-    from .kernels.mega_moe import signal_layout
+    from ..kernels.mega_moe import signal_layout
 
     return _layout(world, num_experts, num_max_tokens_per_rank, num_topk, hidden)["nbytes"] + \
         _align(4 * signal_layout(world)["NUM_WORDS"])
@@ -184,7 +184,7 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     elif provider == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
     elif provider == "auto":  # as DeepGEMM is called (no device): the current GPU with NCCL groups, else CPU
-        from .backends.symm import _default_device
+        from ..backends.symm import _default_device
         dev = _default_device(group)
     else:
         dev = torch.device("cpu")
@@ -199,7 +199,7 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     if differ:
         raise ValueError(f"get_symm_buffer_for_mega_moe: rank(s) {differ} passed {[everyone[r] for r in differ]}, "
                          f"rank 0 passed {everyone[0]} (num_experts, tokens, topk, hidden, intermediate, mma, activation)")
-    from .kernels.mega_moe import signal_layout
+    from ..kernels.mega_moe import signal_layout
 
     lay = _layout(world, num_experts, num_max_tokens_per_rank, num_topk, hidden)
     symm = create_symm_buffer(group, lay["nbytes"], signal_layout(world)["NUM_WORDS"], device=dev, provider=provider,
@@ -351,10 +351,10 @@ def _resident_programs(kernel, args, const, kw, device: torch.device) -> int:
 
 
 def _launch(buf: MegaMoEBuffer, y, q1, s1, q2, s2, stats, clamp, mode: str) -> None:
-    from . import events
-    from .kernels.fp8_cast import native_e4m3_supported
-    from .kernels.mega_moe import launch_warps, mega_moe_kernel, signal_layout
-    from .kernels.pdl import INTERPRET
+    from .. import events
+    from ..kernels.fp8_cast import native_e4m3_supported
+    from ..kernels.mega_moe import launch_warps, mega_moe_kernel, signal_layout
+    from ..kernels.pdl import INTERPRET
 
     symm, dev, lay = buf.symm, buf.device, buf.layout
     R, E, T, K = buf.world_size, buf.num_experts, buf.num_max_tokens_per_rank, buf.num_topk
@@ -408,7 +408,7 @@ def sm90_cases() -> list[dict]:
     ``name, config, kernel, signature, constexprs, num_warps, num_stages, attrs, options``. Integer arguments are
     specialised as a launch does (``tt.divisibility`` 16 when divisible by 16; the region offsets are multiples
     of 256)."""
-    from .kernels.mega_moe import launch_warps, mega_moe_kernel, signal_layout
+    from ..kernels.mega_moe import launch_warps, mega_moe_kernel, signal_layout
 
     R, H, INTER_, K, E = 8, 7168, 2048, 8, 256
     L = E // R

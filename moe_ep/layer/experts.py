@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import FP8_DTYPE
-from .gemm import (
+from ..fp8 import FP8_DTYPE
+from ..gemm import (
     M_ALIGNMENT,
     get_mn_major_tma_aligned_tensor,
     m_grouped_fp8_gemm_nt_contiguous,
     m_grouped_fp8_gemm_nt_masked,
 )
-from .quant import per_block_quant_fp8, per_token_group_quant_fp8, silu_and_mul_quant_fp8
+from ..quant import per_block_quant_fp8, per_token_group_quant_fp8, silu_and_mul_quant_fp8
 
 __all__ = ["ExpertWeights", "contiguous_experts", "expanded_experts", "masked_experts", "permute_to_contiguous"]
 

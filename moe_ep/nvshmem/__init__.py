@@ -4,15 +4,15 @@ The low-latency kernels reach peers on other nodes through NVSHMEM device calls 
 :mod:`moe_ep.kernels.nvshmem_device`). On a GPU that needs four things from the host, all importable from here
 (each name lives in one of three modules, by responsibility):
 
-- :mod:`moe_ep.nvshmem_bitcode`, the device library: :func:`find_device_bitcode` / :func:`extern_libs` /
+- :mod:`moe_ep.nvshmem.bitcode`, the device library: :func:`find_device_bitcode` / :func:`extern_libs` /
   :func:`launch_options` (the NVSHMEM LLVM bitcode Triton links into every kernel that calls NVSHMEM),
   :func:`check_triton_link` (this Triton's LLVM can read it), :func:`check_ibgda_bitcode`, the version readers,
   :class:`NvshmemUnavailableError` and the pinned wheel (:data:`WHEEL`, :data:`WHEEL_VERSION`); its docstring has
   the table of which bitcode links with which Triton.
-- :mod:`moe_ep.nvshmem_checks`, the environment: :func:`check_available` raises one
+- :mod:`moe_ep.nvshmem.checks`, the environment: :func:`check_available` raises one
   :class:`NvshmemUnavailableError` naming everything that is missing (wheel, a Triton that links the bitcode, GPU,
   driver, torch build, IBGDA) and how to fix each, before anything is allocated; the ``check_*`` it gathers.
-- :mod:`moe_ep.nvshmem_heap`: :func:`create_nvshmem_heap` (the symmetric heap from torch symmetric memory's NVSHMEM
+- :mod:`moe_ep.nvshmem.heap`: :func:`create_nvshmem_heap` (the symmetric heap from torch symmetric memory's NVSHMEM
   backend, as a :class:`moe_ep.symm.SymmBuffer` with ``provider="nvshmem"``) and :func:`register_kernels` (every
   compiled specialisation of the given ``@triton.jit`` functions gets its CUDA module initialised for NVSHMEM,
   ``nvshmemx_cumodule_init``, once per module).
@@ -24,7 +24,7 @@ CUDA at import time.
 
 from __future__ import annotations
 
-from .nvshmem_bitcode import (  # noqa: F401 - the private names too: every name of this module before the split
+from .bitcode import (  # noqa: F401 - the private names too: every name of this module before the split
     _BC,
     _CHAR6,
     INSTALL_HINT,
@@ -60,7 +60,7 @@ from .nvshmem_bitcode import (  # noqa: F401 - the private names too: every name
     triton_llvm_version,
     triton_version,
 )
-from .nvshmem_checks import (  # noqa: F401
+from .checks import (  # noqa: F401
     DRIVER_PARAMS,
     GDRDRV,
     IBGDA_DRIVER_OPTIONS,
@@ -78,7 +78,7 @@ from .nvshmem_checks import (  # noqa: F401
     driver_cuda_version,
     required_driver_cuda_version,
 )
-from .nvshmem_heap import (  # noqa: F401
+from .heap import (  # noqa: F401
     _INITIALISED,
     _PENDING,
     _REGISTERED,

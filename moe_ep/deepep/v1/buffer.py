@@ -6,8 +6,8 @@ applies DeepEP's stream/event semantics, and delegates the communication to a ba
 
 This module holds the constructor (backend choice), the stream and handle helpers every call uses, normal mode
 (``get_dispatch_layout`` / ``dispatch`` / ``combine``) and the lifecycle (``check_status``, ``destroy``). Its other
-parts: :mod:`moe_ep.buffer_ll` (low-latency mode and the rank-mask API, a base class of :class:`Buffer`),
-:mod:`moe_ep.buffer_config` (:class:`Config`, DeepEP's size hints), :mod:`moe_ep.buffer_checks` (guards shared
+parts: :mod:`moe_ep.deepep.v1.low_latency` (low-latency mode and the rank-mask API, a base class of :class:`Buffer`),
+:mod:`moe_ep.deepep.v1.config` (:class:`Config`, DeepEP's size hints), :mod:`moe_ep.deepep.v1.checks` (guards shared
 by the calls).
 """
 
@@ -19,14 +19,14 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import validate as V
-from .backends.base import Backend, DispatchHandle
-from . import events
-from .buffer_checks import _CheckedLayout, _reports_refusal
-from .buffer_config import Config
-from .buffer_ll import LowLatencyCalls
-from .buffer_v1 import DeepEPV1Calls
-from .events import EventOverlap, run_on_comm_stream
+from ... import validate as V
+from ...backends.base import Backend, DispatchHandle
+from ... import events
+from .checks import _CheckedLayout, _reports_refusal
+from .config import Config
+from .low_latency import LowLatencyCalls
+from .compat import DeepEPV1Calls
+from ...events import EventOverlap, run_on_comm_stream
 
 _log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class Buffer(LowLatencyCalls, DeepEPV1Calls):
             raise RuntimeError("moe_ep.Buffer needs torch.distributed to be initialised (init_process_group)")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        from .backends.choose import backend_from_env
+        from ...backends.choose import backend_from_env
         backend = backend_from_env(backend)
         if not (timeout_s > 0):
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -131,16 +131,16 @@ class Buffer(LowLatencyCalls, DeepEPV1Calls):
         common = dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                       low_latency_mode=low_latency_mode, timeout_s=self.timeout_s)
         if self.backend_name == "torch":
-            from .backends.torch_a2a import TorchBackend
-            from .backends.torch_hier import TorchHierBackend
+            from ...backends.torch_a2a import TorchBackend
+            from ...backends.torch_hier import TorchHierBackend
             # ranks_per_node=G: node-aware (a token crosses nodes once per destination node, then fans out)
             cls = TorchHierBackend if backend_kwargs.get("ranks_per_node") is not None else TorchBackend
             self._impl: Backend = cls(self.group, self.rank, self.group_size, **common, **backend_kwargs)
         elif self.backend_name == "nvshmem":
-            from .backends.nvshmem import NvshmemBackend
+            from ...backends.nvshmem import NvshmemBackend
             self._impl = NvshmemBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
         else:
-            from .backends.symm import SymmBackend
+            from ...backends.symm import SymmBackend
             self._impl = SymmBackend(self.group, self.rank, self.group_size, **common, **backend_kwargs)
         if enable_shrink:
             self._impl.enable_shrink()
@@ -160,7 +160,7 @@ class Buffer(LowLatencyCalls, DeepEPV1Calls):
         access, ``nvshmem`` across nodes for a low-latency-only Buffer where NVSHMEM is usable, else ``torch``
         (always without CUDA, and with backend keyword arguments: name the backend they are for). A low-latency
         Buffer on CUDA that ends up on ``torch`` warns once (not CUDA-graph capturable)."""
-        from .backends.choose import choose_backend, gather_facts, warn_not_capturable
+        from ...backends.choose import choose_backend, gather_facts, warn_not_capturable
 
         if backend_kwargs:
             log.info("moe_ep.Buffer(backend='auto'): backend keyword arguments given (%s): 'torch'",

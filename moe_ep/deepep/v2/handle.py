@@ -90,7 +90,7 @@ class EPHandle:
         grouped GEMM's m_indices layout), built from ``psum_num_recv_tokens_per_expert`` on first read (the
         dispatch builds none: the expert GEMMs take the psum layout). ``None`` when not expanded."""
         if self._m_indices is None and self.do_expand:
-            from .elastic_expand import m_indices_from_psum
+            from .expand import m_indices_from_psum
 
             self._m_indices = m_indices_from_psum(self.psum_num_recv_tokens_per_expert, self.expert_alignment,
                                                   self.num_expanded_tokens)
