@@ -245,7 +245,7 @@ def _low_latency_cases() -> list[Case]:
             options={"enable_fp_fusion": False}))
     shipped = {c.kernel.__name__ for c in cases}
     jitted = {n for n, v in vars(k).items() if n.startswith("_ll_") and isinstance(v, triton.runtime.JITFunction)}
-    jitted.discard("_ll_release_kernel")  # NVSHMEM transport only: a row of _nvshmem_cases
+    jitted.discard("_ll_quiet_kernel")  # NVSHMEM transport only (rejoin): a row of _nvshmem_cases
     if jitted != shipped:
         raise RuntimeError(f"low_latency.py kernels without a case here: {sorted(jitted - shipped)}")
     # SymmLowLatency launches every one of them with the register cap lifted (k.LL_MAXNREG)
@@ -273,13 +273,12 @@ def _nvshmem_cases() -> list[Case]:
     from moe_ep.kernels import low_latency as k
 
     H, R = 7168, 8
-    # The receives call no NVSHMEM function with this transport (the release is _ll_release_kernel): only the senders
-    # and the release link the bitcode.
-    picked = {("ll_dispatch_send", "FP8 H="), ("ll_dispatch_send", "BF16 H="), ("ll_combine_send_fmt", "FP8 wire, BF16 x")}
+    # Every low-latency kernel links the bitcode with this transport (the receives release their sources with
+    # put-with-signal); _ll_quiet_kernel runs at rejoin only.
+    picked = {("ll_dispatch_send", "FP8 H="), ("ll_dispatch_send", "BF16 H="), ("ll_combine_send_fmt", "FP8 wire, BF16 x"),
+              ("ll_dispatch_recv", "FP8 H="), ("ll_combine_recv_fmt", "FP8 wire")}
     sig = k.signal_layout(R)
-    cases = [_case("ll_release", f"EP{R} NVSHMEM", k._ll_release_kernel,
-                   {"signal_ptrs": "*i64", "status_ptr": "*i32"}, {"rank": 3, "R": R, "sig_off": sig["SLOT_WORDS"]},
-                   {"WORD": sig["DISP_BUSY"]}, num_warps=4, options=options)]
+    cases = [_case("ll_quiet", f"EP{R} NVSHMEM", k._ll_quiet_kernel, {}, {}, {}, num_warps=4, options=options)]
     for c in _low_latency_cases():
         if not any(c.name == n and c.config.startswith(p) for n, p in picked):
             continue

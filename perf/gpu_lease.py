@@ -29,7 +29,8 @@ still leaves every earlier answer. Stages (GPU):
 8. ``time`` (``perf/lease_timings.py``): the headline numbers at short iteration counts, each with its limit measured
    in the same run;
 9. ``kernels-dsv3``: stage 5's cases at DeepSeek-V3 shapes (host references: the slowest stage);
-10. ``sanitizer``: compute-sanitizer memcheck then racecheck on one low-latency case;
+10. ``sanitizer``: compute-sanitizer memcheck then racecheck on the small low-latency case, then racecheck on it at
+    DeepSeek-V3 shapes (both combine kernels included);
 11. ``pytest-gpu``: the rest of ``pytest -m gpu`` (DeepSeek-V3 shapes, NaN/Inf, PDL, NCCL ranks), with what is left.
 
 The default budget, 540 s, keeps the whole run inside one 10-minute device command; the caps of the stages up
@@ -205,9 +206,11 @@ def stages(out: str, dry: bool) -> list[Stage]:
                   log="pytest.log", parse=_pytest_result),
         ]
     san = []
-    for tool in ("memcheck", "racecheck"):
+    # memcheck and racecheck on the small low-latency case, then racecheck at DeepSeek-V3 shapes (8 virtual ranks,
+    # H 7168, top-8: both combine kernels' shared-memory traffic as shipped)
+    for tool, shapes in (("memcheck", "small"), ("racecheck", "small"), ("racecheck", "dsv3")):
         san += ["compute-sanitizer", "--tool", tool, "--error-exitcode", "0", "--print-limit", "20",
-                PY, lc, "checks", "--shapes", "small", "--only", "ll fp8", "--json", rec, "--tag", tool, ";"]
+                PY, lc, "checks", "--shapes", shapes, "--only", "ll fp8", "--json", rec, "--tag", f"{tool} {shapes}", ";"]
     return [
         Stage("env", 30, _lease_checks("env", out, "--text", os.path.join(out, "env.txt")),
               parse=lambda rc, t: "written" if rc == 0 else f"exit {rc}"),
@@ -223,7 +226,7 @@ def stages(out: str, dry: bool) -> list[Stage]:
         Stage("time", 120, _lease_checks("time", out, "--iters", "10"), parse=_rows_result(out, "time")),
         Stage("kernels-dsv3", 120, _lease_checks("checks", out, "--shapes", "dsv3", "--stage", "checks-dsv3"),
               parse=_rows_result(out, "checks-dsv3")),
-        Stage("sanitizer", 150, ["bash", "-c", " ".join(f"'{a}'" if a != ";" else ";" for a in san)],
+        Stage("sanitizer", 240, ["bash", "-c", " ".join(f"'{a}'" if a != ";" else ";" for a in san)],
               parse=_sanitizer_result),
         Stage("pytest-gpu", 240, _pytest("-m", "gpu", "-k", "not graph", os.path.join(ROOT, "tests")),
               log="pytest.log", parse=_pytest_result),

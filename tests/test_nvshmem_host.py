@@ -769,7 +769,8 @@ def test_sm90_report_nvshmem_rows():
     rows = out["rows"]
     failed = [f"{r['kernel']} [{r['config']}]: {r['error']}" for r in rows if "error" in r]
     assert not failed, "\n".join(failed)
-    assert {r["kernel"] for r in rows} == {"_ll_dispatch_send_kernel", "_ll_combine_send_fmt_kernel", "_ll_release_kernel"}
+    assert {r["kernel"] for r in rows} == {"_ll_dispatch_send_kernel", "_ll_dispatch_recv_kernel", "_ll_combine_send_fmt_kernel",
+                                         "_ll_combine_recv_fmt_kernel", "_ll_quiet_kernel"}
     allowed = set(_device_calls())
     for r in rows:
         scan = r["nvshmem"]
@@ -780,7 +781,7 @@ def test_sm90_report_nvshmem_rows():
         assert scan["thread_scoped"] == [], (r["kernel"], scan["thread_scoped"])
         assert 0 < r["regs"] <= 255 and r["resident_warps"] >= r["num_warps"], r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (r["kernel"], r["config"], r["spill_stores"])
-    senders = [r for r in rows if "send" in r["kernel"]]
+    senders = [r for r in rows if "quiet" not in r["kernel"]]
     # no completion wait on the hot path (a put to a dead PE would block it): docs/protocols.md
     assert senders and not any("nvshmem_quiet" in r["nvshmem"]["ordering"] for r in senders)
     assert "IBGDA doorbell" in out["table"] and "THREAD-SCOPED" not in out["table"]

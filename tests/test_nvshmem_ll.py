@@ -128,6 +128,29 @@ def _send(path, rank):
     return path.dispatch_send(x, torch.tensor([[1 - rank]]), 1, 2, use_fp8=False, round_scale=False, use_ue8m0=False)
 
 
+def test_rejoin_completes_in_flight_puts_before_zeroing():
+    """Rejoin on NVSHMEM (``clean_mask``, every rank): a put of a returning rank's last call may still be in flight
+    (``manual`` order: nothing delivers on its own). Zeroed first and landing after, it would leave FULL set (the next
+    landed wait never completes). The call completes every put (``nvshmem_quiet``) before it zeroes: nothing is
+    pending afterwards and every signal word of both slots is 0."""
+    from moe_ep.backends.symm_ll_layout import NUM_SLOTS
+
+    nv.set_emulation_order("manual")
+    try:
+        a, b = _virtual_pair(5.0, shrink=True)
+        _send(b, 1)  # rank 1's dispatch to rank 0 (an unmapped peer): rows, counts and FULL as pending puts
+        assert len(nv._PENDING) > 0
+        for p in (a, b):
+            p.clean_mask()
+        assert nv._PENDING == []
+        for p in (a, b):
+            words = p.symm.signals[:NUM_SLOTS * p.sig["SLOT_WORDS"]].view(NUM_SLOTS, p.sig["SLOT_WORDS"])
+            for name in ("DISP_FULL", "DISP_BUSY", "COMB_FULL", "COMB_BUSY"):
+                assert int(words[:, p.sig[name]:p.sig[name] + 4].abs().sum()) == 0, name
+    finally:
+        nv.set_emulation_order("eager")
+
+
 def test_put_sources_unchanged_until_complete():
     """Issue 33 #11: a non-blocking put's source may be read by the NIC until the put is complete. Rank 0's receive
     runs while its own puts to rank 1 are still undelivered (``manual`` order, delivered by hand afterwards); nothing

@@ -154,4 +154,5 @@ class NvshmemBackend(SymmBackend):
 
 def _kernels() -> tuple:
     from ..kernels import low_latency as ll
-    return (ll._ll_dispatch_send_kernel, ll._ll_combine_send_fmt_kernel, ll._ll_release_kernel)
+    return (ll._ll_dispatch_send_kernel, ll._ll_dispatch_recv_kernel, ll._ll_combine_send_fmt_kernel,
+            ll._ll_combine_recv_fmt_kernel, ll._ll_quiet_kernel)

@@ -267,7 +267,6 @@ class SymmLowLatency(_LowLatencyControl):
             HAS_WAIT_STATS=wait_recv_cost_stats is not None,
             DISP_BUSY=s["DISP_BUSY"], DISP_FULL=s["DISP_FULL"], DISP_RECV_CNT=s["DISP_RECV_CNT"],
             TRANSPORT=self.transport, num_warps=warps, **self._gpu_launch(dev))
-        self._release(state.slot, "DISP_BUSY", dev)
         self._open["DISP"] = max(0, self._open["DISP"] - 1)
         self._check_status_naming_fields("low_latency_dispatch (receive)", state.slot, "DISP_SIG")
         state.recv_done = True
@@ -368,7 +367,6 @@ class SymmLowLatency(_LowLatencyControl):
             COMB_BUSY=s["COMB_BUSY"], COMB_FULL=s["COMB_FULL"], COMB_RECV_CNT=s["COMB_RECV_CNT"],
             FMT=state.fmt, OUT_F16=state.out.dtype == torch.float16, TRANSPORT=self.transport, num_warps=warps,
             enable_fp_fusion=False, **self._gpu_launch(dev))
-        self._release(state.slot, "COMB_BUSY", dev)
         self._open["COMB"] = max(0, self._open["COMB"] - 1)
         self._check_status_naming_fields("low_latency_combine (receive)", state.slot, "COMB_SIG")
         state.recv_done = True

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .. import events
-from ..kernels.low_latency import LL_MAXNREG, SIG_WORDS, _ll_release_kernel, signal_layout
+from ..kernels.low_latency import LL_MAXNREG, SIG_WORDS, _ll_quiet_kernel, signal_layout
 from ..kernels.pdl import INTERPRET
 from ..kernels.signals import MASK_API, MASK_TIMEOUT
 from ..sync import CallMismatchError, RankTimeoutError
@@ -119,13 +119,6 @@ class _LowLatencyControl:
     def _interpreted(self, device: torch.device) -> bool:
         return INTERPRET or device.type != "cuda"
 
-    def _release(self, slot: int, word: str, device: torch.device) -> None:
-        """nvshmem transport: free this rank's area on every live peer after a receive (``_ll_release_kernel``)."""
-        if self.transport:
-            symm = self.symm
-            _ll_release_kernel[(1,)](symm.signal_ptrs, symm.status, symm.rank, symm.world_size,
-                                     slot * self.sig["SLOT_WORDS"], WORD=self.sig[word], **self._gpu_launch(device))
-
     def _gpu_launch(self, device: torch.device) -> dict:
         """Launch options of every low-latency kernel on a GPU: the register cap lifted (:data:`LL_MAXNREG`) and, on
         the ``nvshmem`` transport, NVSHMEM's device bitcode to link (:func:`moe_ep.nvshmem.launch_options`); none in
@@ -181,8 +174,16 @@ class _LowLatencyControl:
         busy / full words may be left set by the steps it missed). Call it on every rank between steps, once
         every rank has finished the previous step and before a returning rank's first call (e.g. after a host
         barrier that includes it). Every rank resumes on slot 0 of both double buffers (a CUDA graph captured
-        before must be re-captured: its slots are baked in). Device ops only."""
+        before must be re-captured: its slots are baked in). Device ops only, except on the ``nvshmem`` transport:
+        there every rank first completes its own puts (``nvshmem_quiet``, :func:`_ll_quiet_kernel`) and waits for
+        the others to have done so (the buffer's bounded host barrier, naming a rank that does not come), so no put
+        of a returning rank's last (masked) call lands on a word after it was zeroed."""
         R, sig = self.symm.world_size, self.sig
+        if self.transport:
+            _ll_quiet_kernel[(1,)](**self._gpu_launch(self.symm.device))  # (CPU: the emulation's quiet)
+            if self.symm.device.type == "cuda":
+                torch.cuda.current_stream(self.symm.device).synchronize()
+            self.symm.barrier("low_latency_clean_mask_buffer (every rank's puts complete)")
         keep = (self.mask == 0).to(torch.int32)
         words = self.symm.signals[:NUM_SLOTS * sig["SLOT_WORDS"]].view(NUM_SLOTS, sig["SLOT_WORDS"])
         # Under the precondition (every rank done with its last call) a live rank's words are all 0 already, so every

@@ -3,7 +3,8 @@
 Written once for both transports (``TRANSPORT``: peer-pointer stores, or NVSHMEM puts from this rank's own
 symmetric memory; every difference lives in :mod:`moe_ep.kernels.transport`). Four launches, each one *phase* of
 the signalling protocol (a launch only waits on signals written by earlier launches, DESIGN.md "Phase rule"),
-plus, on the NVSHMEM transport, :func:`_ll_release_kernel` after each receive (so the receives link no NVSHMEM code):
+the receives releasing their sources' slots themselves (on NVSHMEM with put-with-signal, so they link NVSHMEM's
+bitcode like the sends); :func:`_ll_quiet_kernel` (NVSHMEM only) completes this PE's puts before a rejoin:
 
 - :func:`_ll_dispatch_send_kernel` (source rank ``s``): casts BF16 tokens to FP8 (1x128 groups, DeepEP's numerics:
   :func:`moe_ep.kernels.fp8_cast.ll_group_scales`, bitwise equal to :func:`moe_ep.fp8.ll_dispatch_quant_ref`) and
@@ -87,6 +88,7 @@ from .signals import (
     now_ns,
     signal_release,
 )
+from .nvshmem_device import quiet
 from .transport import NVSHMEM, PEER, copy_signature, publish, release_remote, xfer
 from .transport import peer_ptr as _peer
 
@@ -99,7 +101,7 @@ __all__ = [
     "_ll_combine_recv_kernel",
     "_ll_combine_send_fmt_kernel",
     "_ll_combine_recv_fmt_kernel",
-    "_ll_release_kernel",
+    "_ll_quiet_kernel",
 ]
 
 
@@ -490,20 +492,18 @@ def _ll_dispatch_recv_kernel(
             tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
                 _clear_signature(my_sig, sig_sb, sp, sig_ss)  # before BUSY is released: the next copy comes after
-        if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
-            for sp in range(R):
-                if _live(status_ptr, rank, sp):
-                    signal_release(_peer(signal_ptrs, sp, 0, tl.int32) + sig_off + DISP_BUSY + 2 * rank, 0)
+        for sp in range(R):
+            if _live(status_ptr, rank, sp):
+                release_remote(signal_ptrs, rank, sp, sig_off, DISP_BUSY + 2 * rank, 0, _scratch_word(R), TRANSPORT)
 
 
 @triton.jit
-def _ll_release_kernel(signal_ptrs, status_ptr, rank, R, sig_off, WORD: tl.constexpr):
-    """(``NVSHMEM`` transport) launched right after a receive: frees this rank's area on every live peer (the peer's
-    busy word ``WORD + 2 rank`` = 0). A launch of its own, so that the receive kernels call no NVSHMEM function:
-    linking one caps a kernel at 128 registers and the receives need more (their ``PEER`` builds release inline)."""
-    for sp in range(R):
-        if _live(status_ptr, rank, sp):
-            release_remote(signal_ptrs, rank, sp, sig_off, WORD + 2 * rank, 0, _scratch_word(R), NVSHMEM)
+def _ll_quiet_kernel():
+    """(``NVSHMEM`` transport) ``nvshmem_quiet``: every put this PE issued is complete when it returns. Not on the hot
+    path (no low-latency kernel quiets: docs/protocols.md, "NVSHMEM: no quiet on the hot path"); launched by
+    ``low_latency_clean_mask_buffer`` before the host barrier that precedes the zeroing, so no put of a returning
+    rank's last (masked) call lands on a word after it was zeroed."""
+    quiet()
 
 
 # The combine kernels live in their own file; this module stays the one place callers import every low-latency

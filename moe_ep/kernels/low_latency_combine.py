@@ -23,6 +23,7 @@ from .low_latency_common import (
     _masked_writer,
     _receiver_done,
     _live_like,
+    _scratch_word,
     _sig_payload_words,
     _sig_stride,
     _status_ok,
@@ -45,7 +46,7 @@ from .signals import (
     report_error,
     signal_release,
 )
-from .transport import NVSHMEM, PEER, copy_signature, mapped, publish, xfer
+from .transport import NVSHMEM, PEER, copy_signature, mapped, publish, release_remote, xfer
 from .transport import peer_ptr as _peer
 
 KBITS = tl.constexpr(32)  # top-k at most 32: one bit per selection in the combine receive
@@ -409,10 +410,9 @@ def _comb_recv_body_ll(
             tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:
                 _clear_signature(my_sig, sig_sb, d, sig_ss)
-        if TRANSPORT == PEER:  # (NVSHMEM: _ll_release_kernel, launched next)
-            for d in range(R):
-                if _live(status_ptr, rank, d):
-                    signal_release(_peer(signal_ptrs, d, 0, tl.int32) + sig_off + COMB_BUSY + 2 * rank, 0)
+        for d in range(R):
+            if _live(status_ptr, rank, d):
+                release_remote(signal_ptrs, rank, d, sig_off, COMB_BUSY + 2 * rank, 0, _scratch_word(R), TRANSPORT)
         # The step is complete here (peers released: they are not cut short): report what was seen in it.
         w = tl.atomic_and(status_ptr + STATUS_SEQ, SEQ_MASK | SEQ_LATE_MASKED, sem="relaxed", scope="gpu")
         if (w & SEQ_BAD_EXPERT) != 0:
