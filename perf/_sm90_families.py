@@ -277,7 +277,6 @@ def _nvshmem_cases() -> list[Case]:
     # put-with-signal); _ll_quiet_kernel runs at rejoin only.
     picked = {("ll_dispatch_send", "FP8 H="), ("ll_dispatch_send", "BF16 H="), ("ll_combine_send_fmt", "FP8 wire, BF16 x"),
               ("ll_dispatch_recv", "FP8 H="), ("ll_combine_recv_fmt", "FP8 wire")}
-    sig = k.signal_layout(R)
     cases = [_case("ll_quiet", f"EP{R} NVSHMEM", k._ll_quiet_kernel, {}, {}, {}, num_warps=4, options=options)]
     for c in _low_latency_cases():
         if not any(c.name == n and c.config.startswith(p) for n, p in picked):

@@ -78,18 +78,18 @@ from .low_latency_common import (  # noqa: F401 - GROUP, LL_MAXNREG, SIG_WORDS, 
     _write_signature,
     signal_layout,
 )
+from .nvshmem_device import quiet
 from .signals import (
     SEQ_BAD_EXPERT,
     SEQ_MASK,
+    STATUS_MASK,
     STATUS_SEQ,
     STATUS_SHRINK,
     arrive_last,
     load_acquire,
     now_ns,
-    signal_release,
 )
-from .nvshmem_device import quiet
-from .transport import NVSHMEM, PEER, copy_signature, publish, release_remote, xfer
+from .transport import NVSHMEM, PEER, copy_signature, publish, release_peers, xfer
 from .transport import peer_ptr as _peer
 
 __all__ = [
@@ -492,9 +492,8 @@ def _ll_dispatch_recv_kernel(
             tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
                 _clear_signature(my_sig, sig_sb, sp, sig_ss)  # before BUSY is released: the next copy comes after
-        for sp in range(R):
-            if _live(status_ptr, rank, sp):
-                release_remote(signal_ptrs, rank, sp, sig_off, DISP_BUSY + 2 * rank, 0, _scratch_word(R), TRANSPORT)
+        release_peers(signal_ptrs, status_ptr + STATUS_MASK, rank, R, sig_off, DISP_BUSY + 2 * rank, 0, _scratch_word(R),
+                      TRANSPORT)
 
 
 @triton.jit

@@ -37,6 +37,7 @@ from .signals import (
     SEQ_MASK,
     SEQ_STALE_ROW,
     STATUS_BAD_EXPERT,
+    STATUS_MASK,
     STATUS_SEQ,
     STATUS_SHRINK,
     STATUS_STALE_ROW,
@@ -46,7 +47,7 @@ from .signals import (
     report_error,
     signal_release,
 )
-from .transport import NVSHMEM, PEER, copy_signature, mapped, publish, release_remote, xfer
+from .transport import NVSHMEM, PEER, copy_signature, mapped, publish, release_peers, xfer
 from .transport import peer_ptr as _peer
 
 KBITS = tl.constexpr(32)  # top-k at most 32: one bit per selection in the combine receive
@@ -410,9 +411,8 @@ def _comb_recv_body_ll(
             tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
             if tl.load(status_ptr, volatile=True) == 0:
                 _clear_signature(my_sig, sig_sb, d, sig_ss)
-        for d in range(R):
-            if _live(status_ptr, rank, d):
-                release_remote(signal_ptrs, rank, d, sig_off, COMB_BUSY + 2 * rank, 0, _scratch_word(R), TRANSPORT)
+        release_peers(signal_ptrs, status_ptr + STATUS_MASK, rank, R, sig_off, COMB_BUSY + 2 * rank, 0, _scratch_word(R),
+                      TRANSPORT)
         # The step is complete here (peers released: they are not cut short): report what was seen in it.
         w = tl.atomic_and(status_ptr + STATUS_SEQ, SEQ_MASK | SEQ_LATE_MASKED, sem="relaxed", scope="gpu")
         if (w & SEQ_BAD_EXPERT) != 0:

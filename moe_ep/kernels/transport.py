@@ -27,9 +27,10 @@ import triton.language as tl
 from .nvshmem_device import SIGNAL_ADD as _ADD
 from .nvshmem_device import SIGNAL_SET as _SET
 from .nvshmem_device import putmem_signal_nbi_block
-from .signals import signal_release
+from .signals import fence_sys, signal_release
 
-__all__ = ["PEER", "NVSHMEM", "LANDED", "peer_ptr", "mapped", "xfer", "publish", "release_remote", "publish_signature",
+__all__ = ["PEER", "NVSHMEM", "LANDED", "peer_ptr", "mapped", "xfer", "publish", "release_remote", "release_peers",
+           "publish_signature",
            "copy_signature"]
 
 PEER = tl.constexpr(0)
@@ -144,3 +145,26 @@ def release_remote(signal_ptrs, rank, pe, sig_off, word, value, scratch, TRANSPO
         pad = own + (sig_off + scratch + 2 * rank).to(tl.int64) * 4
         putmem_signal_nbi_block(pad, pad, 8, own + (sig_off + word).to(tl.int64) * 4, value + tl.zeros([], tl.int64), pe,
                                 SIG_OP=SIGNAL_SET)
+
+
+@triton.jit
+def release_peers(signal_ptrs, mask_ptr, rank, R, sig_off, word, value, scratch, TRANSPORT: tl.constexpr):
+    """:func:`release_remote` of every peer that ``mask_ptr`` (this rank's `[R]` mask words, 0 = live) says is live,
+    all at once: after a block barrier (every thread's earlier reads and writes) ONE system-scope fence per thread,
+    then a relaxed store to each mapped peer's word from its own lane, 32 peers per step (a release store per
+    peer, from one thread, costs a fence per peer, in series). A peer reading the word with acquire semantics sees
+    everything this block did before, as with a release store. ``NVSHMEM``: unmapped peers then get their
+    put-with-signal (block calls, one after another)."""
+    tl.debug_barrier()
+    fence_sys()
+    off = (sig_off + word).to(tl.int64) * 4
+    for p0 in range(0, R, 32):
+        pe = p0 + tl.arange(0, 32)
+        live = (pe < R) & (tl.load(mask_ptr + pe, mask=pe < R, other=1, volatile=True) == 0)
+        base = tl.load(signal_ptrs + pe, mask=live, other=0)
+        tl.atomic_xchg((base + off).to(tl.pointer_type(tl.int32)), tl.zeros([32], tl.int32) + value,
+                       mask=live & (base != 0), sem="relaxed", scope="sys")
+    if TRANSPORT == NVSHMEM:
+        for pe in range(R):
+            if (tl.load(mask_ptr + pe, volatile=True) == 0) & (tl.load(signal_ptrs + pe) == 0):
+                release_remote(signal_ptrs, rank, pe, sig_off, word, value, scratch, TRANSPORT)
