@@ -8,6 +8,7 @@ before the tests import anything from moe_ep. CUDA is never initialised in this 
 import os
 import shutil
 import subprocess
+import zlib
 
 
 def _has_gpu() -> bool:
@@ -69,7 +70,40 @@ def pytest_runtest_makereport(item, call):
         rep.longrepr = (str(item.path), (item.location[1] or 0) + 1, f"Skipped: {OLD_INTERPRETER_REASON}")
 
 
+def _shard_key(item) -> str:
+    """What goes to one shard together: a test, or its whole file when the file defines a fixture wider than one test
+    (a module's compile report, a built venv), which each shard would otherwise build again."""
+    module = item.nodeid.split("::")[0]
+    try:
+        defs = [d for ds in item._fixtureinfo.name2fixturedefs.values() for d in ds]
+    except AttributeError:  # a pytest without this (private) table: shard per test
+        return item.nodeid
+    wide = any(getattr(d, "scope", "function") != "function" and getattr(d, "baseid", "") == module for d in defs)
+    return module if wide else item.nodeid
+
+
+def _shard(config, items) -> None:
+    """``MOE_EP_SHARD=i/n`` (set by scripts/test.sh, which runs n pytest processes side by side): keep the tests
+    whose key hashes to ``i``; the n processes run disjoint parts whose union is the whole selection."""
+    spec = os.environ.get("MOE_EP_SHARD", "")
+    if not spec:
+        return
+    try:
+        i, n = (int(v) for v in spec.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"MOE_EP_SHARD must be i/n with 0 <= i < n, not {spec!r}") from None
+    keep, drop = [], []
+    for item in items:
+        (keep if zlib.crc32(_shard_key(item).encode()) % n == i else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
+@pytest.mark.slow  # a bench's --cpu-smoke end to end (15 s; CI runs -m slow)
 def test_bench_gemm_cpu_smoke():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "perf", "bench_gemm.py"), "--cpu-smoke"],

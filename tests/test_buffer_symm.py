@@ -28,8 +28,10 @@ CASES = [
     (2, 7, 256, 8, 4, "random", {"align": 4, "worst": 24}),
     (4, [3, 9, 1, 0], 128, 8, 4, "skip_last_rank", {"T": 12}),
     (4, 5, 128, 16, 8, "one_expert", {"worst": 40}),
-    (8, [1, 2, 3, 0, 5, 6, 7, 2], 128, 16, 8, "random", {"T": 8}),
+    # 8 ranks: 60-80 s per test on 2 cores, run with -m slow (CI runs it)
+    pytest.param(8, [1, 2, 3, 0, 5, 6, 7, 2], 128, 16, 8, "random", {"T": 8}, marks=pytest.mark.slow),
 ]
+_IDS = [f"R{c[0]}-N{c[1]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[5]}" for c in (getattr(c, "values", c) for c in CASES)]
 
 
 
@@ -46,7 +48,7 @@ def _case(world, n, hidden, E, k, routing, extra):
 
 
 @pytest.mark.parametrize("world,n,hidden,E,k,routing,extra", CASES,
-                         ids=[f"R{c[0]}-N{c[1]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[5]}" for c in CASES])
+                         ids=_IDS)
 def test_suite_processes(world, n, hidden, E, k, routing, extra):
     case = _case(world, n, hidden, E, k, routing, extra)
     kwargs = _sizes(world, n, hidden, E, k, extra)
@@ -54,7 +56,7 @@ def test_suite_processes(world, n, hidden, E, k, routing, extra):
 
 
 @pytest.mark.parametrize("world,n,hidden,E,k,routing,extra", CASES,
-                         ids=[f"R{c[0]}-N{c[1]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[5]}" for c in CASES])
+                         ids=_IDS)
 def test_suite_processes_low_latency_only(world, n, hidden, E, k, routing, extra):
     """A low-latency-only Buffer (num_nvl_bytes=0), as decode engines create it."""
     case = _case(world, n, hidden, E, k, routing, extra)

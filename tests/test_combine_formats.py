@@ -249,6 +249,7 @@ def compiled():
     return compile_in_subprocess(COMPILE_SCRIPT, COMPILE_CASES, "the combine-format kernels")
 
 
+@pytest.mark.slow  # an sm90 ahead-of-time compile (the sm90 report covers every shipped configuration; CI runs -m slow)
 @pytest.mark.parametrize("case", COMPILE_CASES)
 def test_compiles_for_sm90(compiled, case):
     ops = compiled[case]

@@ -22,6 +22,7 @@ def _kit():
     return mod
 
 
+@pytest.mark.slow  # the lease kit's whole dry run on CPU (40-50 s on 2 cores; CI runs -m slow)
 def test_dry_run_files_and_summary(tmp_path):
     out = tmp_path / "lease"
     # PYTHON: the interpreter gpu_lease.sh runs (this test's, which has torch; a CI's PYTHON may be a bare base Python)
@@ -260,6 +261,7 @@ def test_gemm_gluon_parsers(tmp_path):
     assert kit._gemm_gluon_dry(2, "") == "exit 2"
 
 
+@pytest.mark.slow  # the ll and gemm stages' dry run (20-40 s; CI runs -m slow)
 def test_dry_run_ll_and_gemm_stages(tmp_path):
     out = tmp_path / "lease"
     env = {**os.environ, "OUT": str(out), "TRITON_INTERPRET": "1", "PYTHON": sys.executable}

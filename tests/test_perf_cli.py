@@ -176,6 +176,7 @@ def _launch_sh(args, env_extra, timeout=30):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # a bench's --cpu-smoke end to end (20-35 s; CI runs -m slow)
 def test_internode_ll_cpu_smoke_rows(tmp_path):
     """The smoke run goes through moe_ep.Buffer on 4 forked ranks as 2 emulated nodes: symm rows for dispatch and
     combine (time, bandwidth, internode bandwidth), checked, cross-node selections counted; nvshmem either runs or is
@@ -360,6 +361,7 @@ def test_run_all_runs_internode_bench_with_torchrun_or_says_why(tmp_path):
 
 # ---------------------------------------------------------------- bench_mega_moe.py
 
+@pytest.mark.slow  # a bench's --cpu-smoke end to end (15-25 s; CI runs -m slow)
 def test_mega_moe_cpu_smoke_rows(tmp_path):
     """The smoke run: fused, phased and both expert-path layer modes on 2 forked ranks, each checked against the
     torch reference; a symmetric-memory row for the fused case; DeepEP + DeepGEMM skipped with one line."""

@@ -159,6 +159,7 @@ KERNELS = ["send", "send_view", "view_recv", "release_held", "counts", "gather",
            "send_chunked", "send_seg", "counts_meta", "gather_offs", "gather_drain"]
 
 
+@pytest.mark.slow  # an sm90 ahead-of-time compile (the sm90 report covers every shipped configuration; CI runs -m slow)
 @pytest.mark.parametrize("name", KERNELS)
 def test_compiles_for_sm90(compiled, name):
     ops = compiled[name]
