@@ -22,7 +22,7 @@ if [ "$JOBS" -le 1 ]; then
 fi
 logs=$(mktemp -d)
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null; rm -rf "$logs"' EXIT
+trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$logs"' EXIT
 echo "scripts/test.sh: $JOBS pytest processes side by side (MOE_EP_TEST_JOBS=1 for one); process 1 reports live"
 for ((i = 0; i < JOBS; i++)); do
   if [ "$i" -eq 0 ]; then

@@ -32,6 +32,10 @@ CASES = [
     pytest.param(8, [1, 2, 3, 0, 5, 6, 7, 2], 128, 16, 8, "random", {"T": 8}, marks=pytest.mark.slow),
 ]
 _IDS = [f"R{c[0]}-N{c[1]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[5]}" for c in (getattr(c, "values", c) for c in CASES)]
+# the low-latency-only Buffer at 4 and 8 ranks: -m slow (the 2-rank cases run by default, and test_suite_processes
+# runs low latency at 4 ranks)
+LL_ONLY_CASES = [c if getattr(c, "values", c)[0] < 4 else pytest.param(*getattr(c, "values", c), marks=pytest.mark.slow)
+                 for c in CASES]
 
 
 
@@ -55,8 +59,7 @@ def test_suite_processes(world, n, hidden, E, k, routing, extra):
     assert launch(check_buffer_case, world, case, "symm", timeout_s=300, **kwargs) == [True] * world
 
 
-@pytest.mark.parametrize("world,n,hidden,E,k,routing,extra", CASES,
-                         ids=_IDS)
+@pytest.mark.parametrize("world,n,hidden,E,k,routing,extra", LL_ONLY_CASES, ids=_IDS)
 def test_suite_processes_low_latency_only(world, n, hidden, E, k, routing, extra):
     """A low-latency-only Buffer (num_nvl_bytes=0), as decode engines create it."""
     case = _case(world, n, hidden, E, k, routing, extra)

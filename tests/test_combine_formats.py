@@ -138,7 +138,7 @@ def _round_trip(rank, world, backend, seed, n, hidden, E, k, T):
 
 
 @pytest.mark.parametrize("backend", ["torch", "symm"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: -m slow (CI runs it)
 def test_buffer_combine_formats(backend, world):
     T = 6
     res = launch(_round_trip, world, backend, 11 + world, [5, 0, 6, 3][:world], 256, 2 * world, 3, T, timeout_s=300)

@@ -243,6 +243,7 @@ def test_mode_matrix_small_buffer_2_ranks():
     launch(_run_small_buffer, 2, SMALL_CASES, 8, [5, 7], 3, timeout_s=300)
 
 
+@pytest.mark.slow  # 4 forked ranks through the mode matrix (30-50 s on 2 cores; the 2-rank matrix runs by default)
 def test_mode_matrix_small_buffer_4_ranks_empty_rank_and_hot_expert():
     cases = [dict(fp8=False, expand=True, align=4, bias=2, sync=True, routing="one_expert", min_rounds=2),
              dict(fp8=True, expand=False, align=1, bias=1, sync=False, view=True, view_fits=False, min_rounds=2)]

@@ -87,7 +87,7 @@ def _uneven(seed, N, K, E, G, reps, hot):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("seed,N,K", [(0, 300, 8), (1, 97, 7), (2, 32, 8)])
+@pytest.mark.parametrize("seed,N,K", [pytest.param(0, 300, 8, marks=pytest.mark.slow), (1, 97, 7), (2, 32, 8)])
 def test_kernel_many_chunks_uneven_bitwise(policy, seed, N, K):
     from eplb.kernels import CHUNK, grid_sizes
     topk, log2phy, logcnt, G, P, mask = _uneven(seed, N, K, E=24, G=6, reps=10, hot=2)

@@ -88,7 +88,7 @@ def _rank_trapped(rank: int, world: int) -> bool:
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run the Triton kernels in the interpreter")
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: -m slow (CI runs it)
 def test_decode_layer_has_no_host_reads(world):
     assert launch(_rank_trapped, world, timeout_s=300) == [True] * world
 

@@ -185,7 +185,7 @@ def _silent_rank(rank, world, silent):
     return "no error"
 
 
-@pytest.mark.parametrize("silent", [0, 3])
+@pytest.mark.parametrize("silent", [0, pytest.param(3, marks=pytest.mark.slow)])  # each waits out a timeout
 def test_a_silent_rank_is_named_not_waited_for(silent):
     """Rank 0 silent: the others' view sends wait on its count words; the last rank silent: the others wait on its rows.
     Either way every waiting rank raises RankTimeoutError naming it within the timeout."""

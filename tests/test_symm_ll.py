@@ -295,14 +295,15 @@ PROCESS_CASES = [
     (2, [4, 1], 256, 8, 4, 4, "random", ["bf16", "ue8m0", "fp8"]),
     (3, [2, 0, 5], 128, 6, 2, 5, "random", ["fp8_rs", "bf16"]),
     (4, [3, 6, 0, 2], 128, 16, 8, 6, "skip_last_rank", ["fp8", "bf16"]),
-    (8, [1, 2, 0, 3, 1, 0, 2, 1], 128, 16, 4, 3, "random", ["fp8"]),
+    pytest.param(8, [1, 2, 0, 3, 1, 0, 2, 1], 128, 16, 4, 3, "random", ["fp8"], marks=pytest.mark.slow),  # 8 ranks
 ]
 
 
 @cpu_ranks
 @pytest.mark.parametrize("transport", ["symm", "nvshmem"])
 @pytest.mark.parametrize("world,n,hidden,E,K,T,routing,fmts", PROCESS_CASES,
-                         ids=[f"R{c[0]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[6]}" for c in PROCESS_CASES])
+                         ids=[f"R{c[0]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[6]}"
+                              for c in (getattr(c, "values", c) for c in PROCESS_CASES)])
 def test_processes(world, n, hidden, E, K, T, routing, fmts, transport):
     if transport == "nvshmem" and world > 4:
         pytest.skip("the nvshmem transport's process runs stop at 4 ranks (suite time); virtual ranks cover more")
