@@ -417,6 +417,8 @@ def variant(name, fp_fusion=True, ptrs=None, **const):
     lines = [ln.split("//")[0] for ln in ptx.splitlines()]
     ops["acquire.sys"] = sum(1 for ln in lines if ".acquire" in ln and ".sys" in ln)
     ops["release.sys"] = sum(1 for ln in lines if ".release" in ln and ".sys" in ln)
+    ops["fence.sys"] = sum(1 for ln in lines if "fence." in ln and ".sys" in ln)
+    ops["relaxed.sys"] = sum(1 for ln in lines if "atom" in ln and ".relaxed" in ln and ".sys" in ln)
     ops["barrier"] = sum(1 for ln in lines if "bar.sync" in ln or "barrier.sync" in ln)
     return ops
 
@@ -459,8 +461,13 @@ def compiled():
 @pytest.mark.parametrize("case", COMPILE_CASES)
 def test_compiles_for_sm90(compiled, case):
     ops = compiled[case]
-    # Signals: acquire loads (waits) and release stores (publishing) at system scope, CTA barriers around them.
-    assert ops["acquire.sys"] > 0 and ops["release.sys"] > 0, ops
+    # Signals: acquire loads (waits) and releases (publishing) at system scope, CTA barriers around them. A receive
+    # releases its sources with the release pattern (one fence, then relaxed system-scope stores: release_peers).
+    assert ops["acquire.sys"] > 0, ops
+    if case.startswith("recv"):
+        assert ops["fence.sys"] > 0 and ops["relaxed.sys"] > 0, ops
+    else:
+        assert ops["release.sys"] > 0, ops
     assert ops["barrier"] > 0, ops
     vec_st = ops.get("st.global.v4.b32", 0) + ops.get("st.global.v2.b32", 0)
     if case.startswith("send"):
