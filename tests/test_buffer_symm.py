@@ -28,8 +28,8 @@ CASES = [
     (2, 7, 256, 8, 4, "random", {"align": 4, "worst": 24}),
     (4, [3, 9, 1, 0], 128, 8, 4, "skip_last_rank", {"T": 12}),
     (4, 5, 128, 16, 8, "one_expert", {"worst": 40}),
-    # 8 ranks: 60-80 s per test on 2 cores, run with -m slow (CI runs it)
-    pytest.param(8, [1, 2, 3, 0, 5, 6, 7, 2], 128, 16, 8, "random", {"T": 8}, marks=pytest.mark.slow),
+    # 8 ranks: 60-80 s per test on 2 cores, run with -m extended
+    pytest.param(8, [1, 2, 3, 0, 5, 6, 7, 2], 128, 16, 8, "random", {"T": 8}, marks=pytest.mark.extended),
 ]
 _IDS = [f"R{c[0]}-N{c[1]}-H{c[2]}-E{c[3]}-K{c[4]}-{c[5]}" for c in (getattr(c, "values", c) for c in CASES)]
 # the low-latency-only Buffer at 4 and 8 ranks: -m slow (the 2-rank cases run by default, and test_suite_processes

@@ -131,8 +131,8 @@ def _rank(rank, world, backend, num_slots):
 
 
 # The default run kills a rank under symm with single copies and under torch; the other interpreter cases
-# (replicated on symm, both on nvshmem: 30-50 s each on 2 cores) run with -m slow (CI runs both).
-_SLOW = pytest.mark.slow
+# (replicated on symm, both on nvshmem: 30-50 s each on 2 cores) run with -m extended.
+_SLOW = pytest.mark.extended
 
 
 @pytest.mark.parametrize("backend,num_slots", [

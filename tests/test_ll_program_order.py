@@ -40,8 +40,8 @@ def test_orders_permute_the_grid():
     assert current_order() in ("forward", "reverse") or current_order().startswith("random")
 
 
-# reverse by default; a random order with -m slow (CI runs both)
-@pytest.mark.parametrize("order", ["reverse", pytest.param("random:11", marks=pytest.mark.slow)])
+# reverse by default; a random order with -m extended
+@pytest.mark.parametrize("order", ["reverse", pytest.param("random:11", marks=pytest.mark.extended)])
 @pytest.mark.parametrize("transport", ["symm", "nvshmem"])
 @pytest.mark.parametrize("shrink", [False, True])
 def test_steps_complete_in_any_program_order(order, transport, shrink):
