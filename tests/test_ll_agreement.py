@@ -34,19 +34,31 @@ def _round_trip(sender_status, receiver_status, sig, rank, src, R):
 
 
 class _Boundary:
-    """Wraps ``wait_ne_masked``: the first wait of rank ``r`` on ``q`` for each armed ``(r, q)`` masks ``q``
-    (``MASK_TIMEOUT``, what a timed-out wait writes) before it looks at the FULL word."""
+    """Wraps the receives' parallel FULL wait (``_wait_vec``): the first wait of rank ``r`` that includes ``q`` masks
+    ``q`` (``MASK_TIMEOUT``, what a timed-out wait writes), for each armed ``(r, q)``, before it looks at the FULL
+    words."""
 
     def __init__(self, monkeypatch, paths):
-        self.paths, self.orig, self.armed = paths, llc.wait_ne_masked, set()
-        monkeypatch.setattr(llc, "wait_ne_masked", self)
+        self.paths, self.orig, self.armed = paths, llc._wait_vec, set()
+        monkeypatch.setattr(llc, "_wait_vec", self)
 
-    def __call__(self, sig_ptr, value, status_ptr, mask_ptr, rank, peer, *rest):
-        key = (int(rank.handle.data.item()) if hasattr(rank, "handle") else int(rank), int(peer))
-        if key in self.armed:
-            self.armed.discard(key)
-            self.paths[key[0]].mask[key[1]] = MASK_TIMEOUT
-        return self.orig(sig_ptr, value, status_ptr, mask_ptr, rank, peer, *rest)
+    def __call__(self, sig_ptrs, value, need, peers, status_ptr, rank, *rest):
+        r = _scalar(rank)
+        waited = [int(p) for p, n in zip(_values(peers), _values(need)) if n]
+        if not (rest[3:] and bool(getattr(rest[3], "value", rest[3]))):  # (not the landed waits: UNTIL_EQ)
+            for q in waited:
+                if (r, q) in self.armed:
+                    self.armed.discard((r, q))
+                    self.paths[r].mask[q] = MASK_TIMEOUT
+        return self.orig(sig_ptrs, value, need, peers, status_ptr, rank, *rest)
+
+
+def _scalar(v):
+    return int(v.handle.data.item()) if hasattr(v, "handle") else int(v)
+
+
+def _values(v):
+    return v.handle.data.tolist() if hasattr(v, "handle") else list(v)
 
 
 def _paths(R, E, T, transport):

@@ -2,9 +2,9 @@
 
 A source whose FULL lands exactly when a wait on it times out must be live for every program of the launch or
 masked for every program: ``recv_count``, the offsets, the copied rows, the handle (``recv_tokens``, ``slot_row``)
-and every combined token agree with the rank's mask after the call. The race is staged with a hook on the masked
-wait (:func:`moe_ep.kernels.signals.wait_ne_masked`, as ``moe_ep.kernels.low_latency_common`` calls it): the
-``c``-th wait call of one receive on peer ``p`` acts as a timeout (masks ``p``) although ``p``'s FULL is there,
+and every combined token agree with the rank's mask after the call. The race is staged with a hook on the receives'
+parallel wait (``moe_ep.kernels.low_latency_common._wait_vec``): the ``c``-th wait call of one receive that includes
+peer ``p`` acts as a timeout (masks ``p``) although ``p``'s FULL is there,
 after earlier calls of the same launch saw it live. (The interpreter runs the programs one after another, so
 without the hook the boundary cannot be hit.)"""
 
@@ -28,25 +28,29 @@ L = E // R
 
 
 class _ForceTimeout:
-    """Wraps ``wait_ne_masked`` while armed: the ``call``-th wait of rank ``rank`` on ``peer`` masks ``peer``
-    (``MASK_TIMEOUT``, what a timed-out wait writes) before it looks at the FULL word."""
+    """Wraps the receives' parallel FULL wait (``_wait_vec``) while armed: the ``call``-th wait of rank ``rank`` that
+    includes ``peer`` masks ``peer`` (``MASK_TIMEOUT``, what a timed-out wait writes) before it looks at the FULL
+    words."""
 
     def __init__(self, monkeypatch, paths):
-        self.paths, self.orig, self.armed, self.calls, self.fired = paths, llc.wait_ne_masked, None, 0, False
-        monkeypatch.setattr(llc, "wait_ne_masked", self)
+        self.paths, self.orig, self.armed, self.calls, self.fired = paths, llc._wait_vec, None, 0, False
+        monkeypatch.setattr(llc, "_wait_vec", self)
 
     def arm(self, rank, peer, call):
         self.armed, self.calls, self.fired = (rank, peer, call), 0, False
 
-    def __call__(self, sig_ptr, value, status_ptr, mask_ptr, rank, peer, *rest):
-        if self.armed is not None:
-            r, p = int(rank.handle.data.item()) if hasattr(rank, "handle") else int(rank), int(peer)
-            if (r, p) == self.armed[:2]:
+    def __call__(self, sig_ptrs, value, need, peers, status_ptr, rank, *rest):
+        until_eq = rest[3:] and bool(getattr(rest[3], "value", rest[3]))  # (the NVSHMEM landed waits: not counted)
+        if self.armed is not None and not until_eq:
+            r = int(rank.handle.data.item()) if hasattr(rank, "handle") else int(rank)
+            waited = [int(p) for p, n in zip(peers.handle.data.tolist(), need.handle.data.tolist()) if n]
+            r0, p0, c0 = self.armed
+            if r == r0 and p0 in waited:
                 self.calls += 1
-                if self.calls == self.armed[2]:
-                    self.paths[r].mask[p] = MASK_TIMEOUT
+                if self.calls == c0:
+                    self.paths[r].mask[p0] = MASK_TIMEOUT
                     self.fired = True
-        return self.orig(sig_ptr, value, status_ptr, mask_ptr, rank, peer, *rest)
+        return self.orig(sig_ptrs, value, need, peers, status_ptr, rank, *rest)
 
 
 def _inputs(seed, rank, n):

@@ -61,19 +61,19 @@ from .low_latency_common import (  # noqa: F401 - GROUP, LL_MAXNREG, SIG_WORDS, 
     _live,
     _live_like,
     _live_vec,
+    _reset_fulls,
     _scratch_word,
     _sig_payload_words,
     _sig_stride,
     _signature_differs,
     _clear_signature,
-    _decide,
+    _decide_vec,
     _decided_live,
     _decision_base,
     _decision_reset,
     _decision_words,
     _status_ok,
-    _wait,
-    _wait_landed,
+    _wait_vec,
     _write_mask_bits,
     _write_signature,
     signal_layout,
@@ -130,6 +130,43 @@ def _dispatch_puts(topk_ptr, N, L, d, K: tl.constexpr, KP: tl.constexpr, CHUNK_T
 
 
 @triton.jit
+def _first_dests(topk_ptr, offs_t, send_ok, status_ptr, rank, L, E, R, K: tl.constexpr, TRANSPORT: tl.constexpr):
+    """Per token, bit ``k`` set: the send writes selection ``k``'s destination rank (``PEER``: the first selection of
+    each live destination rank, each selection's expert read as a [BLOCK_T] vector from global, compared
+    element-wise with the earlier ones; ``NVSHMEM``: bit 0 = the token goes anywhere: staged once in this rank's own
+    slot). Only tokens of ``send_ok``."""
+    first = tl.zeros_like(offs_t)
+    if TRANSPORT == PEER:
+        for k in tl.static_range(K):
+            e_k = tl.load(topk_ptr + offs_t * K + k, mask=send_ok, other=-1).to(tl.int32)
+            d_k = tl.where((e_k >= 0) & (e_k < E), e_k // L, -1)
+            dup = d_k < 0
+            for j in tl.static_range(k):
+                e_j = tl.load(topk_ptr + offs_t * K + j, mask=send_ok, other=-1).to(tl.int32)
+                dup = dup | ((e_j >= 0) & (e_j // L == d_k))
+            first = first | tl.where(~dup & _live_vec(status_ptr, rank, d_k, R), 1 << k, 0)
+    else:
+        for k in tl.static_range(K):
+            e_k = tl.load(topk_ptr + offs_t * K + k, mask=send_ok, other=-1)
+            first = first | tl.where(e_k >= 0, 1, 0)
+        first = tl.where(_live_like(status_ptr, rank, rank, offs_t), first, 0)
+    return first
+
+
+@triton.jit
+def _dest_row(buffer_ptrs, topk_ptr, offs_t, m_k, rank, row_b, L, K: tl.constexpr, k: tl.constexpr,
+              TRANSPORT: tl.constexpr, DTYPE: tl.constexpr):
+    """``DTYPE`` pointer (16-aligned: the compiler may vectorise through it) to byte ``row_b`` (per token) in the region of selection ``k``'s destination rank
+    (``PEER``; lanes outside ``m_k``: 0) or of this rank (``NVSHMEM``: staging). The destination is re-read from
+    global as a [BLOCK_T] vector each time (L1 hits), never extracted from a register tile."""
+    if TRANSPORT == PEER:
+        d = tl.load(topk_ptr + offs_t * K + k, mask=m_k, other=0) // L
+    else:
+        d = offs_t.to(tl.int64) * 0 + rank
+    return tl.multiple_of((tl.load(buffer_ptrs + d, mask=m_k, other=0) + row_b).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
 def _ll_dispatch_send_kernel(
     x_ptr,  # [N, H] bf16 (int16 view when not IS_FP8)
     topk_ptr,  # [N, K] int64
@@ -150,22 +187,22 @@ def _ll_dispatch_send_kernel(
     num_progs = tl.num_programs(0)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
-    # Step 1: every destination has drained this slot (its receive reset our busy word).
-    for d in range(R):
-        _wait(my_sig + DISP_BUSY + 2 * d, 1, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R)
+    # Step 1: every destination has drained this slot (its receive reset our busy word): all of them polled at once,
+    # one lane each (32 a step).
+    for p0 in range(0, R, 32):
+        pe = p0 + tl.arange(0, 32)
+        _wait_vec(my_sig + DISP_BUSY + 2 * pe, 1, pe < R, pe, status_ptr, rank, timeout_ns, signal_ptrs, R)
     tl.debug_barrier()
 
     kk = tl.arange(0, KP)
     k_ok = kk < K
     if pid < num_token_progs:
-        # Step 2: this block's routing; dst = owner rank of each selection (-1: hole).
+        # Step 2: this block's routing.
         offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = offs_t < N
         ok = _status_ok(status_ptr, offs_t)
         tk_mask = t_ok[:, None] & k_ok[None, :]
         idx = tl.load(topk_ptr + offs_t[:, None] * K + kk[None, :], mask=tk_mask, other=-1).to(tl.int32)
-        # NOTES: integer division truncates (-1 // L == 0): always guard with idx >= 0.
-        dst = tl.where(idx >= 0, idx // L, -1)
         # An expert id >= E (host checks off / graph capture) goes nowhere; it is remembered in the status word's
         # SEQ_BAD_EXPERT bit and reported by this rank's next combine receive, once the step is complete on every
         # rank (reporting here would stop this rank's publish and make the peers time out).
@@ -188,29 +225,28 @@ def _ll_dispatch_send_kernel(
 
         # Step 4: header (top-k experts + 1, 0 = none; positions) to every rank that holds any of the token's experts
         # (the receiver reads the headers of all its sources' tokens and clears the expert words after reading:
-        # a token that did not come is an all-zero header).
+        # a token that did not come is an all-zero header). The destinations, per selection k: bit k of ``first``
+        # (decided once per program, the live set read once, no cross-thread reduction), each destination's address
+        # then re-read per k as a [BLOCK_T] vector from global (see _dest_row).
+        # NVSHMEM: staged once, in this rank's own slot (rank, t) (the same offset as on every peer), see step 5b:
+        # every token's header (all-zero experts for one that goes nowhere): the own receive does not clear these
+        # rows, they are the sources of this slot's puts (see the receive, step 3).
         row = (rank * T + offs_t).to(tl.int64)
-        hdr = (msg_off + row * MSG + HDR) // 4
-        # NOTES: fold the scalar ``ok`` into 1D masks before broadcasting (the interpreter refuses
-        # a mask built as 2D & scalar).
-        w_mask = (t_ok & ok)[:, None] & k_ok[None, :]
-        # NVSHMEM: staged once, in this rank's own slot (rank, t) (the same offset as on every peer), see step 5b.
-        for d in range(R):
-            if (TRANSPORT == PEER) | (d == rank):
-                if TRANSPORT == PEER:
-                    to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                else:
-                    # every token's header (all-zero experts for one that goes nowhere): the own receive does not
-                    # clear these rows, they are the sources of this slot's puts (see the receive, step 3)
-                    to_d = offs_t >= 0
-                base = _peer(buffer_ptrs, d, 0, tl.int32)
-                p = base + hdr[:, None] + kk[None, :]
-                w_mask_d = w_mask & (to_d & _live_like(status_ptr, rank, d, offs_t))[:, None]
-                tl.store(p, idx + 1, mask=w_mask_d)
-                tl.store(p + K, pos, mask=w_mask_d)
-
-        # Step 5: payload, once per destination rank that holds any of the token's experts.
         row_b = msg_off + row * MSG
+        send_ok = t_ok & ok
+        first = _first_dests(topk_ptr, offs_t, send_ok, status_ptr, rank, L, E, R, K, TRANSPORT)
+        if TRANSPORT == PEER:
+            hfirst = first
+        else:
+            hfirst = tl.where(send_ok & _live_like(status_ptr, rank, rank, offs_t), 1, 0)
+        for k in tl.static_range(K if TRANSPORT == PEER else 1):
+            m_k = ((hfirst >> k) & 1) != 0
+            p = _dest_row(buffer_ptrs, topk_ptr, offs_t, m_k, rank, row_b + HDR, L, K, k, TRANSPORT,
+                          tl.int32)[:, None] + kk[None, :]
+            tl.store(p, idx + 1, mask=m_k[:, None] & k_ok[None, :])
+            tl.store(p + K, pos, mask=m_k[:, None] & k_ok[None, :])
+
+        # Step 5: payload, once per destination rank that holds any of the token's experts (NVSHMEM: staged once).
         if IS_FP8:
             G = H // GROUP
             offs_c = tl.arange(0, GROUP)
@@ -232,38 +268,26 @@ def _ll_dispatch_send_kernel(
                     words = e0 | (e1 << 8) | (e2 << 16) | (e3 << 24)
                     offs_w = g0 // 4 + tl.arange(0, GC // 4)
                     w_ok = offs_w < (G + 3) // 4
-                for d in range(R):
-                    if TRANSPORT == PEER:
-                        to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                    else:
-                        # staged once (a product, not ``& (d == rank)``: the interpreter refuses int masks)
-                        to_d = tl.max((dst >= 0).to(tl.int32), axis=1) * (d == rank).to(tl.int32) > 0
-                    m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
-                    base8 = _peer(buffer_ptrs, d, 0, tl.uint8)
-                    tl.store(base8 + row_b[:, None, None] + cols[None, :, :], q,
-                             mask=m[:, None, None] & g_ok[None, :, None])
-                    base32 = _peer(buffer_ptrs, d, 0, tl.int32)
-                    s_off = (row_b + H) // 4
+                for k in tl.static_range(K if TRANSPORT == PEER else 1):
+                    m_k = ((first >> k) & 1) != 0
+                    a_k = _dest_row(buffer_ptrs, topk_ptr, offs_t, m_k, rank, row_b, L, K, k, TRANSPORT, tl.uint8)
+                    tl.store(a_k[:, None, None] + cols[None, :, :], q, mask=m_k[:, None, None] & g_ok[None, :, None])
+                    s_at = (a_k + H).to(tl.pointer_type(tl.int32), bitcast=True)
                     if USE_UE8M0:
-                        tl.store(base32 + s_off[:, None] + offs_w[None, :], words, mask=m[:, None] & w_ok[None, :])
+                        tl.store(s_at[:, None] + offs_w[None, :], words, mask=m_k[:, None] & w_ok[None, :])
                     else:
-                        tl.store(base32.to(tl.pointer_type(tl.float32), bitcast=True) + s_off[:, None] + offs_g[None, :],
-                                 scale, mask=m[:, None] & g_ok[None, :])
+                        tl.store(s_at.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + offs_g[None, :], scale,
+                                 mask=m_k[:, None] & g_ok[None, :])
         else:
             for h0 in range(0, H, HC):
                 offs_h = h0 + tl.arange(0, HC)
                 h_ok = offs_h < H
                 v = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :],
                             mask=t_ok[:, None] & h_ok[None, :], other=0)
-                for d in range(R):
-                    if TRANSPORT == PEER:
-                        to_d = tl.max((dst == d).to(tl.int32), axis=1) > 0
-                    else:
-                        # staged once (a product, not ``& (d == rank)``: the interpreter refuses int masks)
-                        to_d = tl.max((dst >= 0).to(tl.int32), axis=1) * (d == rank).to(tl.int32) > 0
-                    m = t_ok & to_d & ok & _live_like(status_ptr, rank, d, offs_t)
-                    base16 = _peer(buffer_ptrs, d, 0, tl.int16)
-                    tl.store(base16 + (row_b // 2)[:, None] + offs_h[None, :], v, mask=m[:, None] & h_ok[None, :])
+                for k in tl.static_range(K if TRANSPORT == PEER else 1):
+                    m_k = ((first >> k) & 1) != 0
+                    a_k = _dest_row(buffer_ptrs, topk_ptr, offs_t, m_k, rank, row_b, L, K, k, TRANSPORT, tl.int16)
+                    tl.store(a_k[:, None] + offs_h[None, :], v, mask=m_k[:, None] & h_ok[None, :])
         if TRANSPORT == NVSHMEM:
             # Step 5b: the staged message of each token (payload, then the header at HDR: one put) to every other
             # live rank that holds any of its experts.
@@ -380,11 +404,13 @@ def _ll_dispatch_recv_kernel(
     t_start = 0
     if HAS_WAIT_STATS:
         t_start = now_ns()
-    live_s = _decide(dec, base, my_sig, DISP_FULL + 2 * s, status_ptr, rank, s, timeout_ns, signal_ptrs, sig_off, R,
-                     sig_sb, sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS, TRANSPORT)
-    for sp in range(s):  # (program (R-1, 0) thus has every source decided: it counts their rows, step 2)
-        _decide(dec, base, my_sig, DISP_FULL + 2 * sp, status_ptr, rank, sp, timeout_ns, signal_ptrs, sig_off, R,
-                sig_sb, sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS, TRANSPORT)
+    # All of them at once, one lane each (32 a step). (Program (R-1, 0) thus has every source decided: it counts their
+    # rows, step 2.)
+    for p0 in range(0, s + 1, 32):
+        pe = p0 + tl.arange(0, 32)
+        _decide_vec(dec, base, my_sig, DISP_FULL, status_ptr, rank, pe, pe <= s, timeout_ns, signal_ptrs, R, sig_sb,
+                    sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS, TRANSPORT)
+    live_s = _decided_live(dec, s)
     v_s = load_acquire(my_sig + DISP_FULL + 2 * s)
     n_s = (v_s & 0xFFFF) - 1  # FULL = stamp << 16 | (N + 1)
     ok = (tl.load(status_ptr, volatile=True) == 0) & live_s
@@ -488,10 +514,7 @@ def _ll_dispatch_recv_kernel(
                 if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, sp):
                     _adopt_masks(my_sig, sig_sb, rank, sp, status_ptr, R, sig_ss)
         _decision_reset(dec, R)
-        for sp in range(R):
-            tl.atomic_xchg(my_sig + DISP_FULL + 2 * sp, 0, sem="relaxed", scope="sys")
-            if tl.load(status_ptr, volatile=True) == 0:  # (kept after an error: the host names the fields)
-                _clear_signature(my_sig, sig_sb, sp, sig_ss)  # before BUSY is released: the next copy comes after
+        _reset_fulls(my_sig, DISP_FULL, status_ptr, R, sig_sb, sig_ss)
         release_peers(signal_ptrs, status_ptr + STATUS_MASK, rank, R, sig_off, DISP_BUSY + 2 * rank, 0, _scratch_word(R),
                       TRANSPORT)
 

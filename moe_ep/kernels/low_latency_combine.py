@@ -10,10 +10,9 @@ from .logfmt import e4m3_decode, fp8_encode_groups, fp16_bits, logfmt_decode_val
 from .low_latency_common import (
     _adopt_masks,
     _bf16_bits,
-    _clear_signature,
     _comb_sig_word,
     _adopted_like,
-    _decide,
+    _decide_vec,
     _decided_live,
     _decision_base,
     _decision_reset,
@@ -22,6 +21,7 @@ from .low_latency_common import (
     _live,
     _masked_writer,
     _receiver_done,
+    _reset_fulls,
     _live_like,
     _scratch_word,
     _sig_payload_words,
@@ -302,9 +302,10 @@ def _comb_recv_body_ll(
     t_start = 0
     if HAS_WAIT_STATS:
         t_start = now_ns()
-    for d in range(R):
-        _decide(dec, base, my_sig, COMB_FULL + 2 * d, status_ptr, rank, d, timeout_ns, signal_ptrs, sig_off, R, sig_sb,
-                sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS, TRANSPORT)
+    for p0 in range(0, R, 32):  # all of them at once, one lane each (32 a step)
+        pe = p0 + tl.arange(0, 32)
+        _decide_vec(dec, base, my_sig, COMB_FULL, status_ptr, rank, pe, pe < R, timeout_ns, signal_ptrs, R, sig_sb,
+                    sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS, TRANSPORT)
     tl.debug_barrier()
 
     # Step 2: weighted sum over k ascending in float32; holes (-1) add exactly 0 like the reference.
@@ -407,10 +408,7 @@ def _comb_recv_body_ll(
                 if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, d):
                     _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)
         _decision_reset(dec, R)
-        for d in range(R):
-            tl.atomic_xchg(my_sig + COMB_FULL + 2 * d, 0, sem="relaxed", scope="sys")
-            if tl.load(status_ptr, volatile=True) == 0:
-                _clear_signature(my_sig, sig_sb, d, sig_ss)
+        _reset_fulls(my_sig, COMB_FULL, status_ptr, R, sig_sb, sig_ss)
         release_peers(signal_ptrs, status_ptr + STATUS_MASK, rank, R, sig_off, COMB_BUSY + 2 * rank, 0, _scratch_word(R),
                       TRANSPORT)
         # The step is complete here (peers released: they are not cut short): report what was seen in it.

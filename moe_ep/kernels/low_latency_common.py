@@ -15,9 +15,10 @@ from .signals import (
     now_ns,
     peer_masked,
     report_error,
-    report_timeout,
     wait_ne,
     wait_ne_masked,
+    wait_vec,
+    _lanes,
 )
 from .transport import peer_ptr as _peer
 
@@ -233,6 +234,21 @@ def _wait(sig_ptr, value, status_ptr, rank, peer, timeout_ns, signal_ptrs, sig_o
     return v
 
 
+@triton.jit
+def _wait_vec(sig_ptrs, value, need, peers, status_ptr, rank, timeout_ns, signal_ptrs, R, UNTIL_EQ: tl.constexpr = False):
+    """:func:`_wait` on every lane of ``need`` at once (lane ``i``: peer ``peers[i]``, word ``sig_ptrs[i]``): the
+    parallel wait :func:`moe_ep.kernels.signals.wait_vec`, with each mapped peer's heartbeat word (``_hb_word(R)``
+    of slot 0) read on its lane; an unmapped peer (NVSHMEM across nodes) has no readable heartbeat: a plain
+    ``timeout_s``. Returns the words (``value`` on lanes that gave up)."""
+    shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0
+    hb = _hb_word(R)
+    pb = tl.load(signal_ptrs + tl.where(need, peers, 0), mask=need, other=0)
+    peer_hb = (pb + hb * 4).to(tl.pointer_type(tl.int32))
+    my_hb = _peer(signal_ptrs, rank, 0, tl.int32) + hb
+    return wait_vec(sig_ptrs, value, need, peers, status_ptr, status_ptr + STATUS_MASK, timeout_ns, shrink, my_hb,
+                    peer_hb, pb != 0, UNTIL_EQ)
+
+
 # Liveness decided once per launch and source (docs/protocols.md, "A late or dead peer"): no program of a receive
 # waits for another program of its launch. Every program polls the sources it needs itself; the first to reach a
 # verdict on source p publishes it with a compare-and-swap in p's decision word (local status words, one per receive
@@ -254,36 +270,48 @@ def _decision_words(status_ptr, R, sig_off, KIND: tl.constexpr):
 
 
 @triton.jit
-def _decide(dec_ptr, base, my_sig, full_word, status_ptr, rank, p, timeout_ns, signal_ptrs, sig_off, R,
-            sig_sb, sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS: tl.constexpr, TRANSPORT: tl.constexpr):
-    """Scalar bool: source ``p`` is live for this launch. Adopts the launch's verdict on ``p`` if one is published;
-    otherwise waits on ``p``'s FULL word (``full_word``) itself, checks its call signature, and proposes its verdict
-    with one compare-and-swap (the first proposal of the launch wins, a loser adopts the winner's)."""
-    w = load_acquire(dec_ptr + p)
-    if (w >> 14) != (base >> 14):
-        v = _wait(my_sig + full_word, 0, status_ptr, rank, p, timeout_ns, signal_ptrs, sig_off, R)
-        # NVSHMEM: and every data put of p has landed (the FULL word's high half is back to 0)
-        _wait_landed(my_sig, full_word, status_ptr, rank, p, timeout_ns, signal_ptrs, TRANSPORT)
-        came = (v != 0) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, p)
+def _decide_vec(dec_ptr, base, my_sig, full_word, status_ptr, rank, peers, need, timeout_ns, signal_ptrs, R,
+                sig_sb, sig_ss, t_start, wait_stats_ptr, HAS_WAIT_STATS: tl.constexpr, TRANSPORT: tl.constexpr):
+    """Each source's verdict (live for this launch or not) for every lane of ``need`` at once (lane ``i``: source
+    ``peers[i]``; ``full_word``: the FULL word of source 0, source ``p``'s at ``full_word + 2 p``): one vector read
+    of the decision words; the lanes without this launch's verdict wait together (:func:`_wait_vec`; NVSHMEM: then
+    the landed waits of the unmapped ones), check their call signatures as one ``[lanes, 4]`` read, and propose with
+    one vector compare-and-swap (the first proposal of the launch wins, a loser adopts the winner's; lanes with
+    nothing to propose compare against -1, which no decision word holds). Returns the verdicts (live) per lane."""
+    safe = tl.where(need, peers, 0)
+    w = tl.where(need, tl.atomic_add(dec_ptr + safe, 0, mask=need, sem="acquire", scope="gpu"), 0)
+    und = need & ((w >> 14) != (base >> 14))
+    if tl.max(und.to(tl.int32), axis=0) > 0:
+        fulls = my_sig + full_word + 2 * safe
+        v = _wait_vec(fulls, 0, und, safe, status_ptr, rank, timeout_ns, signal_ptrs, R)
+        if TRANSPORT == 1:
+            # NVSHMEM: and every data put of an unmapped source has landed (the FULL word's high half is back to 0)
+            # (a lane that runs out is masked or named in the status word, so ``came`` below is false for it)
+            unmapped = und & (v != 0) & (tl.load(signal_ptrs + safe, mask=und, other=1) == 0)
+            _wait_vec(fulls + 1, 0, unmapped, safe, status_ptr, rank, timeout_ns, signal_ptrs, R, True)
+        came = und & (v != 0) & _lanes(tl.load(status_ptr, volatile=True) == 0, safe) & _live_vec(status_ptr, rank,
+                                                                                                   safe, R)
         # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
-        differs = _signature_differs(my_sig, sig_sb, rank, p, sig_ss)
-        if came & differs:
-            report_error(status_ptr, -16 - p)  # STATUS_SIG_MISMATCH - p
-        came = came & ~differs
-        prop = base | tl.where(came, 1, 2)
-        old = tl.atomic_cas(dec_ptr + p, w, prop, sem="acq_rel", scope="gpu")
-        if old == w:
-            w = prop
-            if HAS_WAIT_STATS:  # how long the deciding program waited (from its start) until p had sent
-                tl.atomic_add(wait_stats_ptr + p, (now_ns() - t_start).to(tl.int64), sem="relaxed", scope="gpu")
-        else:
-            w = old
-    return (w & 3) == 1
+        ww = tl.arange(0, 4)
+        theirs = tl.load(my_sig + sig_sb + sig_ss * safe[:, None] + ww[None, :], mask=came[:, None], other=0,
+                         volatile=True)
+        mine = tl.load(my_sig + sig_sb + sig_ss * rank + ww, volatile=True)
+        differs = came & (tl.max((theirs != mine[None, :]).to(tl.int32), axis=1) > 0)
+        if tl.max(differs.to(tl.int32), axis=0) > 0:
+            report_error(status_ptr, -16 - tl.min(tl.where(differs, safe, 1 << 30), axis=0))  # STATUS_SIG_MISMATCH - p
+        prop = base | tl.where(came & ~differs, 1, 2)
+        old = tl.atomic_cas(dec_ptr + safe, tl.where(und, w, -1), prop, sem="acq_rel", scope="gpu")
+        won = und & (old == w)
+        w = tl.where(und, tl.where(won, prop, old), w)
+        if HAS_WAIT_STATS:  # how long the deciding program waited (from its start) until each source had sent
+            tl.atomic_add(wait_stats_ptr + safe, (safe * 0).to(tl.int64) + (now_ns() - t_start).to(tl.int64),
+                          mask=won, sem="relaxed", scope="gpu")
+    return need & ((w & 3) == 1)
 
 
 @triton.jit
 def _decided_live(dec_ptr, p):
-    """(``p`` decided by this program's ``_decide`` already) whether the launch's verdict on ``p`` is live; ``p``
+    """(``p`` decided by this program's ``_decide_vec`` already) whether the launch's verdict on ``p`` is live; ``p``
     may be a tensor of ranks (masked lanes: ``p < 0``)."""
     return (tl.load(dec_ptr + p, mask=p >= 0, other=0, volatile=True) & 3) == 1
 
@@ -312,28 +340,18 @@ def _decision_reset(dec_ptr, R):
 
 
 @triton.jit
-def _wait_landed(my_sig, word, status_ptr, rank, peer, timeout_ns, signal_ptrs, TRANSPORT: tl.constexpr):
-    """(``NVSHMEM``, after the FULL wait on ``peer``) an unmapped peer's data puts have all landed: the high half of
-    its 64-bit FULL word (``word``), which each landed put raises by one and the publish lowers by the number sent,
-    is back to 0 (docs/protocols.md, "NVSHMEM: no quiet on the hot path"). Bounded like :func:`_wait`: on timeout
-    the peer is masked (enable_shrink) or named in the status word. No-op for mapped peers and other transports."""
-    if TRANSPORT == 1:
-        ok = (tl.load(signal_ptrs + peer) == 0) & (tl.load(status_ptr, volatile=True) == 0)
-        if ok & (peer_masked(status_ptr + STATUS_MASK, rank, peer) == 0):
-            v = load_acquire(my_sig + word + 1)
-            if v != 0:
-                start = now_ns()
-                while v != 0:
-                    v = load_acquire(my_sig + word + 1)
-                    gone = (tl.load(status_ptr, volatile=True) != 0) | peer_masked(status_ptr + STATUS_MASK, rank, peer)
-                    if gone:
-                        v = 0
-                    elif (v != 0) & (now_ns() - start > timeout_ns):
-                        if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
-                            tl.atomic_cas(status_ptr + STATUS_MASK + peer, 0, 2, sem="relaxed", scope="sys")
-                        else:
-                            report_timeout(status_ptr, peer)
-                        v = 0
+def _reset_fulls(my_sig, full_word, status_ptr, R, sig_sb, sig_ss):
+    """(A receive's last program) zero every source's FULL word (relaxed system-scope stores, one lane per source) and,
+    unless the status word is set (then the host names the fields that differ), every signature entry: 32 sources
+    a step. Before the BUSY releases, whose fence orders these stores before the next call's copies."""
+    keep = tl.load(status_ptr, volatile=True) != 0
+    for p0 in range(0, R, 32):
+        pe = p0 + tl.arange(0, 32)
+        tl.atomic_xchg(my_sig + full_word + 2 * pe, tl.zeros([32], tl.int32), mask=pe < R, sem="relaxed", scope="sys")
+        w = tl.arange(0, 16)
+        for w0 in range(0, sig_ss, 16):  # (one [32, 16] store up to 352 ranks)
+            tl.store(my_sig + sig_sb + sig_ss * pe[:, None] + (w0 + w)[None, :], tl.zeros([32, 16], tl.int32),
+                     mask=((pe < R) & _lanes(~keep, pe))[:, None] & ((w0 + w) < sig_ss)[None, :])
 
 
 @triton.jit

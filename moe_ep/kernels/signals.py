@@ -3,11 +3,13 @@
 Every cross-rank kernel waits and signals through these helpers, so that the timeout rule and the
 memory ordering are the same everywhere:
 
-- :func:`now_ns` reads a nanosecond clock: ``%globaltimer`` on a GPU, the host's monotonic clock in
-  the Triton interpreter (the interpreter runs the kernel body as Python on the host).
+- :func:`now_ns` reads a nanosecond clock (one body per compile target, and the host's monotonic clock in the
+  Triton interpreter, which runs the kernel body as Python on the host: :mod:`moe_ep.kernels.target`).
 - :func:`wait_ne` spins (acquire loads, system scope) until a signal differs from a value, at most
   ``timeout_ns``; on timeout it records the peer in the rank's ``status`` word and returns the value
   it waited to leave, so the caller skips its work instead of hanging.
+- :func:`wait_vec` waits on many peers' signals at once, one lane per peer (relaxed polls, then one acquire per
+  lane), with the same timeout rule per lane.
 - :func:`signal_release` stores a signal with release semantics (system scope): every write the
   program issued before it is visible to a peer that observes the signal with an acquire load.
 
@@ -27,15 +29,13 @@ compare-and-swap, and adopted by the others; no program waits for a particular p
 
 from __future__ import annotations
 
-import time
-
 import triton
 import triton.language as tl
 
-from .pdl import INTERPRET
+from .target import SPIN_HOOKS, fence_sys, now_ns, pause, trap
 
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
-           "STATUS_MASK", "STATUS_TRAP", "signal_release", "fence_sys", "load_acquire", "arrive_last",
+           "STATUS_MASK", "STATUS_TRAP", "wait_vec", "signal_release", "fence_sys", "load_acquire", "arrive_last",
            "report_timeout", "report_error", "STATUS_OVERFLOW", "STATUS_BAD_EXPERT", "STATUS_REPEATED_EXPERT",
            "STATUS_STALE_ROW", "STATUS_SEQ", "SEQ_MASK", "SEQ_BAD_EXPERT", "SEQ_STALE_ROW", "SEQ_LATE_MASKED",
            "STATUS_MESSAGES", "STATUS_WORST_EXCEEDED", "status_message"]
@@ -87,26 +87,7 @@ def status_message(code: int):
     return None
 
 
-_SPIN_HOOKS: list = []  # interpreter only: called on every clock read (every spin of a wait), e.g. the emulated NIC
-
-
-def _host_monotonic_ns():
-    for hook in _SPIN_HOOKS:
-        hook()
-    return time.monotonic_ns()
-
-
-if INTERPRET:
-    @triton.jit
-    def now_ns():
-        """Nanoseconds from an arbitrary origin (host clock: this is the interpreter build)."""
-        return _host_monotonic_ns()
-else:
-    @triton.jit
-    def now_ns():
-        """Nanoseconds from an arbitrary origin (``%globaltimer`` of the GPU)."""
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                         pack=1)
+_SPIN_HOOKS = SPIN_HOOKS  # (the interpreter's clock hooks: moe_ep.kernels.target)
 
 
 @triton.jit
@@ -121,32 +102,13 @@ def signal_release(ptr, value):
     return tl.atomic_xchg(ptr, value, sem="release", scope="sys")
 
 
-if INTERPRET:
-    @triton.jit
-    def fence_sys():
-        """(Interpreter build: programs run one at a time, every store is visible at once.)"""
-        pass
-else:
-    @triton.jit
-    def fence_sys():
-        """``fence.acq_rel.sys``: this thread's earlier memory operations (and, after a ``tl.debug_barrier()``, its
-        block's) are ordered before its later ones for every observer that orders its own reads with a fence too."""
-        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-if INTERPRET:
-    @triton.jit
-    def _maybe_trap(status_ptr):
-        """(Interpreter build: a kernel cannot trap here; the status word reports as usual.)"""
-        pass
-else:
-    @triton.jit
-    def _maybe_trap(status_ptr):
-        """``trap`` (the CUDA context fails loudly, also inside a replayed graph) when the rank's status
-        word ``STATUS_TRAP`` is set: the opt-in for graph mode, where no exception can be raised."""
-        if tl.load(status_ptr + STATUS_TRAP, volatile=True) != 0:
-            tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+@triton.jit
+def _maybe_trap(status_ptr):
+    """Trap (the context fails loudly, also inside a replayed graph) when the rank's status word ``STATUS_TRAP`` is
+    set: the opt-in for graph mode, where no exception can be raised. (The interpreter build cannot trap: the status
+    word reports as usual.)"""
+    if tl.load(status_ptr + STATUS_TRAP, volatile=True) != 0:
+        trap()
 
 
 @triton.jit
@@ -228,6 +190,77 @@ def wait_ne_masked(sig_ptr, value, status_ptr, mask_ptr, rank, peer, timeout_ns,
                         tl.atomic_cas(mask_ptr + peer, 0, 2, sem="relaxed", scope="sys")
                         done = True
     return v
+
+
+@triton.jit
+def _lanes(cond, like):
+    """The scalar bool ``cond`` as a bool tensor shaped like the int tensor ``like`` (see NOTES in the callers: the
+    interpreter refuses a scalar ANDed into a block mask)."""
+    return (like * 0 + cond.to(tl.int32)) != 0
+
+
+@triton.jit
+def _waiting(v, value, UNTIL_EQ: tl.constexpr):
+    if UNTIL_EQ:
+        w = v != value
+    else:
+        w = v == value
+    return w
+
+
+@triton.jit
+def wait_vec(sig_ptrs, value, need, peers, status_ptr, mask_ptr, timeout_ns, shrink, my_hb_ptr, peer_hb_ptrs,
+             hb_ok, UNTIL_EQ: tl.constexpr = False):
+    """Wait on every lane of ``need`` at once (lane ``i``: peer ``peers[i]``'s signal word ``sig_ptrs[i]``) until it
+    differs from ``value`` (``UNTIL_EQ``: until it equals it). Returns the words, read with ONE acquire per lane
+    after the polls (a vector of system-scope acquire loads, in parallel); a lane that gave up returns ``value``.
+
+    The polls are relaxed (volatile) loads of the lanes still pending, with a short :func:`pause` between rounds;
+    every lane's clock starts with the wait, so ``n`` late peers cost one ``timeout_ns``, not ``n``. The rule per lane
+    is :func:`wait_ne`'s, or with ``shrink`` :func:`wait_ne_masked`'s: a masked peer is skipped (also one masked by
+    another program meanwhile); a peer whose heartbeat word (``peer_hb_ptrs``, readable where ``hb_ok``) moves gets
+    its clock restarted, up to ``HB_CAP`` timeouts in all, while this rank beats in ``my_hb_ptr``; a lane that runs
+    out is masked (``MASK_TIMEOUT``). Without ``shrink``, running out (or a status word set by another wait) ends
+    the whole wait and names the lowest pending peer in the status word (the first report wins)."""
+    safe = tl.where(need, peers, 0)
+    v = tl.load(sig_ptrs, mask=need, other=0, volatile=True)
+    gave = need & (peers < 0)  # (all false)
+    if shrink:
+        gave = need & (tl.load(mask_ptr + safe, mask=need, other=0, volatile=True) != 0)
+    pending = need & ~gave & _waiting(v, value, UNTIL_EQ)
+    if tl.max(pending.to(tl.int32), axis=0) > 0:
+        start = now_ns()
+        lane_start = (peers * 0).to(tl.int64) + start
+        last_hb = tl.load(peer_hb_ptrs, mask=pending & hb_ok, other=0, volatile=True)
+        while tl.max(pending.to(tl.int32), axis=0) > 0:
+            v = tl.load(sig_ptrs, mask=pending, other=0, volatile=True)
+            pending = pending & _waiting(v, value, UNTIL_EQ)
+            now = now_ns()
+            failed = tl.load(status_ptr, volatile=True) != 0
+            if shrink:
+                tl.atomic_xchg(my_hb_ptr, (now >> 20).to(tl.int32), sem="relaxed", scope="sys")
+                hb = tl.load(peer_hb_ptrs, mask=pending & hb_ok, other=0, volatile=True)
+                lane_start = tl.where(hb != last_hb, now, lane_start)
+                last_hb = hb
+                gone = pending & (tl.load(mask_ptr + safe, mask=pending, other=0, volatile=True) != 0)
+                out = (now - lane_start > timeout_ns) | _lanes(now - start > timeout_ns.to(tl.int64) * HB_CAP, peers)
+                expired = pending & ~gone & out
+                # masked here (0 -> MASK_TIMEOUT); lanes with nothing to mask compare against -1, which no mask
+                # word holds, and so write nothing (Triton's compare-and-swap takes no mask)
+                tl.atomic_cas(mask_ptr + safe, tl.where(expired, 0, -1), tl.zeros_like(peers) + 2, sem="relaxed",
+                              scope="sys")
+                stop = gone | expired | (pending & _lanes(failed, peers))
+                gave = gave | stop
+                pending = pending & ~stop
+            elif failed | (now - start > timeout_ns):
+                report_timeout(status_ptr, tl.min(tl.where(pending, peers, 1 << 30), axis=0))
+                gave = gave | pending
+                pending = pending & ~pending
+            if tl.max(pending.to(tl.int32), axis=0) > 0:
+                pause()
+    got = need & ~gave
+    v = tl.atomic_add(sig_ptrs, 0, mask=got, sem="acquire", scope="sys")
+    return tl.where(got, v, value)
 
 
 @triton.jit
