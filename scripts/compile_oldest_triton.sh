@@ -25,6 +25,6 @@ export PYTHONPATH="$DIR:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # (-o addopts: these files are `slow`-marked, which the default run leaves out)
 # test_sm90_report: every shipped configuration (the whole report) compiles without spills under this Triton too
 exec "$PY" -m pytest -q -p no:cacheprovider -o "addopts=-ra --strict-markers" \
-  tests/test_gemm_compile.py tests/test_gemm_gluon_compile.py tests/test_quant_compile.py tests/test_mega_moe_compile.py tests/test_sm90_report.py \
+  tests/test_gemm_compile.py tests/test_gemm_gluon_compile.py tests/test_quant_compile.py tests/test_mega_moe_compile.py tests/test_sm90_report.py tests/test_target_amd.py \
   "tests/test_nvshmem_host.py::test_version_readers_on_this_machine" \
   tests/test_nvshmem_host.py::test_sm90_block_put_signal_rings_the_ibgda_doorbell "$@"
