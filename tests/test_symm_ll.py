@@ -423,7 +423,7 @@ def variant(name, fp_fusion=True, ptrs=None, **const):
     return ops
 
 
-SEND = dict(H=H, K=K, KP=8, MSG=14400, HDR=14336, BLOCK_T=1, CHUNK_T=32, BLOCK_E=64, GC=8, HC=2048,
+SEND = dict(H=H, K=K, KP=8, MSG=14400, HDR=14336, BLOCK_T=2, CHUNK_T=32, BLOCK_E=64, GC=8, HC=2048,
             DISP_BUSY=0, DISP_FULL=0, DISP_SEND_CNT=0)
 RECV = dict(H=H, K=K, KP=8, MSG=14400, HDR=14336, BLOCK_T=4, HC=2048, RP=8, LP=32, DISP_BUSY=0, DISP_FULL=0,
             DISP_RECV_CNT=0, HAS_WAIT_STATS=False)
