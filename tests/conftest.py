@@ -82,9 +82,27 @@ def _shard_key(item) -> str:
     return module if wide else item.nodeid
 
 
+DURATIONS_FILE = os.path.join(os.path.dirname(__file__), "durations.json")
+
+
+def _durations() -> dict:
+    """Seconds per test id (setup + call + teardown) from ``tests/durations.json``, measured on the 2-core CI-sized
+    machine (refresh: run the suite with ``MOE_EP_DURATIONS_OUT=<dir>``, then ``python tests/durations.py <dir>``).
+    Only balances the shards: a missing or stale entry costs balance, never a test."""
+    import json
+
+    try:
+        with open(DURATIONS_FILE) as f:
+            return {k: float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError):
+        return {}
+
+
 def _shard(config, items) -> None:
-    """``MOE_EP_SHARD=i/n`` (set by scripts/test.sh, which runs n pytest processes side by side): keep the tests
-    whose key hashes to ``i``; the n processes run disjoint parts whose union is the whole selection."""
+    """``MOE_EP_SHARD=i/n`` (set by scripts/test.sh, which runs n pytest processes side by side): keep the tests of
+    part ``i``. The parts are disjoint, their union is the whole selection, and every process computes the same
+    split: keys (``_shard_key``) by their recorded time, longest first, each to the part with the least time so far
+    (a key without a record costs the median)."""
     spec = os.environ.get("MOE_EP_SHARD", "")
     if not spec:
         return
@@ -94,12 +112,42 @@ def _shard(config, items) -> None:
             raise ValueError
     except ValueError:
         raise pytest.UsageError(f"MOE_EP_SHARD must be i/n with 0 <= i < n, not {spec!r}") from None
+    known = _durations()
+    typical = sorted(known.values())[len(known) // 2] if known else 1.0
+    cost: dict = {}
+    for item in items:
+        key = _shard_key(item)
+        cost[key] = cost.get(key, 0.0) + known.get(item.nodeid, typical)
+    load, part = [0.0] * n, {}
+    for key in sorted(cost, key=lambda k: (-cost[k], zlib.crc32(k.encode()), k)):
+        j = min(range(n), key=lambda m: (load[m], m))
+        part[key] = j
+        load[j] += cost[key]
     keep, drop = [], []
     for item in items:
-        (keep if zlib.crc32(_shard_key(item).encode()) % n == i else drop).append(item)
+        (keep if part[_shard_key(item)] == i else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+_RECORDED: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """``MOE_EP_DURATIONS_OUT=<dir>``: add up each test's phases, written at the end as ``<dir>/<pid>.json``."""
+    if os.environ.get("MOE_EP_DURATIONS_OUT"):
+        _RECORDED[report.nodeid] = _RECORDED.get(report.nodeid, 0.0) + float(report.duration)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("MOE_EP_DURATIONS_OUT")
+    if out and _RECORDED:
+        import json
+
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{os.getpid()}.json"), "w") as f:
+            json.dump({k: round(v, 2) for k, v in _RECORDED.items()}, f)
 
 
 def pytest_collection_modifyitems(config, items):

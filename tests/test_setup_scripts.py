@@ -500,3 +500,25 @@ def test_nvshmem_only_with_a_gpu_or_when_asked():
             assert p.stdout.strip() == want, p.stdout + p.stderr
     setup_sh = (ROOT / "scripts" / "setup.sh").read_text()
     assert 'moe_ep/_env.py nvshmem' in setup_sh
+
+
+def test_shards_are_disjoint_and_cover_the_selection():
+    """scripts/test.sh's parallel processes (MOE_EP_SHARD=i/n, tests/conftest.py): every test of the selection in
+    exactly one part (the split is computed in each process: they must agree)."""
+    import subprocess
+    import sys
+
+    def collect(shard):
+        env = dict(os.environ, MOE_EP_SHARD=shard) if shard else {k: v for k, v in os.environ.items()
+                                                                  if k != "MOE_EP_SHARD"}
+        res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "tests/test_fp8_ref.py", "tests/test_eplb_search.py"], capture_output=True, text=True,
+                             env=env, cwd=ROOT)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        return [ln for ln in res.stdout.splitlines() if "::" in ln]
+
+    everything = collect(None)
+    assert everything
+    parts = [collect(f"{i}/2") for i in range(2)]
+    assert sorted(parts[0] + parts[1]) == sorted(everything)
+    assert parts[0] and parts[1]  # the split is balanced enough that no part is empty here

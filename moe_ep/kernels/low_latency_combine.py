@@ -124,6 +124,22 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8,
 
 
 @triton.jit
+def _xfer_slots(slot_row_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, s, b, T, n_s, gone, comb_off, stage_off, at,
+                nbytes, full_word, K: tl.constexpr, BLOCK_T: tl.constexpr, CS: tl.constexpr, CH: tl.constexpr):
+    """(``NVSHMEM`` send, step 2b) bytes ``[at, at + nbytes)`` of each staged row of this block's tokens to its slot
+    ``(t, k)`` on source ``s`` (:func:`moe_ep.kernels.transport.xfer`), while ``s`` is live and this rank's status
+    clean; the header pass (``at`` 0, 16 bytes) and the row pass share it."""
+    for i in range(BLOCK_T):
+        t = b * BLOCK_T + i
+        if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s) & (gone == 0):
+            for k in tl.static_range(K):
+                src = tl.load(slot_row_ptr + (s * T + t) * K + k)
+                if src >= 0:
+                    xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS + at,
+                         stage_off + src.to(tl.int64) * CS + at, nbytes, full_word, CH)
+
+
+@triton.jit
 def _comb_send_body_ll(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
     slot_row_ptr, recv_tokens_ptr, stamp_ptr,  # from the dispatch receive (stamp_ptr: each source's call stamp)
@@ -218,26 +234,13 @@ def _comb_send_body_ll(
         tl.debug_barrier()
         mp = mapped(buffer_ptrs, s)
         if mp:
-            for i in range(BLOCK_T):
-                t = b * BLOCK_T + i
-                if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s) & (gone == 0):
-                    for k in tl.static_range(K):
-                        src = tl.load(slot_row_ptr + (s * T + t) * K + k)
-                        if src >= 0:
-                            xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS,
-                                 stage_off + src.to(tl.int64) * CS, 16, sig_off + COMB_FULL + 2 * rank, CH)
+            _xfer_slots(slot_row_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, s, b, T, n_s, gone, comb_off, stage_off,
+                        0, 16, sig_off + COMB_FULL + 2 * rank, K, BLOCK_T, CS, CH)
             tl.debug_barrier()
             fence_sys()
         hb = tl.where(mp, 16, 0)
-        for i in range(BLOCK_T):
-            t = b * BLOCK_T + i
-            if (t < n_s) & (tl.load(status_ptr, volatile=True) == 0) & _live(status_ptr, rank, s) & (gone == 0):
-                for k in tl.static_range(K):
-                    src = tl.load(slot_row_ptr + (s * T + t) * K + k)
-                    if src >= 0:
-                        xfer(buffer_ptrs, signal_ptrs, rank, s, comb_off + (t * K + k).to(tl.int64) * CS + hb,
-                             stage_off + src.to(tl.int64) * CS + hb, 16 + ROW_BYTES - hb,
-                             sig_off + COMB_FULL + 2 * rank, CH)
+        _xfer_slots(slot_row_ptr, buffer_ptrs, signal_ptrs, status_ptr, rank, s, b, T, n_s, gone, comb_off, stage_off,
+                    hb, 16 + ROW_BYTES - hb, sig_off + COMB_FULL + 2 * rank, K, BLOCK_T, CS, CH)
 
     # Step 3: the last program of source s publishes: busy[s] = 1 here, full[rank] = 1 on s. NVSHMEM: no quiet (a
     # dead peer's puts never complete): the publish tells an unmapped s how many row puts to expect, and s waits
