@@ -188,7 +188,7 @@ def _ll_dispatch_send_kernel(
     # one lane each (32 a step).
     for p0 in range(0, R, 32):
         pe = p0 + tl.arange(0, 32)
-        _wait_vec(my_sig + DISP_BUSY + 2 * pe, 1, pe < R, pe, status_ptr, rank, timeout_ns, signal_ptrs, R)
+        _, _ = _wait_vec(my_sig + DISP_BUSY + 2 * pe, 1, pe < R, pe, status_ptr, rank, timeout_ns, signal_ptrs, R)
     tl.debug_barrier()
 
     kk = tl.arange(0, KP)

@@ -12,7 +12,6 @@ from .signals import (
     STATUS_MASK,
     STATUS_SHRINK,
     load_acquire,
-    now_ns,
     peer_masked,
     report_error,
     wait_ne,
@@ -239,7 +238,7 @@ def _wait_vec(sig_ptrs, value, need, peers, status_ptr, rank, timeout_ns, signal
     """:func:`_wait` on every lane of ``need`` at once (lane ``i``: peer ``peers[i]``, word ``sig_ptrs[i]``): the
     parallel wait :func:`moe_ep.kernels.signals.wait_vec`, with each mapped peer's heartbeat word (``_hb_word(R)``
     of slot 0) read on its lane; an unmapped peer (NVSHMEM across nodes) has no readable heartbeat: a plain
-    ``timeout_s``. Returns the words (``value`` on lanes that gave up)."""
+    ``timeout_s``. Returns the words (``value`` on lanes that gave up) and each lane's arrival clock."""
     shrink = tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0
     hb = _hb_word(R)
     pb = tl.load(signal_ptrs + tl.where(need, peers, 0), mask=need, other=0)
@@ -283,12 +282,13 @@ def _decide_vec(dec_ptr, base, my_sig, full_word, status_ptr, rank, peers, need,
     und = need & ((w >> 14) != (base >> 14))
     if tl.max(und.to(tl.int32), axis=0) > 0:
         fulls = my_sig + full_word + 2 * safe
-        v = _wait_vec(fulls, 0, und, safe, status_ptr, rank, timeout_ns, signal_ptrs, R)
+        v, t_arr = _wait_vec(fulls, 0, und, safe, status_ptr, rank, timeout_ns, signal_ptrs, R)
         if TRANSPORT == 1:
             # NVSHMEM: and every data put of an unmapped source has landed (the FULL word's high half is back to 0)
             # (a lane that runs out is masked or named in the status word, so ``came`` below is false for it)
             unmapped = und & (v != 0) & (tl.load(signal_ptrs + safe, mask=und, other=1) == 0)
-            _wait_vec(fulls + 1, 0, unmapped, safe, status_ptr, rank, timeout_ns, signal_ptrs, R, True)
+            _, t_land = _wait_vec(fulls + 1, 0, unmapped, safe, status_ptr, rank, timeout_ns, signal_ptrs, R, True)
+            t_arr = tl.where(unmapped, tl.maximum(t_arr, t_land), t_arr)
         came = und & (v != 0) & _lanes(tl.load(status_ptr, volatile=True) == 0, safe) & _live_vec(status_ptr, rank,
                                                                                                    safe, R)
         # Rows laid out for another call (hidden, T, experts, top-k, format) are never read: report it instead.
@@ -304,8 +304,7 @@ def _decide_vec(dec_ptr, base, my_sig, full_word, status_ptr, rank, peers, need,
         won = und & (old == w)
         w = tl.where(und, tl.where(won, prop, old), w)
         if HAS_WAIT_STATS:  # how long the deciding program waited (from its start) until each source had sent
-            tl.atomic_add(wait_stats_ptr + safe, (safe * 0).to(tl.int64) + (now_ns() - t_start).to(tl.int64),
-                          mask=won, sem="relaxed", scope="gpu")
+            tl.atomic_add(wait_stats_ptr + safe, tl.maximum(t_arr - t_start, 0), mask=won, sem="relaxed", scope="gpu")
     return need & ((w & 3) == 1)
 
 

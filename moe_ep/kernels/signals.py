@@ -213,7 +213,8 @@ def wait_vec(sig_ptrs, value, need, peers, status_ptr, mask_ptr, timeout_ns, shr
              hb_ok, UNTIL_EQ: tl.constexpr = False):
     """Wait on every lane of ``need`` at once (lane ``i``: peer ``peers[i]``'s signal word ``sig_ptrs[i]``) until it
     differs from ``value`` (``UNTIL_EQ``: until it equals it). Returns the words, read with ONE acquire per lane
-    after the polls (a vector of system-scope acquire loads, in parallel); a lane that gave up returns ``value``.
+    after the polls (a vector of system-scope acquire loads, in parallel; a lane that gave up returns ``value``), and
+    per lane the clock (:func:`now_ns`) of the poll that saw it arrive.
 
     The polls are relaxed (volatile) loads of the lanes still pending, with a short :func:`pause` between rounds;
     every lane's clock starts with the wait, so ``n`` late peers cost one ``timeout_ns``, not ``n``. The rule per lane
@@ -223,6 +224,7 @@ def wait_vec(sig_ptrs, value, need, peers, status_ptr, mask_ptr, timeout_ns, shr
     out is masked (``MASK_TIMEOUT``). Without ``shrink``, running out (or a status word set by another wait) ends
     the whole wait and names the lowest pending peer in the status word (the first report wins)."""
     safe = tl.where(need, peers, 0)
+    t_arr = (peers * 0).to(tl.int64) + now_ns()
     v = tl.load(sig_ptrs, mask=need, other=0, volatile=True)
     gave = need & (peers < 0)  # (all false)
     if shrink:
@@ -234,8 +236,9 @@ def wait_vec(sig_ptrs, value, need, peers, status_ptr, mask_ptr, timeout_ns, shr
         last_hb = tl.load(peer_hb_ptrs, mask=pending & hb_ok, other=0, volatile=True)
         while tl.max(pending.to(tl.int32), axis=0) > 0:
             v = tl.load(sig_ptrs, mask=pending, other=0, volatile=True)
-            pending = pending & _waiting(v, value, UNTIL_EQ)
             now = now_ns()
+            t_arr = tl.where(pending & ~_waiting(v, value, UNTIL_EQ), now, t_arr)
+            pending = pending & _waiting(v, value, UNTIL_EQ)
             failed = tl.load(status_ptr, volatile=True) != 0
             if shrink:
                 tl.atomic_xchg(my_hb_ptr, (now >> 20).to(tl.int32), sem="relaxed", scope="sys")
@@ -260,7 +263,7 @@ def wait_vec(sig_ptrs, value, need, peers, status_ptr, mask_ptr, timeout_ns, shr
                 pause()
     got = need & ~gave
     v = tl.atomic_add(sig_ptrs, 0, mask=got, sem="acquire", scope="sys")
-    return tl.where(got, v, value)
+    return tl.where(got, v, value), t_arr
 
 
 @triton.jit
