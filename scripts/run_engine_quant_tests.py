@@ -5,24 +5,22 @@ Usage (from the checkout root; the test files are public engine code, saved outs
     python scripts/run_engine_quant_tests.py TEST_FILE.py [TEST_FILE.py ...] [--vllm-platform cuda|triton]
         [--sys-path DIR] [-k EXPR] [--full] [--reciprocal] [--interpreter-cast gpu|as-is] [--timeout S]
 
-Each file runs in its own subprocess, with the python of the engine venv it imports (``--vllm-python`` /
-``--sglang-python``, default ``~/.cache/moe-ep-engine-client/venv-{vllm-0.33.0,sglang-0.5.23}/bin/python``, as
-the engine-client harness builds them), under ``TRITON_INTERPRET=1``. The engines' kernel entry points
-the files reach are bound to thin adapters over moe_ep's ops (vLLM: ``persistent_masked_m_silu_mul_quant``,
-``torch.ops._C.per_token_group_fp8_quant`` / ``per_token_group_fp8_quant_packed``; SGLang:
-``fp8_kernel.per_token_group_quant``); the engines' references (their Triton kernels, run by the interpreter, and
-the files' torch references) stay theirs. ``device="cuda"`` in the files becomes "cpu"; vLLM's platform answers as a
-CUDA platform (``--vllm-platform cuda``: the files compare against vLLM's CUDA-kernel arithmetic) or as a CUDA-alike
-platform without ``is_cuda()`` (``triton``: the files' float32 Triton-fallback references). SGLang's reference
-needs DeepGEMM's ``transform_sf_into_required_layout``; it gets a torch transcription of DeepGEMM's packed-UE8M0
-rule written here (not moe_ep's). The interpreter's float -> e4m3 cast in those references rounds ties away from
-zero; by default it gets the GPU's round-to-nearest-even (``--interpreter-cast as-is`` keeps it). ``--reciprocal``
-binds ``reciprocal_multiply_quant_fp8`` (``x * (1 / scale)``) in place of the exact ops. Cases whose shapes take
-minutes in the interpreter are deselected unless ``--full`` (listed as "cut"); int8 cases (not an op of moe_ep) are always deselected. Prints per file the
-passed / failed / skipped / cut counts and, per failing case, its first assertion message on one line. Not part of
-the pytest suite: it needs the engine venvs and the saved files (SGLang's file also needs sgl-kernel's
-``sgl_kernel/test_utils.py`` on ``--sys-path``).
-"""
+Each file runs in its own subprocess, with the python of the engine venv it imports (``--vllm-python`` / ``--sglang-
+python``, default ``~/.cache/moe-ep-engine-client/venv-{vllm-0.33.0,sglang-0.5.23}/bin/python``, as the engine-client
+harness builds them), under ``TRITON_INTERPRET=1``. The engines' kernel entry points the files reach are bound to thin
+adapters over moe_ep's ops (vLLM: ``persistent_masked_m_silu_mul_quant``, ``torch.ops._C.per_token_group_fp8_quant`` /
+``per_token_group_fp8_quant_packed``; SGLang: ``fp8_kernel.per_token_group_quant``); the engines' references (their
+Triton kernels, run by the interpreter, and the files' torch references) stay theirs. ``device="cuda"`` in the files
+becomes "cpu"; vLLM's platform answers as a CUDA platform (``--vllm-platform cuda``: the files compare against vLLM's
+CUDA-kernel arithmetic) or as a CUDA-alike platform without ``is_cuda()`` (``triton``: the files' float32 Triton-
+fallback references). SGLang's reference needs DeepGEMM's ``transform_sf_into_required_layout``; it gets a torch
+transcription of DeepGEMM's packed-UE8M0 rule written here (not moe_ep's). The interpreter's float -> e4m3 cast in
+those references rounds ties away from zero; by default it gets the GPU's round-to-nearest-even (``--interpreter-cast
+as-is`` keeps it). ``--reciprocal`` binds ``reciprocal_multiply_quant_fp8`` (``x * (1 / scale)``) in place of the
+exact ops. Cases whose shapes take minutes in the interpreter are deselected unless ``--full`` (listed as "cut"); int8
+cases (not an op of moe_ep) are always deselected. Prints per file the passed / failed / skipped / cut counts and, per
+failing case, its first assertion message on one line. Not part of the pytest suite: it needs the engine venvs and the
+saved files (SGLang's file also needs sgl-kernel's ``sgl_kernel/test_utils.py`` on ``--sys-path``)."""
 
 from __future__ import annotations
 
