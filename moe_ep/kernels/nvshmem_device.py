@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .pdl import INTERPRET
-from .signals import _SPIN_HOOKS
+from .target import SPIN_HOOKS as _SPIN_HOOKS
 
 __all__ = ["putmem_nbi_block", "putmem_signal_nbi_block", "quiet", "register_heap", "unregister_heap",
            "set_emulation_order", "emulation_order", "set_dead_pes", "source_errors", "deliver", "DEVICE_CALLS",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .target import SPIN_HOOKS, fence_sys, now_ns, pause, trap
+from .target import fence_sys, now_ns, pause, trap
 
 __all__ = ["now_ns", "wait_ne", "wait_ne_masked", "peer_masked", "MASK_API", "MASK_TIMEOUT", "STATUS_SHRINK",
            "STATUS_MASK", "STATUS_TRAP", "wait_vec", "signal_release", "fence_sys", "load_acquire", "arrive_last",
@@ -85,9 +85,6 @@ def status_message(code: int):
     if -16 < code < 0:
         return STATUS_MESSAGES.get(code, f"device error code {code}")
     return None
-
-
-_SPIN_HOOKS = SPIN_HOOKS  # (the interpreter's clock hooks: moe_ep.kernels.target)
 
 
 @triton.jit
