@@ -46,10 +46,13 @@ def test_bench_without_gpu_exits_nonzero(bench):
     assert len(p.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in p.stderr
 
 
-@pytest.mark.slow  # every bench's --cpu-smoke end to end: about 90 s in all (CI runs it)
-@pytest.mark.parametrize("bench", BENCHES)
-def test_bench_cpu_smoke_json(bench, tmp_path):
-    out = tmp_path / "rows.jsonl"
+# benches whose --cpu-smoke run has a test of its own below (it checks these common keys too)
+OWN_SMOKE_TESTS = ("bench_internode_ll.py", "bench_mega_moe.py")
+
+
+def _smoke(bench, out):
+    """``bench --cpu-smoke --json out``: exit 0, no traceback, a header and valid rows with the common keys; returns
+    (the process, header, rows)."""
     p = _run([sys.executable, os.path.join(PERF, bench), "--cpu-smoke", "--json", str(out)])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "Traceback" not in p.stderr and "INVALID" not in p.stdout
@@ -61,6 +64,13 @@ def test_bench_cpu_smoke_json(bench, tmp_path):
     for r in rows:
         assert set(_common.ROW_KEYS) <= set(r), r
         assert r["valid"] is True and r["bench"] == bench[:-3]
+    return p, head, rows
+
+
+@pytest.mark.slow  # every bench's --cpu-smoke end to end: about 90 s in all (CI runs it)
+@pytest.mark.parametrize("bench", [b for b in BENCHES if b not in OWN_SMOKE_TESTS])
+def test_bench_cpu_smoke_json(bench, tmp_path):
+    _smoke(bench, tmp_path / "rows.jsonl")
 
 
 def test_bench_combine_has_its_own_help():
@@ -181,11 +191,7 @@ def test_internode_ll_cpu_smoke_rows(tmp_path):
     """The smoke run goes through moe_ep.Buffer on 4 forked ranks as 2 emulated nodes: symm rows for dispatch and
     combine (time, bandwidth, internode bandwidth), checked, cross-node selections counted; nvshmem either runs or is
     skipped with one line; no published target at smoke shapes; DeepEP skipped with one line."""
-    out = tmp_path / "ll.jsonl"
-    p = _run([sys.executable, os.path.join(PERF, "bench_internode_ll.py"), "--cpu-smoke", "--json", str(out)])
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
-    head, rows = recs[0], recs[1:]
+    p, head, rows = _smoke("bench_internode_ll.py", tmp_path / "ll.jsonl")
     assert head["launcher"] == "fork" and head["world_size"] == 4 and "DeepEP" in head["deepep"]
     symm = [r for r in rows if r["backend"] == "symm"]
     assert {(r["op"], r["metric"]) for r in symm} == {(op, m) for op in ("dispatch", "combine")
@@ -365,11 +371,7 @@ def test_run_all_runs_internode_bench_with_torchrun_or_says_why(tmp_path):
 def test_mega_moe_cpu_smoke_rows(tmp_path):
     """The smoke run: fused, phased and both expert-path layer modes on 2 forked ranks, each checked against the
     torch reference; a symmetric-memory row for the fused case; DeepEP + DeepGEMM skipped with one line."""
-    out = tmp_path / "mega.jsonl"
-    p = _run([sys.executable, os.path.join(PERF, "bench_mega_moe.py"), "--cpu-smoke", "--json", str(out)])
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
-    head, rows = recs[0], recs[1:]
+    p, head, rows = _smoke("bench_mega_moe.py", tmp_path / "mega.jsonl")
     assert head["launcher"] == "fork" and head["world_size"] == 2
     times = {r["op"]: r for r in rows if r["metric"] == "time"}
     assert set(times) == {"fused", "phased", "layer-decode", "layer-prefill"}
