@@ -154,8 +154,8 @@ def _dest_row(buffer_ptrs, topk_ptr, offs_t, m_k, rank, row_b, L, K: tl.constexp
               TRANSPORT: tl.constexpr, DTYPE: tl.constexpr):
     """``DTYPE`` pointer (16-aligned: the compiler may vectorise through it) to byte ``row_b`` (per token) in the
     region of selection ``k``'s destination rank (``PEER``; lanes outside ``m_k``: 0) or of this rank (``NVSHMEM``:
-    staging). The destination is re-read from
-    global as a [BLOCK_T] vector each time (L1 hits), never extracted from a register tile."""
+    staging). The destination is re-read from global as a [BLOCK_T] vector each time (L1 hits), never extracted
+    from a register tile."""
     if TRANSPORT == PEER:
         d = tl.load(topk_ptr + offs_t * K + k, mask=m_k, other=0) // L
     else:

@@ -8,22 +8,19 @@ import triton.language as tl
 
 from .logfmt import e4m3_decode, fp8_encode_groups, fp16_bits, logfmt_decode_values, logfmt_encode_groups
 from .low_latency_common import (
-    _adopt_masks,
     _bf16_bits,
     _comb_sig_word,
     _adopted_like,
     _decide_vec,
     _decided_live,
     _decision_base,
-    _decision_reset,
+    _finish_receive,
     _decision_words,
     _done_word,
     _live,
     _masked_writer,
     _receiver_done,
-    _reset_fulls,
     _live_like,
-    _scratch_word,
     _sig_payload_words,
     _sig_stride,
     _status_ok,
@@ -37,7 +34,6 @@ from .signals import (
     SEQ_MASK,
     SEQ_STALE_ROW,
     STATUS_BAD_EXPERT,
-    STATUS_MASK,
     STATUS_SEQ,
     STATUS_SHRINK,
     STATUS_STALE_ROW,
@@ -47,7 +43,7 @@ from .signals import (
     report_error,
     signal_release,
 )
-from .transport import NVSHMEM, PEER, copy_signature, mapped, publish, release_peers, xfer
+from .transport import NVSHMEM, PEER, copy_signature, mapped, publish, xfer
 from .transport import peer_ptr as _peer
 
 KBITS = tl.constexpr(32)  # top-k at most 32: one bit per selection in the combine receive
@@ -407,13 +403,8 @@ def _comb_recv_body_ll(
         if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
             # this call's combine is read: a row for it from now on is late, its sender drops it (_receiver_done)
             signal_release(my_sig + _done_word(R), (1 << 16) | (own >> 16))
-            for d in range(R):
-                if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, d):
-                    _adopt_masks(my_sig, sig_sb, rank, d, status_ptr, R, sig_ss)
-        _decision_reset(dec, R)
-        _reset_fulls(my_sig, COMB_FULL, status_ptr, R, sig_sb, sig_ss)
-        release_peers(signal_ptrs, status_ptr + STATUS_MASK, rank, R, sig_off, COMB_BUSY + 2 * rank, 0, _scratch_word(R),
-                      TRANSPORT)
+        _finish_receive(my_sig, dec, COMB_FULL, COMB_BUSY + 2 * rank, status_ptr, rank, R, sig_off, sig_sb, sig_ss,
+                        signal_ptrs, TRANSPORT)
         # The step is complete here (peers released: they are not cut short): report what was seen in it.
         w = tl.atomic_and(status_ptr + STATUS_SEQ, SEQ_MASK | SEQ_LATE_MASKED, sem="relaxed", scope="gpu")
         if (w & SEQ_BAD_EXPERT) != 0:

@@ -20,6 +20,7 @@ from .signals import (
     _lanes,
 )
 from .transport import peer_ptr as _peer
+from .transport import release_peers
 
 __all__ = ["GROUP", "LL_MAXNREG", "SIG_WORDS", "signal_layout", "sig_stride"]
 
@@ -336,6 +337,22 @@ def _decision_reset(dec_ptr, R):
     for r0 in range(0, R, 32):
         r = r0 + tl.arange(0, 32)
         tl.store(dec_ptr + r, tl.zeros([32], tl.int32), mask=r < R)
+
+
+@triton.jit
+def _finish_receive(my_sig, dec, full_word, busy_word, status_ptr, rank, R, sig_off, sig_sb, sig_ss, signal_ptrs,
+                    TRANSPORT: tl.constexpr):
+    """(A receive's last program: every program has read what it needs) with enable_shrink, adopt the ranks each live
+    source masked by timeout (its bits came with its signature; they count from the next phase on, and get no
+    release here); then zero this receive's decision words, FULL words and signature entries, and release every
+    live source (``busy_word``: this rank's BUSY word on each source)."""
+    if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
+        for sp in range(R):
+            if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, sp):
+                _adopt_masks(my_sig, sig_sb, rank, sp, status_ptr, R, sig_ss)
+    _decision_reset(dec, R)
+    _reset_fulls(my_sig, full_word, status_ptr, R, sig_sb, sig_ss)
+    release_peers(signal_ptrs, status_ptr + STATUS_MASK, rank, R, sig_off, busy_word, 0, _scratch_word(R), TRANSPORT)
 
 
 @triton.jit

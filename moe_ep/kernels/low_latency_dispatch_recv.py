@@ -8,20 +8,17 @@ import triton
 import triton.language as tl
 
 from .low_latency_common import (
-    _adopt_masks,
     _decide_vec,
     _decided_live,
     _decision_base,
-    _decision_reset,
     _decision_words,
     _disp_sig_word,
-    _reset_fulls,
-    _scratch_word,
+    _finish_receive,
     _sig_stride,
     _status_ok,
 )
-from .signals import STATUS_MASK, STATUS_SHRINK, arrive_last, load_acquire, now_ns
-from .transport import NVSHMEM, release_peers
+from .signals import arrive_last, load_acquire, now_ns
+from .transport import NVSHMEM
 from .transport import peer_ptr as _peer
 
 __all__ = ["_ll_dispatch_recv_kernel"]
@@ -163,16 +160,7 @@ def _ll_dispatch_recv_kernel(
     # arrives every source is decided and every read is done.
     tl.debug_barrier()
     if arrive_last(my_sig + DISP_RECV_CNT, num_progs):
-        # enable_shrink: adopt the ranks each live source masked by timeout (its bits came with its signature). Here,
-        # after every program's reads, so the launch kept one live set; they count from the next phase on (this
-        # rank's combine neither sends to them nor waits for them). Before the releases: they get none.
-        sig_ss = _sig_stride(R)
-        sig_sb = _disp_sig_word(R)
-        if tl.load(status_ptr + STATUS_SHRINK, volatile=True) != 0:
-            for sp in range(R):
-                if (tl.load(status_ptr, volatile=True) == 0) & _decided_live(dec, sp):
-                    _adopt_masks(my_sig, sig_sb, rank, sp, status_ptr, R, sig_ss)
-        _decision_reset(dec, R)
-        _reset_fulls(my_sig, DISP_FULL, status_ptr, R, sig_sb, sig_ss)
-        release_peers(signal_ptrs, status_ptr + STATUS_MASK, rank, R, sig_off, DISP_BUSY + 2 * rank, 0, _scratch_word(R),
-                      TRANSPORT)
+        # enable_shrink: the adopted masks count from the next phase on (this rank's combine neither sends to them
+        # nor waits for them); adopted here, after every program's reads, so the launch kept one live set.
+        _finish_receive(my_sig, dec, DISP_FULL, DISP_BUSY + 2 * rank, status_ptr, rank, R, sig_off, sig_sb, sig_ss,
+                        signal_ptrs, TRANSPORT)
