@@ -4,40 +4,36 @@ everything else they do is Triton's own. Also checks that the NVIDIA build still
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
+from moe_ep.testing.sm90 import compile_in_subprocess
 
-
-def _compile(target_args, kernels: tuple[str, ...]) -> dict:
-    """Compile the named sm90-report cases (their first configuration each) for a target in a child process without
-    TRITON_INTERPRET (the helpers are defined per build at import)."""
-    import json
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    code = f"""
-import json, sys
-sys.path.insert(0, {str(root)!r}); sys.path.insert(0, {str(root / 'perf')!r})
+# argv[1]: [target args, case names]; prints {case name: the AMD GCN or PTX text of its first configuration}
+_SCRIPT = r"""
+import json, os, sys
+import moe_ep
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(moe_ep.__file__)), "perf"))
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import sm90_report as R
-out = {{}}
+target, names = json.loads(sys.argv[1])
+out = {}
 for c in R.CASES:
-    if c.kernel is None or c.name not in {list(kernels)!r} or c.name in out or "PDL" in c.config:
+    if c.kernel is None or c.name not in names or c.name in out or "PDL" in c.config:
         continue
-    opts = {{"num_warps": c.num_warps, "num_stages": c.num_stages,
-             **{{k: v for k, v in (c.options or {{}}).items() if k != "maxnreg"}}}}
-    ck = triton.compile(ASTSource(c.kernel, c.signature, c.constexprs, c.attrs or {{}}), target=GPUTarget(*{target_args!r}),
+    opts = {"num_warps": c.num_warps, "num_stages": c.num_stages,
+            **{k: v for k, v in (c.options or {}).items() if k != "maxnreg"}}
+    ck = triton.compile(ASTSource(c.kernel, c.signature, c.constexprs, c.attrs or {}), target=GPUTarget(*target),
                         options=opts)
     out[c.name] = ck.asm.get("amdgcn") or ck.asm.get("ptx")
 print(json.dumps(out))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=None)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _compile(target_args, kernels: tuple[str, ...]) -> dict:
+    """The named sm90-report cases (their first configuration each) compiled for a target, in a child process without
+    TRITON_INTERPRET (the helpers are defined per build at import)."""
+    return compile_in_subprocess(_SCRIPT, [list(target_args), list(kernels)], "the signalling kernels",
+                                 target=str(target_args[1]))
 
 
 _KERNELS = ("ll_dispatch_send", "ll_combine_send_fmt", "ll_combine_recv", "normal_send")

@@ -31,10 +31,11 @@ _spec.loader.exec_module(report)
 '''
 
 
-def compile_in_subprocess(script: str, cases: Any, what: str, timeout_s: float = 300.0) -> Any:
+def compile_in_subprocess(script: str, cases: Any, what: str, timeout_s: float = 300.0, target: str = "sm90") -> Any:
     """Run ``script`` with ``cases`` in a fresh interpreter without ``TRITON_INTERPRET`` and return its
-    JSON result. Skips the calling test when this Triton has no NVIDIA backend or the script reports a
-    ``"skip"`` (an ASTSource API that differs); fails it, with the compiler's stderr, when compiling fails."""
+    JSON result (``target``: what the failure message says it compiled for). Skips the calling test when
+    this Triton has no NVIDIA backend or the script reports a ``"skip"`` (an ASTSource API that differs);
+    fails it, with the compiler's stderr, when compiling fails."""
     import pytest
 
     try:
@@ -48,7 +49,7 @@ def compile_in_subprocess(script: str, cases: Any, what: str, timeout_s: float =
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
     if proc.returncode != 0:
-        pytest.fail(f"compiling {what} for sm90 failed:\n{proc.stderr[-4000:]}")
+        pytest.fail(f"compiling {what} for {target} failed:\n{proc.stderr[-4000:]}")
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     values = results.values() if isinstance(results, dict) else results
     if any(isinstance(r, dict) and "skip" in r for r in values):
