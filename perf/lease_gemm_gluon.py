@@ -70,6 +70,11 @@ SHAPES = {s.name: s for s in [
     Shape("masked_decode_g32x32", "masked", 32, 32, 4096, 7168, decode=True),
     Shape("masked_decode_g32x64", "masked", 32, 64, 4096, 7168, decode=True),
     Shape("masked_decode_g32x128", "masked", 32, 128, 4096, 7168, decode=True),
+    # between decode and prefill: where the tl / Gluon choice of MOE_EP_GEMM_KERNEL=auto changes
+    Shape("masked_g32x256", "masked", 32, 256, 4096, 7168, decode=True),
+    Shape("masked_g32x512", "masked", 32, 512, 4096, 7168),
+    Shape("contig_32x256_n4096_k7168", "contiguous", 32, 256, 4096, 7168),
+    Shape("contig_32x128_n4096_k7168", "contiguous", 32, 128, 4096, 7168),
 ]}
 
 

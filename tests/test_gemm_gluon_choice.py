@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe_ep import gemm
-from moe_ep.gemm.gluon import ENV, GluonTile, gemm_kernel_choice, gluon_tile
+from moe_ep.gemm.gluon import ENV, GluonTile, auto_prefers_gluon, gemm_kernel_choice, gluon_tile
 from moe_ep.quant import per_block_quant_fp8, per_token_group_quant_fp8
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,9 +31,12 @@ def _lease():
     return mod
 
 
-def test_default_is_tl_and_values_are_checked(monkeypatch):
+def test_default_is_auto_and_values_are_checked(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    assert gemm_kernel_choice(torch.device("cpu")) == ("tl", f"{ENV} is 'tl' (the default)")
+    kind, why = gemm_kernel_choice(torch.device("cpu"))
+    assert kind == "tl" and ("interpreter" in why or "CUDA" in why), why
+    monkeypatch.setenv(ENV, "tl")
+    assert gemm_kernel_choice(torch.device("cpu")) == ("tl", f"{ENV} is 'tl'")
     monkeypatch.setenv(ENV, "cutlass")
     with pytest.raises(ValueError, match="MOE_EP_GEMM_KERNEL='cutlass'"):
         gemm_kernel_choice(torch.device("cpu"))
@@ -56,6 +59,14 @@ def test_gluon_request_falls_back_to_tl_on_cpu(monkeypatch, mode):
     assert torch.equal(d1, d2) and bool(d1[0].abs().sum() > 0)
 
 
+def test_auto_takes_gluon_where_it_measured_faster():
+    # H200, 2026-11-28: masked tl wins up to expected_m 256, Gluon from 512; contiguous Gluon from 4,096 rows
+    assert not auto_prefers_gluon(1, 32 * 1024, 256) and auto_prefers_gluon(1, 1024, 512)
+    assert not auto_prefers_gluon(1, 32 * 128, 128)  # decode: rows in all do not count, rows per expert do
+    assert auto_prefers_gluon(0, 4096, 0) and auto_prefers_gluon(2, 32768, 0)
+    assert not auto_prefers_gluon(0, 4095, 0) and not auto_prefers_gluon(3, 1 << 16, 1 << 16)
+
+
 def test_tiles_per_shape_class():
     assert gluon_tile(32) == GluonTile(64, 128, 4, 6) and gluon_tile(64).block_m == 64
     assert gluon_tile(65) == GluonTile(128, 128, 8, 5) and gluon_tile(4096).num_warps == 8
@@ -68,7 +79,7 @@ def test_lease_arguments_and_shape_table():
                ("contiguous", 8, 4096, 7168, 2048)}
     have = {(s.layout, s.groups, s.rows, s.n, s.k) for s in mod.SHAPES.values()}
     assert targets <= have
-    assert sorted(s.rows for s in mod.SHAPES.values() if s.decode) == [32, 64, 128]
+    assert sorted(s.rows for s in mod.SHAPES.values() if s.decode) == [32, 64, 128, 256]
     assert mod.SHAPES["masked_g32x1024"].flops == 2 * 32 * 1024 * 4096 * 7168
     args = mod.parse_args(["--shapes", "masked_g32x1024", "--iters", "3"])
     assert args.shapes == ["masked_g32x1024"] and args.iters == 3 and args.warmup == 2

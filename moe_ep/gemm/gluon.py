@@ -3,15 +3,18 @@
 
 ``MOE_EP_GEMM_KERNEL`` (read at each call):
 
-- ``tl`` (the default): the Triton ``tl`` kernel (:mod:`moe_ep.kernels.grouped_gemm`), on any GPU and under the
-  CPU interpreter.
+- ``auto`` (the default): on sm90 the Gluon kernel for the shapes where it measured faster than ``tl`` (below),
+  the ``tl`` kernel elsewhere; a Gluon compile failure falls back to ``tl`` for the rest of the process.
 - ``gluon``: the Gluon kernel wherever it can run (a CUDA sm90 device, a Triton with Gluon, not the
-  interpreter, operands it takes: below); the ``tl`` kernel otherwise.
-- ``auto``: as ``gluon``, and a Gluon compile failure falls back to ``tl`` for the rest of the process.
+  interpreter, operands it takes: below), at every shape; the ``tl`` kernel otherwise.
+- ``tl``: the Triton ``tl`` kernel (:mod:`moe_ep.kernels.grouped_gemm`), on any GPU and under the CPU
+  interpreter.
 
-STATE: the Gluon kernel compiles for sm90 under Triton 3.6 and 3.9 (``tests/test_gemm_gluon_compile.py``) but no
-GPU has checked its results yet, so it is not the default; once a GPU run has checked it against the reference
-(``perf/lease_gemm_gluon.py``), the default becomes ``auto``.
+Where ``auto`` takes Gluon (:func:`auto_prefers_gluon`), from one H200 (2026-11-28, ``perf/lease_gemm_gluon.py``,
+N 4096, K 7168, both kernels checked against the reference first): contiguous / psum layouts with at least 4,096
+rows (Gluon 1.3-1.4x faster from 32 x 128 to 4 x 8192 rows), masked layouts with ``expected_m`` >= 512 (1.27x at
+512, 1.44x at 1024). Below those ``tl`` is faster (masked ``expected_m`` 32-256: Gluon 1.35-3x slower) or the
+size was not measured (contiguous under 4,096 rows, the dense ``fp8_gemm_nt``), and ``tl`` runs.
 
 The Gluon kernel takes FP8 operands with float32 scales (not packed UE8M0: those stay on ``tl``), contiguous
 ``a`` / ``b`` / ``d`` with 16-byte aligned rows (``N`` a multiple of 8), no forced ``config``. Activation scales
@@ -32,7 +35,7 @@ from .runtime import get_num_sms
 from .tiles import BLOCK_K
 from .utils.layout import get_mn_major_tma_aligned_tensor
 
-__all__ = ["ENV", "gemm_kernel_choice", "GluonTile", "gluon_tile", "launch_gluon", "sm90_cases"]
+__all__ = ["ENV", "auto_prefers_gluon", "gemm_kernel_choice", "GluonTile", "gluon_tile", "launch_gluon", "sm90_cases"]
 
 ENV = "MOE_EP_GEMM_KERNEL"
 _CHOICES = ("tl", "gluon", "auto")
@@ -59,8 +62,24 @@ def gluon_tile(expected_m: int) -> GluonTile:
     return GluonTile(128, 128, 8, 5)
 
 
+# ``auto``: the smallest sizes at which the Gluon kernel measured faster than ``tl`` (module docstring)
+AUTO_MIN_CONTIG_ROWS = 4096
+AUTO_MIN_MASKED_M = 512
+
+
+def auto_prefers_gluon(mode: int, rows: int, expected_m: int) -> bool:
+    """Whether ``auto`` runs a launch of layout ``mode`` (the ``tl`` kernel's ``CONTIG`` 0, ``MASKED`` 1,
+    ``PSUM`` 2, ``DENSE`` 3) on the Gluon kernel: ``rows`` rows in all (contiguous / psum), ``expected_m`` rows
+    per expert (masked)."""
+    if mode == 1:
+        return expected_m >= AUTO_MIN_MASKED_M
+    if mode in (0, 2):
+        return rows >= AUTO_MIN_CONTIG_ROWS
+    return False  # dense: not measured against tl
+
+
 def _mode() -> str:
-    mode = os.environ.get(ENV, "tl").strip().lower() or "tl"
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in _CHOICES:
         raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(_CHOICES)}")
     return mode
@@ -70,7 +89,7 @@ def gemm_kernel_choice(device: Optional[torch.device] = None) -> tuple[str, str]
     """(``"tl"`` or ``"gluon"``, why) for FP8 GEMMs on ``device`` (operand formats aside)."""
     mode = _mode()
     if mode == "tl":
-        return "tl", f"{ENV} is 'tl' (the default)"
+        return "tl", f"{ENV} is 'tl'"
     if _broken is not None:
         return "tl", f"the Gluon kernel failed to compile here: {_broken}"
     if INTERPRET:
@@ -109,6 +128,8 @@ def launch_gluon(x3, sfa3, w, sfb, d3, layout, mode: int, *, expected_m: int, ue
     if gemm_kernel_choice(x3.device)[0] != "gluon" or ue8m0:
         return False
     num_batches, rows, k = x3.shape
+    if _mode() == "auto" and not auto_prefers_gluon(mode, rows, expected_m):
+        return False
     num_groups, n, _ = w.shape
     if not (x3.is_contiguous() and w.is_contiguous() and d3.is_contiguous() and n % 8 == 0
             and d3.dtype in (torch.bfloat16, torch.float32) and _aligned(x3, w, d3) and k % BLOCK_K == 0):

@@ -27,7 +27,7 @@ def _out_mode(d: torch.Tensor) -> int:
 def _launch(x3, sfa3, w, sfb, d3, layout, mode: int, cfg: GemmConfig, *, ue8m0: bool = False, bf16: bool = False,
             use_pdl: bool = False, zero_pad: bool = True, accumulate: bool = False, sfb_gran_n: int = BLOCK_K,
             expected_m: int = 0, forced: bool = False) -> None:
-    # FP8 on sm90 with MOE_EP_GEMM_KERNEL=gluon|auto: the warp-specialised Gluon kernel (it has no PDL wait, so
+    # FP8 on sm90 (MOE_EP_GEMM_KERNEL auto at the sizes it wins, or gluon): the warp-specialised Gluon kernel (no PDL wait, so
     # it launches without PDL); a forced tile (``config``) keeps the tl kernel.
     if not bf16 and not forced and launch_gluon(
             x3, sfa3, w, sfb, d3, layout, mode, expected_m=expected_m or x3.shape[1], ue8m0=ue8m0, zero_pad=zero_pad,

@@ -4,8 +4,9 @@
 :mod:`moe_ep.kernels.gluon_compat` (where the differences between Triton releases live).
 
 STATE: compiled for sm90 (Triton 3.6 and 3.9, ``perf/sm90_report.py``, ``tests/test_gemm_gluon_compile.py``);
-no GPU has run it yet, so it is not the default anywhere: the host (``moe_ep.gemm``) takes it only with
-``MOE_EP_GEMM_KERNEL=gluon``. Gluon has no interpreter; the ``tl`` kernel is the CPU path.
+checked against the reference on an H200 (2026-11-28, 13 shapes, ``perf/lease_gemm_gluon.py``). The host
+(``moe_ep.gemm.gluon``) takes it where it measured faster than ``tl`` (``MOE_EP_GEMM_KERNEL=auto``, the
+default) or everywhere (``gluon``). Gluon has no interpreter; the ``tl`` kernel is the CPU path.
 
 Structure (one CTA per SM, persistent):
 
