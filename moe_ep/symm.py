@@ -54,7 +54,8 @@ class SymmBuffer:
 
     Attributes:
         rank, world_size: this rank and the number of ranks sharing the allocation.
-        nbytes: usable data bytes per rank; num_signals: int32 signal words per rank.
+        nbytes: usable data bytes per rank (the size asked for rounded up to 256 bytes, what every rank maps);
+            num_signals: int32 signal words per rank.
         buffer: `[nbytes]` `torch.uint8`, this rank's data region.
         signals: `[num_signals]` `torch.int32`, this rank's signal words (zero at creation).
         buffer_ptrs, signal_ptrs: `[world_size]` `torch.int64` on ``device``: entry ``r`` is the address,
@@ -271,17 +272,20 @@ def create_symm_buffer(group, nbytes: int, num_signals: int, *, device: Optional
         provider = "cuda" if device.type == "cuda" else "shm"
     if (provider == "cuda") != (device.type == "cuda"):
         raise ValueError(f"provider {provider!r} cannot place memory on {device}")
-    total = _align(nbytes) + _align(4 * max(num_signals, 1))
+    # The data region every rank maps is ``nbytes`` rounded up to 256 bytes, and every layout offset (per-source
+    # blocks, rounds, slot spans, the signal region) derives from that size: sizes that round alike (6,300 and
+    # 6,400) give one layout, sizes that do not would address each other's memory differently, so the mapped
+    # sizes are compared once, before any mapping.
+    data = _align(nbytes)
+    total = data + _align(4 * max(num_signals, 1))
     arrival = ArrivalCheck(group, rank, world_size, timeout_s)
-    # Every layout offset (per-source blocks, rounds, slot spans, the signal region) derives from these: ranks
-    # that disagree would address each other's memory differently, so compare them once, before any mapping.
-    arrival.arrive("symm buffer creation", fields={"nbytes (num_nvl_bytes / num_rdma_bytes)": nbytes,
+    arrival.arrive("symm buffer creation", fields={"nbytes (num_nvl_bytes / num_rdma_bytes rounded up to 256)": data,
                                                    "num_signals": num_signals, "provider": provider})
     if provider == "shm":
         region, addrs, keep = _create_shm(group, rank, world_size, total, timeout_s, arrival)
     else:
         region, addrs, keep = _create_cuda(group, rank, world_size, total, device, arrival)
-    return SymmBuffer(rank=rank, world_size=world_size, nbytes=nbytes, num_signals=num_signals, region=region,
+    return SymmBuffer(rank=rank, world_size=world_size, nbytes=data, num_signals=num_signals, region=region,
                       peer_addrs=addrs, provider=provider, timeout_s=timeout_s, keepalive=keep, arrival=arrival)
 
 
@@ -300,6 +304,6 @@ def create_virtual_symm_buffers(world_size: int, nbytes: int, num_signals: int, 
     slab = torch.zeros(world_size * per_rank, dtype=torch.uint8, device=device)
     base = slab.data_ptr()
     addrs = [base + r * per_rank for r in range(world_size)]
-    return [SymmBuffer(rank=r, world_size=world_size, nbytes=nbytes, num_signals=num_signals,
+    return [SymmBuffer(rank=r, world_size=world_size, nbytes=_align(nbytes), num_signals=num_signals,
                        region=slab[r * per_rank:(r + 1) * per_rank], peer_addrs=addrs, provider="virtual",
                        timeout_s=timeout_s, keepalive=(slab,)) for r in range(world_size)]

@@ -34,10 +34,33 @@ def _sizes_rank(rank, world, sizes):
 
 
 def test_buffer_sizes_compared_at_creation():
-    # 6400 and 6300 bytes map alike (same 256-byte-aligned footprint) but give different per-source blocks
-    msgs = launch(_sizes_rank, 2, (6400, 6300), timeout_s=120)
-    assert all("ranks disagree on nbytes" in m and "rank 0=6400, rank 1=6300" in m for m in msgs), msgs
+    # what is compared is what each rank maps: the size rounded up to 256 bytes (6000 -> 6144, 6400 -> 6400)
+    msgs = launch(_sizes_rank, 2, (6400, 6000), timeout_s=120)
+    assert all("ranks disagree on nbytes" in m and "rank 0=6400, rank 1=6144" in m for m in msgs), msgs
     assert launch(_sizes_rank, 2, (6400, 6400), timeout_s=120) == ["created"] * 2
+
+
+def _rows_rank(rank, world, sizes):
+    import moe_ep
+
+    buf = moe_ep.Buffer(None, num_nvl_bytes=sizes[rank], backend="symm", provider="shm", timeout_s=20)
+    g = torch.Generator().manual_seed(10 + rank)
+    x = (torch.arange(N * H, dtype=torch.float32).view(N, H) / 64 + 100 * (rank + 1)).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(torch.int64)
+    per_rank, _, per_exp, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, _, _, _, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=torch.ones(N, K), num_tokens_per_rank=per_rank,
+                                         is_token_in_rank=in_rank, num_tokens_per_expert=per_exp)
+    return buf._impl.normal._dispatch_cap(H, K, 80, True), sorted(recv_x.float()[:, 0].tolist()), x, idx
+
+
+def test_sizes_that_map_alike_carve_alike():
+    # 6400 and 6300 bytes both map 6400: one per-source block size on both ranks, every row where it was sent
+    res = launch(_rows_rank, 2, (6400, 6300), timeout_s=300)
+    assert res[0][0] == res[1][0]
+    for r in range(2):
+        want = sorted(float(res[s][2][t, 0]) for s in range(2) for t in range(N)
+                      if bool((res[s][3][t] // (E // 2) == r).any()))
+        assert res[r][1] == want, (r, res[r][1], want)
 
 
 def _refused_combine_rank(rank, world):

@@ -140,7 +140,7 @@ def check_capacity(nbytes: int, T: int, hidden: int, R: int, E: int, K: int, tra
     if K > 32:  # the combine receive keeps one bit per selection in an int32
         raise ValueError(f"{what}: num_topk={K} exceeds 32")
     lay = _carve(T, hidden, R, E, K, transport)
-    have = slot_span(nbytes, lay)
+    have = slot_span(-(-nbytes // _ALIGN) * _ALIGN, lay)  # the mapped size: num_rdma_bytes rounded up to 256
     if lay.slot_bytes > have:
         need = ll_buffer_bytes(T, hidden, R, E, K, transport)
         raise ValueError(

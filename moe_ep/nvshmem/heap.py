@@ -82,13 +82,16 @@ def create_nvshmem_heap(group, nbytes: int, num_signals: int, timeout_s: float =
         device = torch.device("cuda", torch.cuda.current_device())
     _select_backend(symm_mem, device)
     arrival = ArrivalCheck(group, rank, world_size, timeout_s)
-    total = _align(nbytes) + _align(4 * max(num_signals, 1))
+    data = _align(nbytes)  # what every rank maps, compared as create_symm_buffer compares it
+    total = data + _align(4 * max(num_signals, 1))
+    arrival.arrive("nvshmem heap creation", fields={"nbytes (num_rdma_bytes rounded up to 256)": data,
+                                                    "num_signals": num_signals})
     # the cuda provider's allocation (empty, zero, rendezvous), now over the NVSHMEM backend
     region, addrs, keepalive = _create_cuda(group, rank, world_size, total, device, arrival)
     if len(addrs) != world_size or addrs[rank] != region.data_ptr():
         raise RuntimeError(f"torch symmetric memory returned {len(addrs)} peer addresses (own: {addrs[rank:rank + 1]}) "
                            f"for a group of {world_size} (own region at {region.data_ptr():#x}): unexpected backend")
-    buf = SymmBuffer(rank=rank, world_size=world_size, nbytes=nbytes, num_signals=num_signals, region=region,
+    buf = SymmBuffer(rank=rank, world_size=world_size, nbytes=data, num_signals=num_signals, region=region,
                      peer_addrs=addrs, provider="nvshmem", timeout_s=timeout_s, keepalive=(*keepalive, region),
                      arrival=arrival)
     reachable = [a != 0 for a in addrs]
