@@ -147,7 +147,9 @@ def test_below_one_round_is_refused_with_the_exact_minimum():
     R, E, K = 2, 4, 2
     inputs = make_all_inputs(R, [3, 2], H, E, K, seed=9)
     need = SymmNormal.min_bytes(H, K, R)
-    bs = virtual_backends(R, num_nvl_bytes=need - 4, timeout_s=5)
+    below = (need - 1) // 256 * 256  # each rank maps its size rounded up to 256 bytes: this maps less than need
+    assert below > 0
+    bs = virtual_backends(R, num_nvl_bytes=below, timeout_s=5)
     lay = bs[0].get_dispatch_layout(inputs[0].topk_idx, E)
     with pytest.raises(ValueError, match=f"num_nvl_bytes >= {need} "):
         bs[0].dispatch_send(inputs[0].x, None, handle=None, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
