@@ -37,6 +37,10 @@ Keywords, as the engines name them:
   SGLang's where the BF16 rounding crosses an e4m3 rounding boundary.
 - SiLU: ``round_product=True`` rounds ``silu(gate)`` and the product to x's dtype before the
   quantization, as SGLang's masked kernel (and vLLM's CUDA kernel) do, so its UE8M0 words match theirs.
+  ``bf16_math=True`` (BF16 input) also takes the scale and the scaled values through bf16 as vLLM's CUDA kernel
+  (``persistent_masked_m_silu_mul_quant``) does: ``s = bf16(amax * bf16(1/448))`` (amax floor bf16(1e-10)),
+  rounded up to a power of two from ``bf16(log2 s)`` with ``round_scale`` / UE8M0, ``q = bf16(y * bf16(1/s))``
+  clamped to +-448: its bytes and scales, bit for bit (less exact than the default: three more roundings).
 - Masked rows (``>= masked_m[l]``): their FP8 rows are never written; their scales are stored as zeros
   (float32 +0.0, all-zero UE8M0 words), what vLLM's and SGLang's masked kernels write and their tests
   compare, at 4 bytes per masked row and group (per UE8M0 word). DeepGEMM's masked GEMM never reads
@@ -377,6 +381,7 @@ def silu_and_mul_quant_fp8(
     use_pdl: bool = False,
     zero_masked_scales: bool = True,
     round_product: bool = False,
+    bf16_math: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``per_token_group_quant_fp8(silu(gate) * up)`` in one pass, the product kept in float32.
 
@@ -386,6 +391,8 @@ def silu_and_mul_quant_fp8(
         round_product: round ``silu(gate)`` to x's dtype, and ``silu(gate) * up`` to x's dtype, before
             quantizing: what SGLang's masked SiLU-and-mul quant (and vLLM's CUDA one) compute, so the
             scales (UE8M0 words) agree with theirs. Off by default: one rounding, of the float32 product.
+        bf16_math: vLLM's CUDA arithmetic (module notes): ``round_product``, then the scale, its reciprocal
+            and the scaled values each rounded to bf16. BF16 ``x`` only.
         Every other argument as in :func:`per_token_group_quant_fp8` (with K = N).
 
     Returns:
@@ -397,12 +404,16 @@ def silu_and_mul_quant_fp8(
     torch, the interpreter and the GPU), so FP8 bytes can differ by one e4m3 step where the product
     sits on a rounding boundary.
     """
-    if not isinstance(round_product, bool):
-        raise TypeError(f"round_product must be a bool, got {type(round_product).__name__}")
+    for name, v in (("round_product", round_product), ("bf16_math", bf16_math)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    if bf16_math and x.dtype != torch.bfloat16:
+        raise TypeError(f"bf16_math=True takes BF16 input (vLLM's CUDA kernel's), got {x.dtype}")
     col, tma, rnd, packed = _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale,
                                    use_ue8m0, scale_ue8m0)
-    launch = functools.partial(launch_silu_and_mul_quant, round_product=True) if round_product \
-        else launch_silu_and_mul_quant
+    launch = launch_silu_and_mul_quant
+    if round_product or bf16_math:
+        launch = functools.partial(launch_silu_and_mul_quant, round_product=True, bf16_math=bf16_math)
     return _quant_op(launch, x, 2, group_size, col, tma, rnd, packed, transpose_out, out, out_scales, masked_m,
                      use_pdl, zero_masked_scales)
 

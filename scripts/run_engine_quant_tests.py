@@ -99,7 +99,7 @@ def _ops(reciprocal: bool):
     if not reciprocal:
         return quant.per_token_group_quant_fp8, quant.silu_and_mul_quant_fp8
 
-    def silu_quant(x, group_size=128, *, round_product=False, **kw):
+    def silu_quant(x, group_size=128, *, round_product=False, bf16_math=False, **kw):
         return quant.reciprocal_multiply_quant_fp8(x, group_size, silu=True, **kw)
 
     return quant.reciprocal_multiply_quant_fp8, silu_quant
@@ -176,9 +176,11 @@ def _vllm_adapters(platform_mode: str, reciprocal: bool) -> None:
                                            quant_scale_fmt=DeepGemmQuantScaleFMT.FLOAT32):
         # vLLM's documented outputs: FLOAT32 -> f32 [E, T, G] strides (T*G, 1, T); FLOAT32_CEIL_UE8M0 -> the same,
         # powers of two; UE8M0 -> int32 [E, T, ceil(G/4)] strides (T*ceil(G/4), 1, T) (column-major, no TMA pad).
-        # vLLM's CUDA kernel rounds SiLU and the product to bf16 (round_product); its Triton fallback (what the
-        # file's reference models on a CUDA-alike platform without is_cuda()) keeps them in float32.
-        kw = {"column_major_scales": True, "masked_m": tokens_per_expert, "round_product": platform_mode == "cuda"}
+        # vLLM's CUDA kernel computes in bf16 (bf16_math); its Triton fallback (what the file's reference models on
+        # a CUDA-alike platform without is_cuda()) keeps float32.
+        kw = {"column_major_scales": True, "masked_m": tokens_per_expert}
+        if platform_mode == "cuda":
+            kw["bf16_math"] = True
         if quant_scale_fmt == DeepGemmQuantScaleFMT.FLOAT32_CEIL_UE8M0:
             kw["use_ue8m0"] = True
         elif quant_scale_fmt == DeepGemmQuantScaleFMT.UE8M0:

@@ -231,17 +231,20 @@ def _compile_module():
     return mod
 
 
-@pytest.mark.parametrize("keep_padding,round_product", [(False, False), (True, False), (False, True)],
-                         ids=["zero_masked", "zero_masked_keep_padding", "zero_masked_round_product"])
-def test_zero_masked_variant_compiles_for_sm90(keep_padding, round_product):
-    """The variants engines' calls select (masked rows' scales zeroed, the default; SGLang's SiLU arithmetic)."""
+@pytest.mark.parametrize("keep_padding,round_product,bf16_math",
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
+                         ids=["zero_masked", "zero_masked_keep_padding", "zero_masked_round_product",
+                              "zero_masked_bf16_math"])
+def test_zero_masked_variant_compiles_for_sm90(keep_padding, round_product, bf16_math):
+    """The variants engines' calls select (masked rows' scales zeroed, the default; SGLang's SiLU arithmetic;
+    vLLM's CUDA bf16 arithmetic)."""
     from moe_ep.kernels.quant import mask_flags
     from moe_ep.testing.sm90 import compile_in_subprocess
 
     mod = _compile_module()
-    flags = mask_flags(True, True, keep_padding, round_product=round_product)
+    flags = mask_flags(True, True, keep_padding, round_product=round_product, bf16_math=bf16_math)
     cases = [("silu", "bf16", 8, 4, True, True, flags, True, True, True, False, 3)]
-    if not round_product:  # the plain quant has no product to round
+    if not (round_product or bf16_math):  # the plain quant has no product to round
         cases.insert(0, ("quant", "bf16", 16, 4, False, False, flags, True, False, True, False, 3))
     for ops in compile_in_subprocess(mod.SCRIPT, cases, "the zero_masked_scales variants"):
         assert ops.get("cp.async.cg.shared.global", 0) + ops.get("cp.async.ca.shared.global", 0) > 0, ops

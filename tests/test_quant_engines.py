@@ -16,7 +16,8 @@ engines' documented arithmetic:
    its packed DeepGEMM layout, including vLLM's own ``torch.empty_strided`` scale storage poisoned
    before the call: the padding rows between its columns must come back zero.
 
-Deliberate differences kept (and so not asserted here): moe-ep divides (``x / scale``, correctly
+``bf16_math=True`` reproduces vLLM's CUDA SiLU-and-mul quant bit for bit (checked against a torch bf16
+transcription of it). Deliberate differences kept by default (and so not asserted here): moe-ep divides (``x / scale``, correctly
 rounded) where vLLM's references multiply by ``1 / scale`` (an e4m3 step apart on ties), and floors amax
 at 1e-4 (vLLM / SGLang: 1e-10).
 """
@@ -119,6 +120,50 @@ def test_vllm_masked_silu_quant(E, T, H):
             else:
                 torch.testing.assert_close(s[e, :n].cpu(), rs)
                 assert bool((s[e, n:] == 0).all()), f"expert {e}: masked rows' scales not zero"
+
+
+def vllm_cuda_reference(gate: torch.Tensor, up: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CUDA SiLU-and-mul quant as torch's bf16 ops compute it (each op in float32, rounded to bf16):
+    SiLU, product, amax floored at bf16(1e-10), ``s = amax * (bf16(1) / bf16(448))``, optionally
+    ``2^ceil(log2 s)`` with the log rounded to bf16, ``q = clamp(y * (1 / s))`` -> e4m3."""
+    bf = torch.bfloat16
+    g32 = gate.float()
+    y = (g32 / (1 + torch.exp(-g32))).to(bf) * up.to(bf)
+    yv = y.reshape(-1, GS)
+    amax = yv.abs().amax(dim=1).clamp(min=torch.tensor(1e-10, dtype=bf))
+    s = amax * (torch.tensor(1.0, dtype=bf) / torch.tensor(448.0, dtype=bf))
+    if pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s).to(bf))).to(bf)
+    q = torch.clamp(yv * (torch.tensor(1.0, dtype=bf) / s)[:, None], -448.0, 448.0).to(FP8_DTYPE)
+    return q.reshape(y.shape), s.float().reshape(*y.shape[:-1], y.shape[-1] // GS)
+
+
+@pytest.mark.parametrize("E,T,H", [(1, 4, 384), (8, 16, 640), (3, 31, 768)])
+def test_vllm_cuda_arithmetic_is_bitwise(E, T, H):
+    # bf16_math=True: vLLM's CUDA kernel's bytes and scales, bit for bit, in its three scale formats
+    counts, y = vllm_style_input(E, T, H, seed=E * 7000 + T + H)
+    G, words = H // GS, (H // GS + 3) // 4
+    for name, kw in VLLM_FORMATS.items():
+        q, s = silu_and_mul_quant_fp8(y.to(DEV), GS, masked_m=counts.to(DEV), bf16_math=True, **kw)
+        for e in range(E):
+            n = int(counts[e])
+            rq, rs = vllm_cuda_reference(y[e, :n, :H], y[e, :n, H:], pow2=name != "float32")
+            assert_q_matches(q[e, :n], rq)
+            if name == "ue8m0_words":
+                expect = torch.zeros(T, words, dtype=torch.int32)
+                expect[:n] = pack_ue8m0(rs)
+                assert torch.equal(bytes_of(s[e]), bytes_of(expect)), f"expert {e}: packed words differ"
+            else:
+                assert torch.equal(s[e, :n].cpu(), rs), f"expert {e} {name}: scales differ"
+    # and it is a different arithmetic from the default: some scale differs on these inputs
+    _, s_exact = silu_and_mul_quant_fp8(y.to(DEV), GS, masked_m=counts.to(DEV))
+    _, s_bf16 = silu_and_mul_quant_fp8(y.to(DEV), GS, masked_m=counts.to(DEV), bf16_math=True)
+    assert not torch.equal(s_exact.cpu(), s_bf16.cpu())
+
+
+def test_bf16_math_takes_bf16_only():
+    with pytest.raises(TypeError, match="bf16_math=True takes BF16"):
+        silu_and_mul_quant_fp8(torch.zeros(2, 256, device=DEV), GS, bf16_math=True)
 
 
 # ---------------------------------------------------------------------------------------------

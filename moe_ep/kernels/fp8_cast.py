@@ -42,6 +42,9 @@ AMAX_MIN = tl.constexpr(1e-4)
 # float32(1) / float32(448), correctly rounded in float32 (C's ``1 / 448.0f``); exactly representable in a double.
 FP8_MAX_INV = tl.constexpr(float.fromhex("0x1.24924ap-9"))
 SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
+# bf16 arithmetic (vLLM's CUDA SiLU-and-mul quant): bf16(1e-10) and bf16(1) / bf16(448), as float32 values
+BF16_AMAX_MIN = tl.constexpr(float.fromhex("0x1.b8p-34"))
+BF16_FP8_MAX_INV = tl.constexpr(float.fromhex("0x1.24p-9"))
 
 
 def _fma_rounds_once() -> bool:
@@ -84,6 +87,32 @@ def group_scale(amax, ROUND_SCALE: tl.constexpr):
     if ROUND_SCALE:
         scale = ceil_pow2(scale)
     return scale
+
+
+@triton.jit
+def round_bf16(y):
+    """float32 ``y`` rounded to nearest-even bf16, as float32, by integer arithmetic on the bits (the
+    interpreter's float32 -> bf16 cast truncates, the GPU's rounds); NaN stays NaN."""
+    bits = y.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(y != y, y, rounded)  # a NaN's low bits could carry into inf
+
+
+@triton.jit
+def quantize_bf16_math(y, amax, ROUND_SCALE: tl.constexpr):
+    """vLLM's CUDA SiLU-and-mul quant arithmetic, every step rounded to bf16 as torch's bf16 ops round it:
+    ``s = bf16(max(amax, bf16(1e-10)) * bf16(1 / 448))``; with ``ROUND_SCALE`` ``s = 2^ceil(bf16(log2 s))``
+    (the power of two built from bits); ``q = clamp(bf16(y * bf16(1 / s)), -448, 448)``. ``y``
+    `[BT, G, GROUP]` holds bf16 values (as float32), ``amax`` `[BT, G]` their max |y|. Returns ``(q, s)``."""
+    amax = tl.where(amax < BF16_AMAX_MIN, BF16_AMAX_MIN, amax)
+    scale = round_bf16(amax * BF16_FP8_MAX_INV)
+    if ROUND_SCALE:
+        e = tl.ceil(round_bf16(tl.log2(scale))).to(tl.int32)
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = round_bf16(tl.math.div_rn(1.0, scale))
+    q = round_bf16(y * inv[:, :, None])
+    q = tl.where(q > FP8_MAX, FP8_MAX, tl.where(q < -FP8_MAX, -FP8_MAX, q))
+    return q, scale
 
 
 @triton.jit

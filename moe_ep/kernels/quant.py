@@ -38,10 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_cast import div_by_scale, div_by_scale_approx, e4m3_byte, group_scale, native_e4m3_supported
+from .fp8_cast import (div_by_scale, div_by_scale_approx, e4m3_byte, group_scale, native_e4m3_supported,
+                       quantize_bf16_math)
 from .pdl import INTERPRET, pdl_launch_kwargs
 
-__all__ = ["KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ROUND_PRODUCT", "ZERO_MASKED_SCALES", "QuantConfig", "choose_config",
+__all__ = ["BF16_MATH", "KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ROUND_PRODUCT", "ZERO_MASKED_SCALES", "QuantConfig", "choose_config",
            "launch_per_token_group_quant", "mask_flags", "num_tiles", "quantize_tile", "tile_coords", "tile_operands",
            "zero_scale_rows"]
 
@@ -56,10 +57,12 @@ def quantize_tile(
     s_ptr, stride_sl, stride_st, stride_sg,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
     ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, RECIP_MULTIPLY: tl.constexpr,
+    BF16_MATH: tl.constexpr,
 ):
     """Quantize one float32 tile and store its e4m3 bytes (``q_ptr`` is a uint8 view) and scales.
 
-    ``RECIP_MULTIPLY``: ``y * (1 / scale)`` instead of ``y / scale`` (not bitwise: measuring only)."""
+    ``RECIP_MULTIPLY``: ``y * (1 / scale)`` instead of ``y / scale`` (not bitwise: measuring only).
+    ``BF16_MATH``: :func:`~moe_ep.kernels.fp8_cast.quantize_bf16_math` (``y`` holds bf16 values)."""
     offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     offs_c = tl.arange(0, GROUP_SIZE)
     group_ok = offs_g < G
@@ -73,15 +76,18 @@ def quantize_tile(
     # with a custom combine function, which loops in Python).
     abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)  # [BLOCK_M, GROUPS_PER_PROG]
-    scale = group_scale(amax, ROUND_SCALE)
-    if ROUND_SCALE:
-        # 1 / 2^k is exact, and y * 2^-k rounds exactly like y / 2^k: same bits as the reference's
-        # division at one multiply per value.
-        q = y * tl.math.div_rn(1.0, scale)[:, :, None]
-    elif RECIP_MULTIPLY:
-        q = div_by_scale_approx(y, scale)
+    if BF16_MATH:
+        q, scale = quantize_bf16_math(y, amax, ROUND_SCALE)
     else:
-        q = div_by_scale(y, scale)  # IEEE y / scale, one division per group
+        scale = group_scale(amax, ROUND_SCALE)
+        if ROUND_SCALE:
+            # 1 / 2^k is exact, and y * 2^-k rounds exactly like y / 2^k: same bits as the reference's
+            # division at one multiply per value.
+            q = y * tl.math.div_rn(1.0, scale)[:, :, None]
+        elif RECIP_MULTIPLY:
+            q = div_by_scale_approx(y, scale)
+        else:
+            q = div_by_scale(y, scale)  # IEEE y / scale, one division per group
     byte = e4m3_byte(q, NATIVE_FP8)
 
     # Step 2: FP8 bytes. Column index k = g * GROUP_SIZE + c; with transpose_out stride_qt is 1.
@@ -119,6 +125,7 @@ ZERO_MASKED_SCALES = 2  # ... and their scales are stored as zeros (zero_masked_
 KEEP_PADDING = 4  # leave the TMA padding rows alone (caller storage that ends at the last valid row)
 RECIP_MULTIPLY = 8  # y * (1 / scale): one rounding more than IEEE y / scale (not bitwise; a bench row only)
 ROUND_PRODUCT = 16  # SiLU quant: SiLU(gate) and SiLU(gate) * up rounded to x's dtype first (SGLang's arithmetic)
+BF16_MATH = 32  # SiLU quant: ROUND_PRODUCT, then the scale and the scaled values in bf16 (vLLM's CUDA arithmetic)
 
 
 @triton.jit
@@ -142,13 +149,13 @@ def zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK: tl.cons
 
 
 def mask_flags(has_mask: bool, zero_masked_scales: bool, keep_padding: bool, recip_multiply: bool = False,
-               round_product: bool = False) -> int:
+               round_product: bool = False, bf16_math: bool = False) -> int:
     """The ``HAS_MASK`` constexpr for a launch."""
     flags = MASK_ROWS if has_mask else 0
     if has_mask and zero_masked_scales:
         flags |= ZERO_MASKED_SCALES
     return (flags | (KEEP_PADDING if keep_padding else 0) | (RECIP_MULTIPLY if recip_multiply else 0)
-            | (ROUND_PRODUCT if round_product else 0))
+            | (ROUND_PRODUCT if round_product or bf16_math else 0) | (BF16_MATH if bf16_math else 0))
 
 
 @triton.jit
@@ -222,7 +229,8 @@ def _per_token_group_quant_kernel(
         zero_row = zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK)
         quantize_tile(y, pid_l, pid_g, offs_t, row_ok, zero_row, G, W,
                       q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
-                      GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8, (HAS_MASK & 8) != 0)
+                      GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8, (HAS_MASK & 8) != 0,
+                      (HAS_MASK & 32) != 0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -2,7 +2,8 @@
 
 Input `[L, T, 2N]`: ``gate = x[..., :N]``, ``up = x[..., N:]`` (the first GEMM's output). The
 product is formed in float32 and quantized directly (rounded to the input dtype first, SiLU and
-product each, only with ``ROUND_PRODUCT`` in ``HAS_MASK``: SGLang's arithmetic), then
+product each, only with ``ROUND_PRODUCT`` in ``HAS_MASK``: SGLang's arithmetic; with ``BF16_MATH`` the scale
+and the scaled values in bf16 too: vLLM's CUDA arithmetic), then
 stored through :func:`moe_ep.kernels.quant.quantize_tile`, so every output layout option of the plain
 quant kernel applies unchanged (TMA padding rows zeroed; masked rows, ``>= masked_m[l]``, neither
 read nor written, their scales zeroed with ``ZERO_MASKED_SCALES``).
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_cast import native_e4m3_supported
+from .fp8_cast import native_e4m3_supported, round_bf16
 from .pdl import pdl_launch_kwargs
 from .quant import choose_config, mask_flags, num_tiles, quantize_tile, tile_coords, tile_operands, zero_scale_rows
 
@@ -26,9 +27,7 @@ def _round_to_input_dtype(y, DTYPE: tl.constexpr):
     """float32 ``y`` rounded to nearest-even in ``DTYPE`` (bf16, fp16 or fp32), as float32. BF16 by integer
     arithmetic on the bits: the interpreter's float32 -> bf16 cast truncates, the GPU's rounds."""
     if DTYPE == tl.bfloat16:
-        bits = y.to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        return tl.where(y != y, y, rounded)  # NaN stays NaN (its low bits could carry into inf)
+        return round_bf16(y)
     elif DTYPE == tl.float16:
         return y.to(tl.float16).to(tl.float32)
     else:
@@ -76,7 +75,8 @@ def _silu_and_mul_quant_kernel(
         zero_row = zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK)
         quantize_tile(y, pid_l, pid_g, offs_t, row_ok, zero_row, G, W,
                       q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
-                      GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8, (HAS_MASK & 8) != 0)
+                      GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8, (HAS_MASK & 8) != 0,
+                      (HAS_MASK & 32) != 0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -86,7 +86,8 @@ def launch_silu_and_mul_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple
                               round_scale: bool, use_ue8m0: bool, transpose_out: bool,
                               use_pdl: bool, s_strides: tuple[int, int, int] | None = None,
                               zero_masked_scales: bool = False, keep_padding: bool = False,
-                              recip_multiply: bool = False, round_product: bool = False) -> None:
+                              recip_multiply: bool = False, round_product: bool = False,
+                              bf16_math: bool = False) -> None:
     """Launch on validated 3D views: ``x`` `[L, T, 2N]` (last dim contiguous), ``q`` addressed through
     ``q_strides`` (element strides of its logical `[L, T, N]`), ``scales`` `[L, T, G or ceil(G / 4)]`."""
     L, T, two_n = x.shape
@@ -105,7 +106,8 @@ def launch_silu_and_mul_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple
         *s_strides,
         GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, GROUPS_PER_PROG=cfg.gpp,
         ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0,
-        HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding, recip_multiply, round_product),
+        HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding, recip_multiply, round_product,
+                            bf16_math),
         NATIVE_FP8=native_e4m3_supported(x.device), NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         **pdl_launch_kwargs(use_pdl, x.device),
     )
