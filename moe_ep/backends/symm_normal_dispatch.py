@@ -211,7 +211,8 @@ class NormalDispatchMixin:
                              "which streams any batch through the buffer in rounds")
         if cap < 1:
             need = self.min_bytes(hidden, k, R, words)
-            raise ValueError(f"backend 'symm': num_nvl_bytes={self.symm.nbytes} (rounded up to 256) is below the minimum for one round of "
+            raise ValueError(f"backend 'symm': num_nvl_bytes={self.symm.nbytes} (rounded up to 256) is below the "
+                             "minimum for one round of "
                              f"normal-mode dispatch/combine (hidden={hidden}, top-{k}, {R} ranks, {4 * words}-byte rows): "
                              f"pass num_nvl_bytes >= {need} (one token per source per round; "
                              "SymmBackend.get_normal_size_hint(None, hidden, num_topk, num_ranks) gives a fixed size "
