@@ -142,7 +142,7 @@ def vllm_cuda_reference(gate: torch.Tensor, up: torch.Tensor, pow2: bool) -> tup
 def test_vllm_cuda_arithmetic_is_bitwise(E, T, H):
     # bf16_math=True: vLLM's CUDA kernel's bytes and scales, bit for bit, in its three scale formats
     counts, y = vllm_style_input(E, T, H, seed=E * 7000 + T + H)
-    G, words = H // GS, (H // GS + 3) // 4
+    words = (H // GS + 3) // 4
     for name, kw in VLLM_FORMATS.items():
         q, s = silu_and_mul_quant_fp8(y.to(DEV), GS, masked_m=counts.to(DEV), bf16_math=True, **kw)
         for e in range(E):

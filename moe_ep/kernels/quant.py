@@ -42,7 +42,8 @@ from .fp8_cast import (div_by_scale, div_by_scale_approx, e4m3_byte, group_scale
                        quantize_bf16_math)
 from .pdl import INTERPRET, pdl_launch_kwargs
 
-__all__ = ["BF16_MATH", "KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ROUND_PRODUCT", "ZERO_MASKED_SCALES", "QuantConfig", "choose_config",
+__all__ = ["BF16_MATH", "KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ROUND_PRODUCT", "ZERO_MASKED_SCALES",
+           "QuantConfig", "choose_config",
            "launch_per_token_group_quant", "mask_flags", "num_tiles", "quantize_tile", "tile_coords", "tile_operands",
            "zero_scale_rows"]
 
