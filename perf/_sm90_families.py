@@ -210,18 +210,19 @@ def _low_latency_cases() -> list[Case]:
              "DISP_BUSY": sig["DISP_BUSY"], "DISP_FULL": sig["DISP_FULL"], "DISP_RECV_CNT": sig["DISP_RECV_CNT"]}))
     comb = {"comb_off": slot_base + lay.comb_off, "sig_off": sig["SLOT_WORDS"]}
     cases.append(_case(
-        "ll_combine_send", f"BF16 H={H} T={T} E={E} EP{R}", k._ll_combine_send_kernel,
+        "ll_combine_send", f"BF16 H={H} T={T} E={E} EP{R}", k._ll_combine_send_fmt_kernel,
         {"x_ptr": "*i16", "slot_row_ptr": "*i32", "recv_tokens_ptr": "*i32", "stamp_ptr": "*i32", **_SYMM_PTRS},
         {"stride_xl": RT * H, "stride_xr": H, "rank": _RANK, "T": T, "R": R, "timeout_ns": _TIMEOUT_NS, **comb},
         {"H": H, "K": KT, "KP": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "COMB_BUSY": sig["COMB_BUSY"],
-         "COMB_FULL": sig["COMB_FULL"], "COMB_SEND_CNT": sig["COMB_SEND_CNT"]}))
+         "COMB_FULL": sig["COMB_FULL"], "COMB_SEND_CNT": sig["COMB_SEND_CNT"], "FMT": 0, "IN_F16": False,
+         "NATIVE_FP8": False}))
     cases.append(_case(
-        "ll_combine_recv", f"BF16 H={H} T={T} top-{KT} EP{R}", k._ll_combine_recv_kernel,
+        "ll_combine_recv", f"BF16 H={H} T={T} top-{KT} EP{R}", k._ll_combine_recv_fmt_kernel,
         {"buf_ptr": "*u8", "topk_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*i16", "signal_ptrs": "*i64",
          "status_ptr": "*i32", "wait_stats_ptr": "*i64", "stamp_ptr": "*i32"},
         {"rank": _RANK, "N": T, "R": R, "E": E, "timeout_ns": _TIMEOUT_NS, **comb},
         {"H": H, "K": KT, "BLOCK_T": 2, "HC": min(p2(H), 1024), "HAS_WAIT_STATS": True, "COMB_BUSY": sig["COMB_BUSY"],
-         "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"]},
+         "COMB_FULL": sig["COMB_FULL"], "COMB_RECV_CNT": sig["COMB_RECV_CNT"], "FMT": 0, "OUT_F16": False},
         options={"enable_fp_fusion": False}))
     # combine formats (moe_ep.kernels.logfmt): FP8 1x128 and LogFMT-10 encoded in the send, decoded in the receive
     for what, fmt, f16 in (("FP8 wire, BF16 x", 2, False), ("LogFMT-10 wire, BF16 x", 3, False),

@@ -43,7 +43,7 @@ print(json.dumps({"rows": rows, "table": table.getvalue()}))
 KERNELS = {
     "_per_token_group_quant_kernel", "_silu_and_mul_quant_kernel", "_layout_kernel", "_scatter_send_kernel",
     "_recv_counts_kernel", "_gather_recv_kernel", "_combine_recv_kernel", "_ll_dispatch_send_kernel",
-    "_ll_dispatch_recv_kernel", "_ll_combine_send_kernel", "_ll_combine_recv_kernel", "mega_moe_kernel",
+    "_ll_dispatch_recv_kernel", "_ll_combine_send_fmt_kernel", "_ll_combine_recv_fmt_kernel", "mega_moe_kernel",
     "_view_recv_kernel", "_release_held_kernel", "_expand_rows_kernel", "_sum_expanded_kernel",
 }
 

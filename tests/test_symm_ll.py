@@ -441,9 +441,11 @@ CASES = {
     "recv_fp8": lambda: variant("_ll_dispatch_recv_kernel", SW=56, SWP=64, IS_FP8=True, HAS_STATS=True, **RECV),
     "recv_bf16": lambda: variant("_ll_dispatch_recv_kernel", ptrs={"recv_x_ptr": "*i16"}, SW=1, SWP=1, IS_FP8=False,
                                  HAS_STATS=False, **dict(RECV, HC=1024)),
-    "combine_send": lambda: variant("_ll_combine_send_kernel", ptrs={"x_ptr": "*i16"}, **CSEND),
-    "combine_recv": lambda: variant("_ll_combine_recv_kernel", fp_fusion=False, **CRECV),
-    "combine_recv_fused": lambda: variant("_ll_combine_recv_kernel", fp_fusion=True, **CRECV),
+    "combine_send": lambda: variant("_ll_combine_send_fmt_kernel", ptrs={"x_ptr": "*i16"}, FMT=0, IN_F16=False,
+                                    NATIVE_FP8=False, **CSEND),
+    "combine_recv": lambda: variant("_ll_combine_recv_fmt_kernel", fp_fusion=False, FMT=0, OUT_F16=False, **CRECV),
+    "combine_recv_fused": lambda: variant("_ll_combine_recv_fmt_kernel", fp_fusion=True, FMT=0, OUT_F16=False,
+                                          **CRECV),
 }
 print(json.dumps({k: CASES[k]() for k in json.loads(sys.argv[1])}))
 '''

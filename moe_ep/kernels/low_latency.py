@@ -17,11 +17,11 @@ bitcode like the sends); :func:`_ll_quiet_kernel` (NVSHMEM only) completes this 
   ``sum_{s' < s} count[s'][e] + pos`` of ``recv_x[e]`` (source rank, then token order: the masked
   layout of the torch backend), copies the scales column-major, fills ``recv_count`` and the handle's
   ``slot_row`` table (where each ``(s, t, k)`` landed) for the combine.
-- :func:`_ll_combine_send_kernel` (expert rank ``d``): copies each expert output row back to slot
+- :func:`_ll_combine_send_fmt_kernel` (expert rank ``d``): copies each expert output row back to slot
   ``(t, k)`` of its source rank's combine area `[T, K, 2H bytes]` (each slot has exactly one writer): BF16 or
   FP16 as it is, or encoded per channel group (``FMT``: FP8 with 1x128 scales, LogFMT-10 with 64-channel
   groups; formats in :mod:`moe_ep.kernels.logfmt`).
-- :func:`_ll_combine_recv_kernel` (source ``s``): decodes each slot to float32, then ``out[t] = sum_k w[t, k] *
+- :func:`_ll_combine_recv_fmt_kernel` (source ``s``): decodes each slot to float32, then ``out[t] = sum_k w[t, k] *
   y[t, k]`` in float32, k ascending, holes skipped, one rounding to BF16 or FP16
   (``OUT_F16``; compiled without FMA contraction, so equal to the torch reference bitwise).
 
@@ -93,8 +93,6 @@ __all__ = [
     "LL_MAXNREG",
     "_ll_dispatch_send_kernel",
     "_ll_dispatch_recv_kernel",
-    "_ll_combine_send_kernel",
-    "_ll_combine_recv_kernel",
     "_ll_combine_send_fmt_kernel",
     "_ll_combine_recv_fmt_kernel",
     "_ll_quiet_kernel",
@@ -379,7 +377,5 @@ def _ll_quiet_kernel():
 from .low_latency_dispatch_recv import _ll_dispatch_recv_kernel  # noqa: E402
 from .low_latency_combine import (  # noqa: E402
     _ll_combine_recv_fmt_kernel,
-    _ll_combine_recv_kernel,
     _ll_combine_send_fmt_kernel,
-    _ll_combine_send_kernel,
 )

@@ -50,10 +50,9 @@ KBITS = tl.constexpr(32)  # top-k at most 32: one bit per selection in the combi
 _BAD_EXPERT = tl.constexpr(STATUS_BAD_EXPERT)  # (jit code reads constexpr globals only)
 _STALE_ROW = tl.constexpr(STATUS_STALE_ROW)
 
-__all__ = ["_ll_combine_send_kernel", "_ll_combine_recv_kernel", "_ll_combine_send_fmt_kernel",
-           "_ll_combine_recv_fmt_kernel"]
-# The BF16 kernels keep their signatures (callers and compile checks pin them); the ``*_fmt_kernel`` variants take
-# the combine format as constexprs (FMT, IN_F16 / OUT_F16, NATIVE_FP8); both are thin wrappers over one body.
+__all__ = ["_ll_combine_send_fmt_kernel", "_ll_combine_recv_fmt_kernel"]
+# Every combine format (BF16 / FP16 as they are: FMT 0 / 1) and transport goes through these two kernels, thin
+# wrappers over one body each, the format as constexprs (FMT, IN_F16 / OUT_F16, NATIVE_FP8).
 #
 # Combine slot (t, k) of a source's area (and a staging row on the NVSHMEM transport) is ``_cs(H)`` bytes: a 16-byte
 # stamp header (int32 word 0 = ``stamp_s << 16 | writer + 1``, words 1..3 zero) then the row's wire bytes. The
@@ -414,25 +413,6 @@ def _comb_recv_body_ll(
 
 
 @triton.jit
-def _ll_combine_send_kernel(
-    x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
-    slot_row_ptr, recv_tokens_ptr, stamp_ptr,  # from the dispatch receive
-    buffer_ptrs, signal_ptrs, status_ptr,
-    rank, T, R, timeout_ns,
-    comb_off, sig_off,
-    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
-    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_SEND_CNT: tl.constexpr,
-    call_sig0=0, call_sig1=0, call_sig2=0, call_sig3=0,  # this call's signature (hidden, T, E * 256 + K, flags)
-):
-    """BF16 payloads: see :func:`_comb_send_body_ll`."""
-    _comb_send_body_ll(x_ptr, stride_xl, stride_xr, slot_row_ptr, recv_tokens_ptr, stamp_ptr, buffer_ptrs,
-                       signal_ptrs,
-                       status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
-                       COMB_FULL, COMB_SEND_CNT, 0, False, False, 0, 0, 1, 2 * H, 0, call_sig0, call_sig1, call_sig2,
-                       call_sig3)
-
-
-@triton.jit
 def _ll_combine_send_fmt_kernel(
     x_ptr, stride_xl, stride_xr,  # [L, R*T, H] bf16 as int16, last dim contiguous
     slot_row_ptr, recv_tokens_ptr, stamp_ptr,  # from the dispatch receive
@@ -453,25 +433,6 @@ def _ll_combine_send_fmt_kernel(
                        status_ptr, rank, T, R, timeout_ns, comb_off, sig_off, H, K, KP, BLOCK_T, HC, COMB_BUSY,
                        COMB_FULL, COMB_SEND_CNT, FMT, IN_F16, NATIVE_FP8, stage_off, TRANSPORT, CH, ROW_BYTES,
                        sig_copy_off, call_sig0, call_sig1, call_sig2, call_sig3)
-
-
-@triton.jit
-def _ll_combine_recv_kernel(
-    buf_ptr,  # this rank's data region (uint8)
-    topk_ptr, w_ptr,  # [N, K] int64 / float32
-    out_ptr,  # [N, H] bf16 as int16
-    signal_ptrs, status_ptr,
-    wait_stats_ptr,  # [R] int64: ns this receive waited for each expert rank (accumulated), if HAS_WAIT_STATS
-    stamp_ptr,  # [R + 1] int32: the dispatch handle's call stamps
-    rank, N, R, E, timeout_ns,
-    comb_off, sig_off,
-    H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr, HAS_WAIT_STATS: tl.constexpr,
-    COMB_BUSY: tl.constexpr, COMB_FULL: tl.constexpr, COMB_RECV_CNT: tl.constexpr,
-):
-    """BF16 payloads: see :func:`_comb_recv_body_ll`."""
-    _comb_recv_body_ll(buf_ptr, topk_ptr, w_ptr, out_ptr, signal_ptrs, status_ptr, wait_stats_ptr, stamp_ptr,
-                       rank, N, R, E, timeout_ns, comb_off, sig_off, H, K, BLOCK_T, HC, HAS_WAIT_STATS, COMB_BUSY, COMB_FULL,
-                       COMB_RECV_CNT, 0, False, 0)
 
 
 @triton.jit
