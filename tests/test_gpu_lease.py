@@ -270,7 +270,10 @@ def test_dry_run_ll_and_gemm_stages(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     tail = p.stdout.strip().splitlines()
     assert tail[-2].startswith("| ll | 7/7 ok"), tail[-3:]
-    assert tail[-1].startswith("| gemm-gluon | skipped: the Gluon GEMM") and "8 shapes" in tail[-1], tail[-1]
+    listed = subprocess.run([sys.executable, "perf/lease_gemm_gluon.py", "--list"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    n = len(listed.stdout.strip().splitlines()) - 2  # the shape table, less its header
+    assert tail[-1].startswith("| gemm-gluon | skipped: the Gluon GEMM") and f"{n} shapes" in tail[-1], tail[-1]
     rows = [json.loads(ln) for ln in (out / "records.jsonl").read_text().splitlines()]
     ll = [r for r in rows if r["stage"] == "ll"]
     assert [r["case"].split()[:2] for r in ll] == [["ll", "EP2"], ["ll", "EP4"]] + [["ll", "fit"]] * 4 + \
