@@ -82,8 +82,10 @@ def per_token_group_quant_fp8_ref(
     group_size: int = 128,
     round_scale: bool = False,
     use_ue8m0: bool = False,
+    eps: float = AMAX_MIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` (`[..., K]`, float dtype) in groups of ``group_size`` along the last dim.
+    """Quantize ``x`` (`[..., K]`, float dtype) in groups of ``group_size`` along the last dim, each group's
+    ``amax`` floored at ``eps``.
 
     Returns:
         q: `[..., K]` with `torch.float8_e4m3fn`.
@@ -95,7 +97,7 @@ def per_token_group_quant_fp8_ref(
         raise TypeError(f"per_token_group_quant_fp8_ref expects a float input, got {x.dtype}")
     xg = _group_view(x.float(), group_size)
     # NOTES: amax and clamp both propagate NaN, so a group holding a NaN gets a NaN scale.
-    amax = xg.abs().amax(dim=-1).clamp(min=AMAX_MIN)
+    amax = xg.abs().amax(dim=-1).clamp(min=eps)
     # NOTES: divided by a tensor, not the Python scalar: on CUDA, torch turns ``t / scalar`` into ``t * (1 / scalar)``
     # (1 ulp off IEEE division for some amax, measured on an H200), and the reference must be IEEE on every device.
     scale = amax / torch.full_like(amax, FP8_MAX)

@@ -29,9 +29,9 @@ Keywords, as the engines name them:
   same exponents packed four to an int32 word. ``scale_tma_aligned`` (SGLang) is ``tma_aligned_scales``
   (vLLM); here either alone also makes the scales column-major (vLLM ignores it without
   ``column_major_scales``: the values are the same, only the strides differ).
-- The amax floor is 1e-4 (DeepGEMM's), not vLLM's ``eps=1e-10``: an all-zero (or tiny) group gets
-  scale ``float32(1e-4) / 448``, deliberately (tiny groups quantize to the same bytes either way; the
-  floor keeps ``1 / scale`` finite for the GEMM); there is no ``eps`` argument.
+- The amax floor is 1e-4 (DeepGEMM's) by default; ``eps=1e-10`` takes vLLM's and SGLang's. An all-zero
+  group gets scale ``float32(eps) / 448`` (tiny groups quantize to the same bytes either way; only the
+  scale, and so the UE8M0 byte, differs).
 - :func:`silu_and_mul_quant_fp8` quantizes ``silu(gate) * up`` in float32; SGLang rounds the product to
   BF16 first. Deliberate: one rounding instead of two, so an FP8 byte can differ by one step from
   SGLang's where the BF16 rounding crosses an e4m3 rounding boundary.
@@ -286,6 +286,14 @@ def _quant_op(launch, x, width_factor, group_size, column_major_scales, tma_alig
     return out, out_scales
 
 
+def _small_eps(eps) -> bool:
+    """The ops' ``eps``: True for 1e-10 (vLLM's, SGLang's), False for 1e-4 (DeepGEMM's); ValueError otherwise."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or float(eps) not in (1e-4, 1e-10):
+        raise ValueError(f"eps={eps!r}: the amax floor is 1e-4 (DeepGEMM's, the default) or 1e-10 (vLLM's and "
+                         "SGLang's)")
+    return float(eps) == 1e-10
+
+
 def _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale, use_ue8m0, scale_ue8m0):
     """The engines' spellings onto the kernels' options: ``(column_major, tma_aligned, round_scale, packed)``."""
     for key, val in (("column_major_scales", column_major_scales), ("tma_aligned_scales", tma_aligned_scales),
@@ -317,6 +325,7 @@ def per_token_group_quant_fp8(
     masked_m: torch.Tensor | None = None,
     use_pdl: bool = False,
     zero_masked_scales: bool = True,
+    eps: float = 1e-4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations to FP8 with one scale per ``group_size`` consecutive channels of a row.
 
@@ -344,9 +353,10 @@ def per_token_group_quant_fp8(
             words) for the masked rows, as vLLM's and SGLang's masked ops do (the default). False
             leaves them unwritten (DeepGEMM's masked GEMM never reads them), saving 4 bytes per
             masked row and group. Ignored without ``masked_m``.
+        eps: the floor of each group's ``amax``: 1e-4 (DeepGEMM's, the default) or 1e-10 (vLLM's and
+            SGLang's); any other value is a ValueError. An all-zero group gets scale ``float32(eps) / 448``
+            and zero bytes.
 
-    ``amax`` is floored at 1e-4 (DeepGEMM's; vLLM's ``eps`` is 1e-10): an all-zero group gets scale
-    ``float32(1e-4) / 448`` and zero bytes, deliberately.
     With ``tma_aligned_scales`` the padding rows of the storage (T rounded up to a multiple of 4, in
     every column) are zeros, written by the kernel, when the storage is the op's own or ends exactly at
     the padded end (a slice of a `[.., cols, ceil4(T)]` allocation); other caller storage keeps them.
@@ -358,7 +368,10 @@ def per_token_group_quant_fp8(
     """
     col, tma, rnd, packed = _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale,
                                    use_ue8m0, scale_ue8m0)
-    return _quant_op(launch_per_token_group_quant, x, 1, group_size, col, tma, rnd, packed, transpose_out, out,
+    launch = launch_per_token_group_quant
+    if _small_eps(eps):
+        launch = functools.partial(launch_per_token_group_quant, small_eps=True)
+    return _quant_op(launch, x, 1, group_size, col, tma, rnd, packed, transpose_out, out,
                      out_scales, masked_m, use_pdl, zero_masked_scales)
 
 
@@ -380,6 +393,7 @@ def silu_and_mul_quant_fp8(
     zero_masked_scales: bool = True,
     round_product: bool = False,
     bf16_math: bool = False,
+    eps: float = 1e-4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``per_token_group_quant_fp8(silu(gate) * up)`` in one pass, the product kept in float32.
 
@@ -390,7 +404,8 @@ def silu_and_mul_quant_fp8(
             quantizing: what SGLang's masked SiLU-and-mul quant (and vLLM's CUDA one) compute, so the
             scales (UE8M0 words) agree with theirs. Off by default: one rounding, of the float32 product.
         bf16_math: vLLM's CUDA arithmetic (module notes): ``round_product``, then the scale, its reciprocal
-            and the scaled values each rounded to bf16. BF16 ``x`` only.
+            and the scaled values each rounded to bf16. BF16 ``x`` only. Its amax floor is ``bf16(1e-10)``, whatever
+            ``eps``.
         Every other argument as in :func:`per_token_group_quant_fp8` (with K = N).
 
     Returns:
@@ -409,9 +424,8 @@ def silu_and_mul_quant_fp8(
         raise TypeError(f"bf16_math=True takes BF16 input (vLLM's CUDA kernel's), got {x.dtype}")
     col, tma, rnd, packed = _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale,
                                    use_ue8m0, scale_ue8m0)
-    launch = launch_silu_and_mul_quant
-    if round_product or bf16_math:
-        launch = functools.partial(launch_silu_and_mul_quant, round_product=True, bf16_math=bf16_math)
+    launch = functools.partial(launch_silu_and_mul_quant, round_product=round_product or bf16_math,
+                               bf16_math=bf16_math, small_eps=_small_eps(eps))
     return _quant_op(launch, x, 2, group_size, col, tma, rnd, packed, transpose_out, out, out_scales, masked_m,
                      use_pdl, zero_masked_scales)
 

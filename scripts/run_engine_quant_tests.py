@@ -93,16 +93,19 @@ def _install_cpu_device() -> None:
 
 def _ops(reciprocal: bool):
     """moe_ep's two ops, or both as ``reciprocal_multiply_quant_fp8`` (``x * (1 / scale)``; it has no
-    ``round_product``: the product stays float32)."""
+    ``round_product`` and no ``eps``: the product stays float32, the floor 1e-4)."""
     from moe_ep import quant
 
     if not reciprocal:
         return quant.per_token_group_quant_fp8, quant.silu_and_mul_quant_fp8
 
-    def silu_quant(x, group_size=128, *, round_product=False, bf16_math=False, **kw):
+    def plain_quant(x, group_size=128, *, eps=1e-4, **kw):  # (its floor stays 1e-4)
+        return quant.reciprocal_multiply_quant_fp8(x, group_size, **kw)
+
+    def silu_quant(x, group_size=128, *, round_product=False, bf16_math=False, eps=1e-4, **kw):
         return quant.reciprocal_multiply_quant_fp8(x, group_size, silu=True, **kw)
 
-    return quant.reciprocal_multiply_quant_fp8, silu_quant
+    return plain_quant, silu_quant
 
 
 def _install_gpu_fp8_cast() -> None:
@@ -194,12 +197,12 @@ def _vllm_adapters(platform_mode: str, reciprocal: bool) -> None:
         # vLLM: use_ue8m0 = float32 powers of two; tma_aligned_scales only means something with column_major.
         per_token_group_quant_fp8(x, group_size, column_major_scales=column_major_scales,
                                   tma_aligned_scales=column_major_scales and tma_aligned_scales,
-                                  use_ue8m0=use_ue8m0, out=x_q, out_scales=x_s)
+                                  use_ue8m0=use_ue8m0, out=x_q, out_scales=x_s, eps=eps)
 
     def per_token_group_fp8_quant_packed(x, x_q, x_s_packed, group_size, eps, fp8_min, fp8_max):
         # DeepGEMM's packed words, MN-major, TMA-aligned column stride (vLLM allocates them so).
         per_token_group_quant_fp8(x, group_size, scale_ue8m0=True, tma_aligned_scales=True, out=x_q,
-                                  out_scales=x_s_packed)
+                                  out_scales=x_s_packed, eps=eps)
 
     torch.ops._C.per_token_group_fp8_quant = per_token_group_fp8_quant
     torch.ops._C.per_token_group_fp8_quant_packed = per_token_group_fp8_quant_packed
@@ -232,6 +235,7 @@ def _sglang_adapters(reciprocal: bool) -> None:
 
     def per_token_group_quant(input, output_q=None, output_s=None, group_size=128, scale_ue8m0=False,
                               fuse_silu_and_mul=False, masked_m=None, expected_m=None, **kw):
+        # SGLang's kernel floors amax at 1e-10 (it bakes eps in): eps=1e-10 below
         # SGLang infers the layout from output_s: contiguous -> row-major; transposed -> column-major, its column
         # stride T padded to 4 (TMA) or not; int32 -> packed UE8M0 words. Legacy SiLU rounds act and product.
         assert output_q is not None and output_s is not None and not kw, kw
@@ -239,7 +243,7 @@ def _sglang_adapters(reciprocal: bool) -> None:
         col = (g > 1 and output_s.stride(-1) != 1) or (g == 1 and m > 1 and output_s.stride(-2) == 1)
         tma = col and g > 1 and output_s.stride(-1) != m
         opts = {"column_major_scales": col, "tma_aligned_scales": tma, "scale_ue8m0": scale_ue8m0,
-                "out": output_q, "out_scales": output_s, "masked_m": masked_m}
+                "out": output_q, "out_scales": output_s, "masked_m": masked_m, "eps": 1e-10}
         if fuse_silu_and_mul:
             silu_and_mul_quant_fp8(input, group_size, round_product=True, **opts)
         else:

@@ -161,6 +161,35 @@ def test_vllm_cuda_arithmetic_is_bitwise(E, T, H):
     assert not torch.equal(s_exact.cpu(), s_bf16.cpu())
 
 
+@pytest.mark.parametrize("silu", [False, True], ids=["quant", "silu_quant"])
+def test_eps_of_the_engines(silu):
+    # eps=1e-10 (vLLM's, SGLang's amax floor): an all-zero group's UE8M0 byte is 0x55, 2^ceil(log2(1e-10 / 448))
+    # as SGLang's kernel computes it (1e-4, the default: 0x69); every other byte and scale is the reference's with
+    # that floor. (vLLM's packed CUDA kernel also floors the scale itself at 1e-10: 0x5E there; not this op's rule.)
+    from moe_ep.fp8 import per_token_group_quant_fp8_ref
+    from moe_ep.quant import silu_and_mul_fp32
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 2 * 256 if silu else 256, generator=gen).bfloat16()
+    x[1] = 0.0  # every group of row 1 is zero (gate 0: SiLU 0)
+    x[2, :128] = 1e-9  # a tiny group: under 1e-4 after SiLU and product or not
+    op = silu_and_mul_quant_fp8 if silu else per_token_group_quant_fp8
+    y = silu_and_mul_fp32(x) if silu else x.float()
+    for eps, byte in ((1e-10, 0x55), (1e-4, 0x69)):
+        q, s = op(x.to(DEV), GS, eps=eps)
+        rq, rs = per_token_group_quant_fp8_ref(y, GS, eps=eps)
+        if silu:  # SiLU's exp differs by an ulp between the kernel and torch (module notes): scales within that
+            assert_q_matches(q, rq)
+            torch.testing.assert_close(s.cpu(), rs)
+        else:
+            assert torch.equal(bytes_of(q), bytes_of(rq)) and torch.equal(s.cpu(), rs), eps
+        assert float(s[1, 0]) == float(torch.tensor(eps, dtype=torch.float32) / 448), (eps, float(s[1, 0]))
+        _, w = op(x.to(DEV), GS, eps=eps, scale_ue8m0=True)
+        assert int(w[1, 0].cpu()) & 0xFF == byte, (eps, hex(int(w[1, 0])))
+    with pytest.raises(ValueError, match="eps=0.001: the amax floor is 1e-4"):
+        op(x.to(DEV), GS, eps=1e-3)
+
+
 def test_bf16_math_takes_bf16_only():
     with pytest.raises(TypeError, match="bf16_math=True takes BF16"):
         silu_and_mul_quant_fp8(torch.zeros(2, 256, device=DEV), GS, bf16_math=True)

@@ -39,6 +39,7 @@ import triton.language as tl
 # (``FP8_MAX: tl.constexpr = 448.0``) runs in the interpreter but fails to compile.
 FP8_MAX = tl.constexpr(448.0)
 AMAX_MIN = tl.constexpr(1e-4)
+AMAX_MIN_SMALL = tl.constexpr(1e-10)  # vLLM's and SGLang's eps (the quant ops' eps=1e-10)
 # float32(1) / float32(448), correctly rounded in float32 (C's ``1 / 448.0f``); exactly representable in a double.
 FP8_MAX_INV = tl.constexpr(float.fromhex("0x1.24924ap-9"))
 SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
@@ -76,11 +77,15 @@ def ceil_pow2(scale):
 
 
 @triton.jit
-def group_scale(amax, ROUND_SCALE: tl.constexpr):
-    """Scale of one quantization group from its ``max|x|`` (float32)."""
+def group_scale(amax, ROUND_SCALE: tl.constexpr, SMALL_EPS: tl.constexpr):
+    """Scale of one quantization group from its ``max|x|`` (float32), amax floored at 1e-4 (1e-10 with
+    ``SMALL_EPS``)."""
     # NOTES: written as where() rather than maximum() so that NaN propagates the same way on every
     # backend (torch's clamp keeps NaN).
-    amax = tl.where(amax < AMAX_MIN, AMAX_MIN, amax)
+    if SMALL_EPS:
+        amax = tl.where(amax < AMAX_MIN_SMALL, AMAX_MIN_SMALL, amax)
+    else:
+        amax = tl.where(amax < AMAX_MIN, AMAX_MIN, amax)
     # NOTES: div_rn, not ``/``: compiled Triton lowers a float32 ``/`` to div.full.f32 (up to 2 ulp
     # off), which would break bitwise agreement with torch on a GPU. The interpreter is IEEE either way.
     scale = tl.math.div_rn(amax, FP8_MAX)

@@ -42,7 +42,7 @@ from .fp8_cast import (div_by_scale, div_by_scale_approx, e4m3_byte, group_scale
                        quantize_bf16_math)
 from .pdl import INTERPRET, pdl_launch_kwargs
 
-__all__ = ["BF16_MATH", "KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ROUND_PRODUCT", "ZERO_MASKED_SCALES",
+__all__ = ["BF16_MATH", "KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ROUND_PRODUCT", "SMALL_EPS", "ZERO_MASKED_SCALES",
            "QuantConfig", "choose_config",
            "launch_per_token_group_quant", "mask_flags", "num_tiles", "quantize_tile", "tile_coords", "tile_operands",
            "zero_scale_rows"]
@@ -58,12 +58,13 @@ def quantize_tile(
     s_ptr, stride_sl, stride_st, stride_sg,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
     ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, RECIP_MULTIPLY: tl.constexpr,
-    BF16_MATH: tl.constexpr,
+    BF16_MATH: tl.constexpr, SMALL_EPS: tl.constexpr,
 ):
     """Quantize one float32 tile and store its e4m3 bytes (``q_ptr`` is a uint8 view) and scales.
 
     ``RECIP_MULTIPLY``: ``y * (1 / scale)`` instead of ``y / scale`` (not bitwise: measuring only).
-    ``BF16_MATH``: :func:`~moe_ep.kernels.fp8_cast.quantize_bf16_math` (``y`` holds bf16 values)."""
+    ``BF16_MATH``: :func:`~moe_ep.kernels.fp8_cast.quantize_bf16_math` (``y`` holds bf16 values).
+    ``SMALL_EPS``: amax floored at 1e-10 instead of 1e-4."""
     offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     offs_c = tl.arange(0, GROUP_SIZE)
     group_ok = offs_g < G
@@ -80,7 +81,7 @@ def quantize_tile(
     if BF16_MATH:
         q, scale = quantize_bf16_math(y, amax, ROUND_SCALE)
     else:
-        scale = group_scale(amax, ROUND_SCALE)
+        scale = group_scale(amax, ROUND_SCALE, SMALL_EPS)
         if ROUND_SCALE:
             # 1 / 2^k is exact, and y * 2^-k rounds exactly like y / 2^k: same bits as the reference's
             # division at one multiply per value.
@@ -127,6 +128,7 @@ KEEP_PADDING = 4  # leave the TMA padding rows alone (caller storage that ends a
 RECIP_MULTIPLY = 8  # y * (1 / scale): one rounding more than IEEE y / scale (not bitwise; a bench row only)
 ROUND_PRODUCT = 16  # SiLU quant: SiLU(gate) and SiLU(gate) * up rounded to x's dtype first (SGLang's arithmetic)
 BF16_MATH = 32  # SiLU quant: ROUND_PRODUCT, then the scale and the scaled values in bf16 (vLLM's CUDA arithmetic)
+SMALL_EPS = 64  # amax floored at 1e-10 (vLLM's and SGLang's eps) instead of 1e-4 (DeepGEMM's)
 
 
 @triton.jit
@@ -150,13 +152,14 @@ def zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK: tl.cons
 
 
 def mask_flags(has_mask: bool, zero_masked_scales: bool, keep_padding: bool, recip_multiply: bool = False,
-               round_product: bool = False, bf16_math: bool = False) -> int:
+               round_product: bool = False, bf16_math: bool = False, small_eps: bool = False) -> int:
     """The ``HAS_MASK`` constexpr for a launch."""
     flags = MASK_ROWS if has_mask else 0
     if has_mask and zero_masked_scales:
         flags |= ZERO_MASKED_SCALES
     return (flags | (KEEP_PADDING if keep_padding else 0) | (RECIP_MULTIPLY if recip_multiply else 0)
-            | (ROUND_PRODUCT if round_product or bf16_math else 0) | (BF16_MATH if bf16_math else 0))
+            | (ROUND_PRODUCT if round_product or bf16_math else 0) | (BF16_MATH if bf16_math else 0)
+            | (SMALL_EPS if small_eps else 0))
 
 
 @triton.jit
@@ -231,7 +234,7 @@ def _per_token_group_quant_kernel(
         quantize_tile(y, pid_l, pid_g, offs_t, row_ok, zero_row, G, W,
                       q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
                       GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8, (HAS_MASK & 8) != 0,
-                      (HAS_MASK & 32) != 0)
+                      (HAS_MASK & 32) != 0, (HAS_MASK & 64) != 0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -311,7 +314,7 @@ def launch_per_token_group_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tu
                                  round_scale: bool, use_ue8m0: bool, transpose_out: bool,
                                  use_pdl: bool, s_strides: tuple[int, int, int] | None = None,
                                  zero_masked_scales: bool = False, keep_padding: bool = False,
-                                 recip_multiply: bool = False) -> None:
+                                 recip_multiply: bool = False, small_eps: bool = False) -> None:
     """Launch on validated 3D views: ``x`` `[L, T, K]` (last dim contiguous), ``q`` the FP8 output
     (any shape, addressed through ``q_strides`` = element strides of its logical `[L, T, K]`),
     ``scales`` `[L, T, G]` float32 or `[L, T, ceil(G / 4)]` int32 with any strides. ``recip_multiply``:
@@ -332,7 +335,8 @@ def launch_per_token_group_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tu
         *s_strides,
         GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, GROUPS_PER_PROG=cfg.gpp,
         ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0,
-        HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding, recip_multiply),
+        HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding, recip_multiply,
+                            small_eps=small_eps),
         NATIVE_FP8=native_e4m3_supported(x.device),
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl_launch_kwargs(use_pdl, x.device),
     )

@@ -76,7 +76,7 @@ def _silu_and_mul_quant_kernel(
         quantize_tile(y, pid_l, pid_g, offs_t, row_ok, zero_row, G, W,
                       q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
                       GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8, (HAS_MASK & 8) != 0,
-                      (HAS_MASK & 32) != 0)
+                      (HAS_MASK & 32) != 0, (HAS_MASK & 64) != 0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -87,7 +87,7 @@ def launch_silu_and_mul_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple
                               use_pdl: bool, s_strides: tuple[int, int, int] | None = None,
                               zero_masked_scales: bool = False, keep_padding: bool = False,
                               recip_multiply: bool = False, round_product: bool = False,
-                              bf16_math: bool = False) -> None:
+                              bf16_math: bool = False, small_eps: bool = False) -> None:
     """Launch on validated 3D views: ``x`` `[L, T, 2N]` (last dim contiguous), ``q`` addressed through
     ``q_strides`` (element strides of its logical `[L, T, N]`), ``scales`` `[L, T, G or ceil(G / 4)]`."""
     L, T, two_n = x.shape
@@ -107,7 +107,7 @@ def launch_silu_and_mul_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tuple
         GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, GROUPS_PER_PROG=cfg.gpp,
         ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0,
         HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding, recip_multiply, round_product,
-                            bf16_math),
+                            bf16_math, small_eps),
         NATIVE_FP8=native_e4m3_supported(x.device), NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         **pdl_launch_kwargs(use_pdl, x.device),
     )
