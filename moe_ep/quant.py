@@ -424,8 +424,8 @@ def silu_and_mul_quant_fp8(
         raise TypeError(f"bf16_math=True takes BF16 input (vLLM's CUDA kernel's), got {x.dtype}")
     col, tma, rnd, packed = _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale,
                                    use_ue8m0, scale_ue8m0)
-    launch = functools.partial(launch_silu_and_mul_quant, round_product=round_product or bf16_math,
-                               bf16_math=bf16_math, small_eps=_small_eps(eps))
+    launch = functools.partial(launch_silu_and_mul_quant, round_product=round_product, bf16_math=bf16_math,
+                               small_eps=_small_eps(eps))
     return _quant_op(launch, x, 2, group_size, col, tma, rnd, packed, transpose_out, out, out_scales, masked_m,
                      use_pdl, zero_masked_scales)
 

@@ -107,17 +107,16 @@ def round_bf16(y):
 def quantize_bf16_math(y, amax, ROUND_SCALE: tl.constexpr):
     """vLLM's CUDA SiLU-and-mul quant arithmetic, every step rounded to bf16 as torch's bf16 ops round it:
     ``s = bf16(max(amax, bf16(1e-10)) * bf16(1 / 448))``; with ``ROUND_SCALE`` ``s = 2^ceil(bf16(log2 s))``
-    (the power of two built from bits); ``q = clamp(bf16(y * bf16(1 / s)), -448, 448)``. ``y``
-    `[BT, G, GROUP]` holds bf16 values (as float32), ``amax`` `[BT, G]` their max |y|. Returns ``(q, s)``."""
+    (the power of two built from bits); ``q = bf16(y * bf16(1 / s))``, which may exceed 448 when the rounded log
+    lowers the scale: :func:`e4m3_byte` saturates it, as vLLM's clamp to +-448 does. ``y`` `[BT, G, GROUP]` holds
+    bf16 values (as float32), ``amax`` `[BT, G]` their max |y|. Returns ``(q, s)``."""
     amax = tl.where(amax < BF16_AMAX_MIN, BF16_AMAX_MIN, amax)
     scale = round_bf16(amax * BF16_FP8_MAX_INV)
     if ROUND_SCALE:
         e = tl.ceil(round_bf16(tl.log2(scale))).to(tl.int32)
         scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     inv = round_bf16(tl.math.div_rn(1.0, scale))
-    q = round_bf16(y * inv[:, :, None])
-    q = tl.where(q > FP8_MAX, FP8_MAX, tl.where(q < -FP8_MAX, -FP8_MAX, q))
-    return q, scale
+    return round_bf16(y * inv[:, :, None]), scale
 
 
 @triton.jit

@@ -57,14 +57,14 @@ def quantize_tile(
     q_ptr, stride_ql, stride_qt, stride_qk,
     s_ptr, stride_sl, stride_st, stride_sg,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, RECIP_MULTIPLY: tl.constexpr,
-    BF16_MATH: tl.constexpr, SMALL_EPS: tl.constexpr,
+    ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """Quantize one float32 tile and store its e4m3 bytes (``q_ptr`` is a uint8 view) and scales.
 
-    ``RECIP_MULTIPLY``: ``y * (1 / scale)`` instead of ``y / scale`` (not bitwise: measuring only).
-    ``BF16_MATH``: :func:`~moe_ep.kernels.fp8_cast.quantize_bf16_math` (``y`` holds bf16 values).
-    ``SMALL_EPS``: amax floored at 1e-10 instead of 1e-4."""
+    From the launch's ``HAS_MASK`` bits (below): ``RECIP_MULTIPLY`` (8), ``y * (1 / scale)`` instead of
+    ``y / scale`` (not bitwise: measuring only); ``BF16_MATH`` (32),
+    :func:`~moe_ep.kernels.fp8_cast.quantize_bf16_math` (``y`` holds bf16 values); ``SMALL_EPS`` (64), amax
+    floored at 1e-10 instead of 1e-4."""
     offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     offs_c = tl.arange(0, GROUP_SIZE)
     group_ok = offs_g < G
@@ -78,15 +78,15 @@ def quantize_tile(
     # with a custom combine function, which loops in Python).
     abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)  # [BLOCK_M, GROUPS_PER_PROG]
-    if BF16_MATH:
+    if (HAS_MASK & 32) != 0:  # BF16_MATH
         q, scale = quantize_bf16_math(y, amax, ROUND_SCALE)
     else:
-        scale = group_scale(amax, ROUND_SCALE, SMALL_EPS)
+        scale = group_scale(amax, ROUND_SCALE, (HAS_MASK & 64) != 0)  # SMALL_EPS
         if ROUND_SCALE:
             # 1 / 2^k is exact, and y * 2^-k rounds exactly like y / 2^k: same bits as the reference's
             # division at one multiply per value.
             q = y * tl.math.div_rn(1.0, scale)[:, :, None]
-        elif RECIP_MULTIPLY:
+        elif (HAS_MASK & 8) != 0:  # RECIP_MULTIPLY
             q = div_by_scale_approx(y, scale)
         else:
             q = div_by_scale(y, scale)  # IEEE y / scale, one division per group
@@ -233,8 +233,7 @@ def _per_token_group_quant_kernel(
         zero_row = zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK)
         quantize_tile(y, pid_l, pid_g, offs_t, row_ok, zero_row, G, W,
                       q_ptr, stride_ql, stride_qt, stride_qk, s_ptr, stride_sl, stride_st, stride_sg,
-                      GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8, (HAS_MASK & 8) != 0,
-                      (HAS_MASK & 32) != 0, (HAS_MASK & 64) != 0)
+                      GROUP_SIZE, BLOCK_M, GROUPS_PER_PROG, ROUND_SCALE, USE_UE8M0, NATIVE_FP8, HAS_MASK)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
