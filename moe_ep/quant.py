@@ -31,7 +31,8 @@ Keywords, as the engines name them:
   ``column_major_scales``: the values are the same, only the strides differ).
 - The amax floor is 1e-4 (DeepGEMM's) by default; ``eps=1e-10`` takes vLLM's and SGLang's. An all-zero
   group gets scale ``float32(eps) / 448`` (tiny groups quantize to the same bytes either way; only the
-  scale, and so the UE8M0 byte, differs).
+  scale, and so the UE8M0 byte, differs). vLLM's kernels also floor a scale at 1e-10 before rounding it
+  to a power of two: ``pow2_scale_floor=1e-10``.
 - :func:`silu_and_mul_quant_fp8` quantizes ``silu(gate) * up`` in float32; SGLang rounds the product to
   BF16 first. Deliberate: one rounding instead of two, so an FP8 byte can differ by one step from
   SGLang's where the BF16 rounding crosses an e4m3 rounding boundary.
@@ -294,6 +295,14 @@ def _small_eps(eps) -> bool:
     return float(eps) == 1e-10
 
 
+def _pow2_floor(floor) -> bool:
+    """``pow2_scale_floor``: True for 1e-10 (vLLM's), False for 0 (the default); ValueError otherwise."""
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or float(floor) not in (0.0, 1e-10):
+        raise ValueError(f"pow2_scale_floor={floor!r}: a power-of-two scale's floor is 0 (the default) or 1e-10 "
+                         "(vLLM's kernels)")
+    return float(floor) == 1e-10
+
+
 def _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale, use_ue8m0, scale_ue8m0):
     """The engines' spellings onto the kernels' options: ``(column_major, tma_aligned, round_scale, packed)``."""
     for key, val in (("column_major_scales", column_major_scales), ("tma_aligned_scales", tma_aligned_scales),
@@ -326,6 +335,7 @@ def per_token_group_quant_fp8(
     use_pdl: bool = False,
     zero_masked_scales: bool = True,
     eps: float = 1e-4,
+    pow2_scale_floor: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations to FP8 with one scale per ``group_size`` consecutive channels of a row.
 
@@ -356,6 +366,11 @@ def per_token_group_quant_fp8(
         eps: the floor of each group's ``amax``: 1e-4 (DeepGEMM's, the default) or 1e-10 (vLLM's and
             SGLang's); any other value is a ValueError. An all-zero group gets scale ``float32(eps) / 448``
             and zero bytes.
+        pow2_scale_floor: the floor of a scale before it is rounded up to a power of two (``round_scale``,
+            ``use_ue8m0``, ``scale_ue8m0``): 0 (DeepGEMM's, SGLang's; the default) or 1e-10 (vLLM's kernels,
+            ``exp2(ceil(log2(max(s, 1e-10))))``); any other value is a ValueError. It only changes groups
+            with ``amax < 448e-10``, so only with ``eps=1e-10``: an all-zero group's UE8M0 byte is then 0x5E
+            (2^-33), where it is 0x55 without it.
 
     With ``tma_aligned_scales`` the padding rows of the storage (T rounded up to a multiple of 4, in
     every column) are zeros, written by the kernel, when the storage is the op's own or ends exactly at
@@ -368,9 +383,8 @@ def per_token_group_quant_fp8(
     """
     col, tma, rnd, packed = _flags(column_major_scales, tma_aligned_scales, scale_tma_aligned, round_scale,
                                    use_ue8m0, scale_ue8m0)
-    launch = launch_per_token_group_quant
-    if _small_eps(eps):
-        launch = functools.partial(launch_per_token_group_quant, small_eps=True)
+    launch = functools.partial(launch_per_token_group_quant, small_eps=_small_eps(eps),
+                               pow2_floor=_pow2_floor(pow2_scale_floor))
     return _quant_op(launch, x, 1, group_size, col, tma, rnd, packed, transpose_out, out,
                      out_scales, masked_m, use_pdl, zero_masked_scales)
 

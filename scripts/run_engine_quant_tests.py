@@ -195,14 +195,15 @@ def _vllm_adapters(platform_mode: str, reciprocal: bool) -> None:
     def per_token_group_fp8_quant(x, x_q, x_s, group_size, eps, fp8_min, fp8_max, use_ue8m0,
                                   column_major_scales, tma_aligned_scales):
         # vLLM: use_ue8m0 = float32 powers of two; tma_aligned_scales only means something with column_major.
+        # vLLM's CUDA kernels floor a UE8M0 scale at 1e-10 before rounding it (pow2_scale_floor).
         per_token_group_quant_fp8(x, group_size, column_major_scales=column_major_scales,
                                   tma_aligned_scales=column_major_scales and tma_aligned_scales,
-                                  use_ue8m0=use_ue8m0, out=x_q, out_scales=x_s, eps=eps)
+                                  use_ue8m0=use_ue8m0, out=x_q, out_scales=x_s, eps=eps, pow2_scale_floor=1e-10)
 
     def per_token_group_fp8_quant_packed(x, x_q, x_s_packed, group_size, eps, fp8_min, fp8_max):
         # DeepGEMM's packed words, MN-major, TMA-aligned column stride (vLLM allocates them so).
         per_token_group_quant_fp8(x, group_size, scale_ue8m0=True, tma_aligned_scales=True, out=x_q,
-                                  out_scales=x_s_packed, eps=eps)
+                                  out_scales=x_s_packed, eps=eps, pow2_scale_floor=1e-10)
 
     torch.ops._C.per_token_group_fp8_quant = per_token_group_fp8_quant
     torch.ops._C.per_token_group_fp8_quant_packed = per_token_group_fp8_quant_packed

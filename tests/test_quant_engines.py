@@ -165,7 +165,7 @@ def test_vllm_cuda_arithmetic_is_bitwise(E, T, H):
 def test_eps_of_the_engines(silu):
     # eps=1e-10 (vLLM's, SGLang's amax floor): an all-zero group's UE8M0 byte is 0x55, 2^ceil(log2(1e-10 / 448))
     # as SGLang's kernel computes it (1e-4, the default: 0x69); every other byte and scale is the reference's with
-    # that floor. (vLLM's packed CUDA kernel also floors the scale itself at 1e-10: 0x5E there; not this op's rule.)
+    # that floor. (vLLM's kernels also floor the scale itself at 1e-10, 0x5E: pow2_scale_floor, the next test.)
     from moe_ep.fp8 import per_token_group_quant_fp8_ref
     from moe_ep.quant import silu_and_mul_fp32
 
@@ -188,6 +188,31 @@ def test_eps_of_the_engines(silu):
         assert int(w[1, 0].cpu()) & 0xFF == byte, (eps, hex(int(w[1, 0])))
     with pytest.raises(ValueError, match="eps=0.001: the amax floor is 1e-4"):
         op(x.to(DEV), GS, eps=1e-3)
+
+
+def test_vllm_pow2_scale_floor():
+    # vLLM's per-token-group kernels (CUDA, packed CUDA, Triton fallback) round a UE8M0 scale as
+    # exp2(ceil(log2(max(|amax / 448|, 1e-10)))), amax floored at eps = 1e-10: pow2_scale_floor=1e-10. Groups with
+    # amax < 448e-10 get 2^-33 (byte 0x5E) instead of their own power of two; the bytes are x / that scale.
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 512, generator=gen)
+    x[1] = 0.0  # all-zero groups
+    x[2, :128] = 3e-9  # amax / 448 ~ 6.7e-12: floored
+    x[3, 128:256] *= 1e-7  # amax / 448 ~ 8e-10: above the floor, its own power of two
+    y = x.view(5, 4, 128)
+    amax = y.abs().amax(-1).clamp(min=1e-10)
+    ref_s = torch.exp2(torch.ceil(torch.log2((amax / 448.0).clamp(min=1e-10))))
+    ref_q = (y / ref_s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(5, 512)
+    q, s = per_token_group_quant_fp8(x.to(DEV), GS, use_ue8m0=True, eps=1e-10, pow2_scale_floor=1e-10)
+    assert torch.equal(s.cpu(), ref_s) and torch.equal(bytes_of(q), bytes_of(ref_q))
+    assert float(s[1, 0]) == 2.0 ** -33 and float(s[2, 0]) == 2.0 ** -33 and float(s[3, 1]) > 2.0 ** -33
+    _, w = per_token_group_quant_fp8(x.to(DEV), GS, scale_ue8m0=True, eps=1e-10, pow2_scale_floor=1e-10)
+    assert int(w[1, 0].cpu()) == 0x5E5E5E5E, hex(int(w[1, 0]))
+    # without rounding to a power of two the floor does nothing (vLLM's float scales have none)
+    _, s_plain = per_token_group_quant_fp8(x.to(DEV), GS, eps=1e-10, pow2_scale_floor=1e-10)
+    assert float(s_plain[1, 0]) == float(torch.tensor(1e-10) / 448)
+    with pytest.raises(ValueError, match="pow2_scale_floor=1e-05: a power-of-two scale's floor is 0"):
+        per_token_group_quant_fp8(x.to(DEV), GS, pow2_scale_floor=1e-5)
 
 
 def test_bf16_math_takes_bf16_only():

@@ -77,9 +77,10 @@ def ceil_pow2(scale):
 
 
 @triton.jit
-def group_scale(amax, ROUND_SCALE: tl.constexpr, SMALL_EPS: tl.constexpr):
+def group_scale(amax, ROUND_SCALE: tl.constexpr, SMALL_EPS: tl.constexpr, POW2_FLOOR: tl.constexpr):
     """Scale of one quantization group from its ``max|x|`` (float32), amax floored at 1e-4 (1e-10 with
-    ``SMALL_EPS``)."""
+    ``SMALL_EPS``); with ``ROUND_SCALE`` and ``POW2_FLOOR`` the scale is floored at 1e-10 before it is rounded
+    up to a power of two (vLLM's kernels: ``exp2(ceil(log2(max(|s|, 1e-10))))``)."""
     # NOTES: written as where() rather than maximum() so that NaN propagates the same way on every
     # backend (torch's clamp keeps NaN).
     if SMALL_EPS:
@@ -90,6 +91,8 @@ def group_scale(amax, ROUND_SCALE: tl.constexpr, SMALL_EPS: tl.constexpr):
     # off), which would break bitwise agreement with torch on a GPU. The interpreter is IEEE either way.
     scale = tl.math.div_rn(amax, FP8_MAX)
     if ROUND_SCALE:
+        if POW2_FLOOR:
+            scale = tl.where(scale < AMAX_MIN_SMALL, AMAX_MIN_SMALL, scale)
         scale = ceil_pow2(scale)
     return scale
 

@@ -184,7 +184,7 @@ def fp8_encode_groups(y, NATIVE_FP8: tl.constexpr):
     :func:`moe_ep.fp8.per_token_group_quant_fp8_ref` (scale = amax / 448, IEEE division)."""
     abs_bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax = tl.max(abs_bits, axis=2).to(tl.float32, bitcast=True)
-    scale = group_scale(amax, False, False)
+    scale = group_scale(amax, False, False, False)
     q = div_by_scale(y, scale)  # IEEE y / scale, one division per group
     return e4m3_byte(q, NATIVE_FP8), scale
 

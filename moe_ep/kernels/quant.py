@@ -42,7 +42,8 @@ from .fp8_cast import (div_by_scale, div_by_scale_approx, e4m3_byte, group_scale
                        quantize_bf16_math)
 from .pdl import INTERPRET, pdl_launch_kwargs
 
-__all__ = ["BF16_MATH", "KEEP_PADDING", "MASK_ROWS", "RECIP_MULTIPLY", "ROUND_PRODUCT", "SMALL_EPS", "ZERO_MASKED_SCALES",
+__all__ = ["BF16_MATH", "KEEP_PADDING", "MASK_ROWS", "POW2_FLOOR", "RECIP_MULTIPLY", "ROUND_PRODUCT", "SMALL_EPS",
+           "ZERO_MASKED_SCALES",
            "QuantConfig", "choose_config",
            "launch_per_token_group_quant", "mask_flags", "num_tiles", "quantize_tile", "tile_coords", "tile_operands",
            "zero_scale_rows"]
@@ -64,7 +65,8 @@ def quantize_tile(
     From the launch's ``HAS_MASK`` bits (below): ``RECIP_MULTIPLY`` (8), ``y * (1 / scale)`` instead of
     ``y / scale`` (not bitwise: measuring only); ``BF16_MATH`` (32),
     :func:`~moe_ep.kernels.fp8_cast.quantize_bf16_math` (``y`` holds bf16 values); ``SMALL_EPS`` (64), amax
-    floored at 1e-10 instead of 1e-4."""
+    floored at 1e-10 instead of 1e-4; ``POW2_FLOOR`` (128), a power-of-two scale floored at 1e-10 before its
+    rounding."""
     offs_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     offs_c = tl.arange(0, GROUP_SIZE)
     group_ok = offs_g < G
@@ -81,7 +83,7 @@ def quantize_tile(
     if (HAS_MASK & 32) != 0:  # BF16_MATH
         q, scale = quantize_bf16_math(y, amax, ROUND_SCALE)
     else:
-        scale = group_scale(amax, ROUND_SCALE, (HAS_MASK & 64) != 0)  # SMALL_EPS
+        scale = group_scale(amax, ROUND_SCALE, (HAS_MASK & 64) != 0, (HAS_MASK & 128) != 0)  # SMALL_EPS, POW2_FLOOR
         if ROUND_SCALE:
             # 1 / 2^k is exact, and y * 2^-k rounds exactly like y / 2^k: same bits as the reference's
             # division at one multiply per value.
@@ -129,6 +131,7 @@ RECIP_MULTIPLY = 8  # y * (1 / scale): one rounding more than IEEE y / scale (no
 ROUND_PRODUCT = 16  # SiLU quant: SiLU(gate) and SiLU(gate) * up rounded to x's dtype first (SGLang's arithmetic)
 BF16_MATH = 32  # SiLU quant: ROUND_PRODUCT, then the scale and the scaled values in bf16 (vLLM's CUDA arithmetic)
 SMALL_EPS = 64  # amax floored at 1e-10 (vLLM's and SGLang's eps) instead of 1e-4 (DeepGEMM's)
+POW2_FLOOR = 128  # power-of-two scales floored at 1e-10 before the rounding (vLLM's kernels; matters with SMALL_EPS)
 
 
 @triton.jit
@@ -152,14 +155,15 @@ def zero_scale_rows(offs_t, num_rows, T, stride_st, stride_sg, HAS_MASK: tl.cons
 
 
 def mask_flags(has_mask: bool, zero_masked_scales: bool, keep_padding: bool, recip_multiply: bool = False,
-               round_product: bool = False, bf16_math: bool = False, small_eps: bool = False) -> int:
+               round_product: bool = False, bf16_math: bool = False, small_eps: bool = False,
+               pow2_floor: bool = False) -> int:
     """The ``HAS_MASK`` constexpr for a launch."""
     flags = MASK_ROWS if has_mask else 0
     if has_mask and zero_masked_scales:
         flags |= ZERO_MASKED_SCALES
     return (flags | (KEEP_PADDING if keep_padding else 0) | (RECIP_MULTIPLY if recip_multiply else 0)
             | (ROUND_PRODUCT if round_product or bf16_math else 0) | (BF16_MATH if bf16_math else 0)
-            | (SMALL_EPS if small_eps else 0))
+            | (SMALL_EPS if small_eps else 0) | (POW2_FLOOR if pow2_floor else 0))
 
 
 @triton.jit
@@ -313,7 +317,8 @@ def launch_per_token_group_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tu
                                  round_scale: bool, use_ue8m0: bool, transpose_out: bool,
                                  use_pdl: bool, s_strides: tuple[int, int, int] | None = None,
                                  zero_masked_scales: bool = False, keep_padding: bool = False,
-                                 recip_multiply: bool = False, small_eps: bool = False) -> None:
+                                 recip_multiply: bool = False, small_eps: bool = False,
+                                 pow2_floor: bool = False) -> None:
     """Launch on validated 3D views: ``x`` `[L, T, K]` (last dim contiguous), ``q`` the FP8 output
     (any shape, addressed through ``q_strides`` = element strides of its logical `[L, T, K]`),
     ``scales`` `[L, T, G]` float32 or `[L, T, ceil(G / 4)]` int32 with any strides. ``recip_multiply``:
@@ -335,7 +340,7 @@ def launch_per_token_group_quant(x: torch.Tensor, q: torch.Tensor, q_strides: tu
         GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, GROUPS_PER_PROG=cfg.gpp,
         ROUND_SCALE=round_scale or use_ue8m0, USE_UE8M0=use_ue8m0,
         HAS_MASK=mask_flags(masked_m is not None, zero_masked_scales, keep_padding, recip_multiply,
-                            small_eps=small_eps),
+                            small_eps=small_eps, pow2_floor=pow2_floor),
         NATIVE_FP8=native_e4m3_supported(x.device),
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl_launch_kwargs(use_pdl, x.device),
     )
