@@ -226,7 +226,7 @@ def cmd_plan(a) -> int:
         if previous.shape != (L, a.replicas):
             raise CliError(f"--previous {a.previous}: phy2log shape {previous.shape} must be [{L}, {a.replicas}]")
     kw = dict(max_replicas_per_expert=a.max_replicas_per_expert, policy=a.policy, hedge=a.hedge,
-              stickiness=a.stickiness)
+              stickiness=a.stickiness, one_copy_per_gpu=not a.deepseek_counts)
     # Validate everything once on a single layer before the long run (errors before any output).
     rebalance_experts(stats[..., :1, :], a.replicas, a.groups, a.nodes, a.gpus, **kw,
                       previous=None if previous is None else previous[:1])
@@ -370,6 +370,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--groups", type=POSITIVE, default=1, help="expert groups (hierarchical policy)")
     pl.add_argument("--policy", choices=POLICIES, default="auto")
     pl.add_argument("--max-replicas-per-expert", type=POSITIVE, default=None)
+    pl.add_argument("--deepseek-counts", action="store_true",
+                    help="DeepSeek EPLB's replica counts (a hot expert may get more copies than GPUs; some share "
+                         "a GPU) instead of at most one copy of an expert per GPU")
     pl.add_argument("--topk", type=POSITIVE, default=8, help="experts per token, for the cross-node line")
     pl.add_argument("--topk-groups", type=POSITIVE, default=None, help="groups per token (default: half)")
     pl.add_argument("--hedge", type=_float_nonneg, default=DEFAULT_HEDGE, help="robustness weight for [S, L, E] input")

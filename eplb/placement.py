@@ -6,14 +6,17 @@ Algorithm (vectorised over layers, numpy):
    statistics `[S, L, E]` are cut into up to 8 chunks of consecutive steps (the scenarios); the
    planning load is their mean plus ``hedge / 2`` standard deviations.
 2. Replica counts: greedy water-filling, each extra slot to the expert with the highest load per
-   replica (minimises the largest slot), at most ``max_replicas_per_expert`` and at most one
-   replica per GPU of the scope (global: all GPUs, hierarchical: the node's GPUs).
+   replica (minimises the largest slot), at most ``max_replicas_per_expert`` and, by default, at most
+   one replica per GPU of the scope (global: all GPUs, hierarchical: the node's GPUs): a second copy
+   on a GPU takes no load off it, and with replicas chosen evenly it doubles that GPU's share of the
+   expert. ``one_copy_per_gpu=False`` drops that cap: DeepSeek EPLB's counts.
 3. Packing in rounds: slots sorted by load per replica, descending; round r gives the next
    ``num_gpus`` slots, largest first, to the GPUs in increasing order of their current load. Every
    GPU gets exactly one slot per round (equal slots per GPU by construction); with two slots per
    GPU this is the optimal largest-with-smallest pairing.
 4. Same-GPU duplicates are swapped away (with the slot of closest load on a GPU that lacks the
-   expert), then a swap search (`eplb.search`) lowers every layer's most loaded GPU while it pays.
+   expert; only an expert with more replicas than the scope has GPUs keeps some), then a swap
+   search (`eplb.search`) lowers every layer's most loaded GPU while it pays.
    It scores a GPU by its *robust* load, mean + ``hedge`` x standard deviation over the scenarios:
    experts whose loads rise and fall together are spread apart, so the plan holds when the traffic
    mix drifts (with `[L, E]` input: the plain load).
@@ -97,9 +100,9 @@ def _fix_duplicates(phy: np.ndarray, per: np.ndarray) -> None:
         slot = int(np.nonzero(rowp[g] == e)[0][-1])
         ok = ~(rowp == e).any(-1)[:, None] & ~np.isin(rowp, rowp[g])
         if not ok.any():
-            # No single swap fixes it (few GPUs, most experts on all of them): lay the row out anew,
-            # replicas grouped by expert dealt round-robin over the GPUs (at most one copy per GPU
-            # since no expert has more copies than GPUs); the swap search rebalances it after.
+            # No single swap fixes it (few GPUs, most experts on all of them, or more copies of e than
+            # GPUs): lay the row out anew, replicas grouped by expert dealt round-robin over the GPUs (an
+            # expert's copies on as many GPUs as it has copies, up to all); the swap search rebalances it.
             cnt = np.bincount(rowp.ravel(), minlength=per.shape[1])
             order = np.argsort(-per[x], kind="stable")
             items = np.repeat(order, cnt[order])
@@ -138,7 +141,7 @@ def _pack(w: np.ndarray, cnt: np.ndarray, num_gpus: int, scen: np.ndarray, z: fl
 
 
 def _plan_global(w, scen, z, num_replicas, num_gpus, cap, improve_iters):
-    cnt = replica_counts(w, num_replicas, min(cap, num_gpus))
+    cnt = replica_counts(w, num_replicas, cap(num_gpus))
     return _pack(w, cnt, num_gpus, scen, z, improve_iters)
 
 
@@ -155,7 +158,7 @@ def _plan_hierarchical(w, scen, z, num_replicas, num_groups, num_nodes, num_gpus
     wn = w[rows, mlog2log].reshape(L * num_nodes, -1)
     sn = scen.transpose(0, 2, 1)[rows, mlog2log].reshape(L * num_nodes, gpn * gs, S).transpose(0, 2, 1)
     gpus_per_node = num_gpus // num_nodes
-    cnt = replica_counts(wn, num_replicas // num_nodes, min(cap, gpus_per_node))
+    cnt = replica_counts(wn, num_replicas // num_nodes, cap(gpus_per_node))
     local = _pack(wn, cnt, gpus_per_node, sn, z, improve_iters)
     return np.take_along_axis(mlog2log.reshape(L * num_nodes, -1), local, 1).reshape(L, num_replicas)
 
@@ -187,7 +190,7 @@ def _score(phy, w, num_gpus):
     return np.where(mx > 0, loads.mean(1) / np.where(mx > 0, mx, 1), 1.0)
 
 
-def _hierarchical_blocker(E: int, P: int, num_groups: int, num_nodes: int, num_gpus: int, cap: int) -> str:
+def _hierarchical_blocker(E: int, P: int, num_groups: int, num_nodes: int, num_gpus: int, cap) -> str:
     """Why the hierarchical policy cannot lay this out ("" when it can). DeepSeek's EPLB uses it exactly
     when groups divide over nodes; we also need whole groups, whole nodes of GPUs and slots per node
     that the node's experts can fill."""
@@ -197,8 +200,9 @@ def _hierarchical_blocker(E: int, P: int, num_groups: int, num_nodes: int, num_g
         return f"num_experts={E} divisible by num_groups={num_groups}"
     if num_gpus % num_nodes != 0 or P % num_nodes != 0:
         return f"num_gpus={num_gpus} (and num_replicas={P}) divisible by num_nodes={num_nodes}"
-    if E // num_nodes * min(cap, num_gpus // num_nodes) < P // num_nodes:
-        return f"enough experts per node to fill {P // num_nodes} slots (at most one replica per GPU)"
+    if E // num_nodes * cap(num_gpus // num_nodes) < P // num_nodes:
+        return f"enough experts per node to fill {P // num_nodes} slots (at most {cap(num_gpus // num_nodes)} " \
+               "replicas each)"
     return ""
 
 
@@ -214,8 +218,8 @@ def _deepseek_choice(E: int, num_groups: int, num_nodes: int, num_gpus: int, why
                                  f"policy is DeepSeek's hierarchical one, which needs {need}; pass "
                                  f"policy='global' to ignore the groups")
     if num_nodes == 1 or why_not:
-        # One node: hierarchical is the global plan. Or a node's GPUs cannot hold its slots with at most one
-        # replica of an expert per GPU (DeepSeek's EPLB then doubles experts up on a GPU): global.
+        # One node: hierarchical is the global plan. Or a node's experts cannot fill its slots under
+        # max_replicas_per_expert: global.
         return "global"
     return "hierarchical"
 
@@ -224,7 +228,7 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
                       num_gpus: int, *, previous: Optional[Union[torch.Tensor, np.ndarray]] = None,
                       max_replicas_per_expert: Optional[int] = None, policy: str = "auto",
                       hedge: float = DEFAULT_HEDGE, stickiness: float = 0.03,
-                      improve_iters: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      improve_iters: int = 128, one_copy_per_gpu: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Place ``num_replicas`` physical slots (hot experts replicated) on ``num_gpus`` GPUs.
 
     Drop-in for DeepSeek EPLB's ``rebalance_experts``; everything after ``num_gpus`` is keyword-only.
@@ -242,16 +246,20 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
             unless keeping them leaves the maximum GPU load more than ``stickiness`` (relative) above
             a fresh plan's. The sticky plan keeps the fresh plan's replica counts but not the
             hierarchical policy's group-per-node layout.
-        max_replicas_per_expert: optional cap on replicas of one expert (always <= GPUs of the scope).
+        max_replicas_per_expert: optional cap on replicas of one expert (DeepSeek's EPLB has none).
         policy: ``"auto"`` (DeepSeek EPLB's choice: hierarchical when ``num_groups % num_nodes == 0``,
-            else global; global also where a node's GPUs cannot hold its slots with at most one replica of
-            an expert per GPU), ``"global"``, ``"hierarchical"`` (raises where the layout does not allow
-            it) or ``"balance_first"`` (per layer the more balanced of the two; it drops the group-per-node
-            layout wherever global balances better, so group-limited routing reaches more nodes).
+            else global; global also where a node's experts cannot fill its slots under
+            ``max_replicas_per_expert``), ``"global"``, ``"hierarchical"`` (raises where the layout does not
+            allow it) or ``"balance_first"`` (per layer the more balanced of the two; it drops the
+            group-per-node layout wherever global balances better, so group-limited routing reaches more
+            nodes).
         hedge: with `[S, L, E]` input, the robustness weight: GPUs are scored by mean + hedge * std of
             their load over chunks of steps (0: plan on the mean).
         stickiness: relative maximum-load slack allowed to keep experts in place (with ``previous``).
         improve_iters: swap-search iterations per layer (0 disables it).
+        one_copy_per_gpu: at most one replica of an expert per GPU of the scope (the default). False gives
+            DeepSeek EPLB's replica counts: a hot expert may get more replicas than its scope has GPUs, and
+            then some share a GPU (vLLM's ``test_extreme_weight_imbalance`` expects that).
 
     Raises:
         EplbInputError (a ValueError and an AssertionError) on bad input; TypeError on wrong types.
@@ -267,10 +275,20 @@ def rebalance_experts(weight: Union[torch.Tensor, np.ndarray], num_replicas: int
     check_layout(E, num_replicas, num_groups, num_nodes, num_gpus)
     if policy not in POLICIES:
         raise EplbInputError(f"policy must be one of {POLICIES}, got {policy!r}")
-    cap = num_gpus if max_replicas_per_expert is None else check_int(max_replicas_per_expert, "max_replicas_per_expert")
-    if E * min(cap, num_gpus) < num_replicas:
-        raise EplbInputError(f"num_replicas={num_replicas} cannot be filled: {E} experts x at most {min(cap, num_gpus)} "
-                         f"replicas each (one per GPU, max_replicas_per_expert={max_replicas_per_expert})")
+    user_cap = num_replicas if max_replicas_per_expert is None else check_int(max_replicas_per_expert,
+                                                                                "max_replicas_per_expert")
+    if not isinstance(one_copy_per_gpu, bool):
+        raise TypeError(f"one_copy_per_gpu must be a bool, got {type(one_copy_per_gpu).__name__}")
+    spread = one_copy_per_gpu
+
+    def cap(scope_gpus: int) -> int:
+        """Replicas one expert may get in a scope of ``scope_gpus`` GPUs."""
+        return min(user_cap, scope_gpus) if spread else user_cap
+
+    if E * cap(num_gpus) < num_replicas:
+        raise EplbInputError(f"num_replicas={num_replicas} cannot be filled: {E} experts x at most {cap(num_gpus)} "
+                             f"replicas each (max_replicas_per_expert={max_replicas_per_expert}"
+                             f"{', one per GPU' if spread else ''})")
     if not np.isfinite(hedge) or hedge < 0:
         raise EplbInputError(f"hedge must be a finite number >= 0, got {hedge}")
     if not np.isfinite(stickiness) or stickiness < 0:

@@ -104,6 +104,9 @@ def improve(phy: np.ndarray, ws: np.ndarray, z: float, max_iters: int, target: O
         g2, j2 = np.divmod(cs[np.arange(xs.size), ci], m)
         ea, eb = phy[xs, h, ai], phy[xs, g2, j2]
         phy[xs, h, ai], phy[xs, g2, j2] = eb, ea
-        pres[xs, h, ea], pres[xs, h, eb] = False, True
-        pres[xs, g2, eb], pres[xs, g2, ea] = False, True
+        # (an expert with more copies than GPUs may stay on a GPU it leaves: recount there)
+        pres[xs, h, ea] = (phy[xs, h] == ea[:, None]).any(1)
+        pres[xs, h, eb] = True
+        pres[xs, g2, eb] = (phy[xs, g2] == eb[:, None]).any(1)
+        pres[xs, g2, ea] = True
     return it + 1

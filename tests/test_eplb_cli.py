@@ -145,3 +145,19 @@ def test_png_only_with_matplotlib(stats, tmp_path, capsys):
         assert rc == 0 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     else:
         assert rc == 2 and "matplotlib" in err and os.listdir(tmp_path) == []
+
+
+def test_plan_deepseek_counts(tmp_path, capsys):
+    # --deepseek-counts is rebalance_experts(..., one_copy_per_gpu=False): a hot expert with more copies than GPUs
+    import eplb
+
+    w = np.array([[1000, 1, 1, 1, 1, 1, 1, 1], [5, 90, 3, 2, 1, 1, 1, 1]], np.float64)
+    np.save(tmp_path / "w.npy", w)
+    for flag, one_copy in (([], True), (["--deepseek-counts"], False)):
+        rc, out, err = run(["plan", tmp_path / "w.npy", "--replicas", 12, "--gpus", 4, "--nodes", 2, "--groups", 2,
+                            "-o", tmp_path / "p.json", "--force", "--progress", "never", *flag], capsys)
+        assert rc == 0, err
+        want, _, cnt = eplb.rebalance_experts(w, 12, 2, 2, 4, one_copy_per_gpu=one_copy)
+        assert json.loads((tmp_path / "p.json").read_text())["phy2log"] == want.tolist()
+        assert int(cnt[0, 0]) == (2 if one_copy else 3)
+        assert ("same-GPU duplicate slots: 0" in out) == one_copy, out

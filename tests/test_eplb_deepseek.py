@@ -65,15 +65,43 @@ def test_vllm_hierarchical_and_fallback_cases():
 
 
 def test_vllm_extreme_imbalance_one_copy_per_gpu():
-    """vLLM checks that the hot expert gets more replicas than expert 1. DeepSeek's EPLB gives it 3 of node 0's
-    6 slots, two on one GPU (GPU loads 667 and 335); a second copy on the same GPU takes no load off it, so we
-    keep at most one copy per GPU: 2 copies (one per GPU of its node), GPU loads 501.5 and 501.5."""
+    """vLLM checks that the hot expert gets more replicas than expert 1 (strictly). DeepSeek's EPLB gives it 3 of
+    node 0's 6 slots, so two share a GPU (GPU loads 667 and 335). A second copy on a GPU takes no load off it, so
+    by default we keep at most one copy per GPU: 2 copies, GPU loads 501.5 and 501.5 (vLLM's check fails: expert 1
+    gets the spare slot). ``one_copy_per_gpu=False`` gives DeepSeek's counts, and vLLM's check passes."""
     w = [[1000, 1, 1, 1, 1, 1, 1, 1]]
     p, _, c = plan(w, 12, 2, 2, 4)
     assert c[0, 0] == 2 and c[0, 0] >= c[0, 1:].max()
     loads = eplb.gpu_loads(p, torch.tensor(w), 4)[0]
-    assert loads.max() <= 1000 / 3 * 2 + 1 + 1e-9  # DeepSeek's busiest GPU
+    assert loads.max() <= 501.5 + 1e-9
     assert eplb.same_gpu_duplicates(p, 4) == 0
+    p, _, c = plan(w, 12, 2, 2, 4, one_copy_per_gpu=False)
+    assert c.tolist() == [[3, 1, 1, 1, 2, 2, 1, 1]]  # DeepSeek's counts (node 1: the first two equal experts doubled)
+    loads = eplb.gpu_loads(p, torch.tensor(w), 4)[0]
+    assert sorted(loads.tolist())[-2:] == pytest.approx([1000 / 3 + 2, 2000 / 3 + 1])  # DeepSeek's 335 / 667
+    assert eplb.same_gpu_duplicates(p, 4) == 1  # forced: 3 copies over 2 GPUs
+
+
+def test_deepseek_counts_over_generated_loads():
+    # one_copy_per_gpu=False: DeepSeek's replica counts (checked against DeepSeek's eplb.py on these loads: equal),
+    # up to 33 copies of an expert on 8 GPUs; valid slots; an expert's copies on as many GPUs of its scope (its
+    # node's: all three layouts are hierarchical) as it has copies, so GPUs are shared only where forced.
+    rng = np.random.default_rng(3)
+    for E, P, groups, nodes, G in ((16, 24, 4, 2, 4), (32, 64, 8, 1, 8), (64, 80, 8, 4, 16)):
+        w = rng.zipf(1.3, size=(3, E)).astype(np.float64)
+        p, l2p, c = eplb.rebalance_experts(w, P, groups, nodes, G, one_copy_per_gpu=False)
+        assert (c.sum(1) == P).all() and (c >= 1).all() and c.max() > G // nodes  # some expert shares GPUs
+        capped, _, _ = eplb.rebalance_experts(w, P, groups, nodes, G)
+        assert balancedness(capped, w, G) > balancedness(p, w, G) + 0.05  # the default balances better
+        m = P // G
+        for layer in range(3):
+            for e in range(E):
+                slots = l2p[layer, e, : c[layer, e]]
+                assert (p[layer, slots] == e).all()
+                gpus = np.unique(slots.numpy() // m)
+                assert gpus.size == min(int(c[layer, e]), G // nodes), (E, layer, e)  # as spread as it can be
+    with pytest.raises(TypeError, match="one_copy_per_gpu must be a bool"):
+        eplb.rebalance_experts(np.ones((1, 8)), 8, 1, 1, 2, one_copy_per_gpu=1)
 
 
 def test_balance_first_trades_locality_for_balance():
