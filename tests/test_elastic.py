@@ -510,6 +510,24 @@ def test_signature_matches_deepep_v2():
     assert i["sl_idx"].default == 3 and i["num_cpu_timeout_secs"].default == 300
 
 
+def test_out_of_scope_names_raise_clearly():
+    # DeepEP V2's (@dd758ca) Engram / pipeline-parallel / AGRS names exist and raise NotImplementedError naming
+    # themselves (engine code probing them gets a clear answer, not an AttributeError)
+    import moe_ep
+
+    E = moe_ep.ElasticBuffer
+    hints = ("get_engram_storage_size_hint", "get_pp_buffer_size_hint", "get_agrs_num_max_session_bytes",
+             "get_agrs_buffer_size_hint")
+    methods = ("engram_write", "engram_fetch", "pp_set_config", "pp_send", "pp_recv", "create_agrs_session",
+               "destroy_agrs_session", "agrs_new_session", "agrs_set_config", "agrs_get_inplace_tensor", "all_gather")
+    for name in hints:  # static, as in V2: callable on the class
+        with pytest.raises(NotImplementedError, match=f"ElasticBuffer.{name} .*out of scope"):
+            getattr(E, name)(1, 2)
+    for name in methods:
+        with pytest.raises(NotImplementedError, match=f"ElasticBuffer.{name} .*out of scope"):
+            getattr(E, name)(object())
+
+
 # ----------------------------------------------------------------------------- construction during graph capture
 def _construct_in_capture(rank, world):
     """A simulated capture (``checked_streams().capture()``, what ``moe_ep.events.is_capturing()`` reports):

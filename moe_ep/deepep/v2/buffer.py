@@ -94,6 +94,14 @@ def _not_supported(name: str):
     return method
 
 
+def _hint_not_supported(name: str, what: str):
+    def hint(*args, **kwargs):
+        raise NotImplementedError(f"ElasticBuffer.{name} ({what}) is out of scope in this release")
+    hint.__name__ = name
+    hint.__doc__ = f"V2's {what} size hint ``{name}``: out of scope in this release (raises NotImplementedError)."
+    return staticmethod(hint)
+
+
 class ElasticBuffer(ElasticDispatchMixin):
     """DeepEP V2's ``ElasticBuffer`` over :class:`moe_ep.Buffer` (normal-mode dispatch and combine).
 
@@ -303,10 +311,10 @@ class ElasticBuffer(ElasticDispatchMixin):
     engram_write = _not_supported("engram_write")
     engram_fetch = _not_supported("engram_fetch")
 
-    @staticmethod
-    def get_engram_storage_size_hint(*args, **kwargs):
-        """V2's Engram size hint: out of scope in this release (raises NotImplementedError)."""
-        raise NotImplementedError("ElasticBuffer.get_engram_storage_size_hint (Engram) is out of scope in this release")
+    get_engram_storage_size_hint = _hint_not_supported("get_engram_storage_size_hint", "Engram")
+    get_pp_buffer_size_hint = _hint_not_supported("get_pp_buffer_size_hint", "pipeline-parallel")
+    get_agrs_num_max_session_bytes = _hint_not_supported("get_agrs_num_max_session_bytes", "AGRS")
+    get_agrs_buffer_size_hint = _hint_not_supported("get_agrs_buffer_size_hint", "AGRS")
 
     pp_set_config = _not_supported("pp_set_config")
     pp_send = _not_supported("pp_send")
