@@ -189,7 +189,8 @@ def _low_latency_cases() -> list[Case]:
         cases.append(_case(
             "ll_dispatch_send", f"{fmt} H={H} T={T} E={E} EP{R}", k._ll_dispatch_send_kernel,
             {"x_ptr": "*bf16" if fp8 else "*i16", "topk_ptr": "*i64", "stamp_ptr": "*i32", **_SYMM_PTRS},
-            {"rank": _RANK, "N": T, "T": T, "L": L, "E": E, "R": R, "num_token_progs": T // 2, "timeout_ns": _TIMEOUT_NS,
+            {"rank": _RANK, "N": T, "T": T, "L": L, "E": E, "R": R, "num_token_progs": T // 2 * 4, "num_splits": 4,
+             "timeout_ns": _TIMEOUT_NS,
              **offs},
             {"H": H, "K": KT, "KP": KT, "MSG": lay.msg, "HDR": _hdr(H, fp8), "BLOCK_T": 2, "CHUNK_T": 32, "BLOCK_E": 64,
              "GC": gc, "HC": min(p2(H), 2048), "IS_FP8": fp8, "ROUND_SCALE": ue8m0, "USE_UE8M0": ue8m0,

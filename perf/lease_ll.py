@@ -1,7 +1,7 @@
 """The GPU lease kit's low-latency stage (``perf/lease_checks.py ll``): what each low-latency kernel costs per peer,
 and one decode MoE layer step captured in a CUDA graph.
 
-1. ``ll EP{R}`` for R in 2, 4, 8 virtual ranks on the one GPU (DeepSeek-V3 decode: T 128, H 7168, 256 experts,
+1. ``ll EP{R}`` for R in 8, 2, 4 (that order) virtual ranks on the one GPU (DeepSeek-V3 decode: T 128, H 7168, 256 experts,
    top-8, FP8 dispatch, BF16 combine): each phase (dispatch send, dispatch receive, combine send, combine receive;
    every virtual rank's launch of it) is captured in its own CUDA graph and the graphs are replayed in order;
    each phase's replay runs inside its own ``torch.profiler`` session (``kernel_times``), so every kernel, fills
@@ -37,7 +37,9 @@ PHASES = ("dispatch send", "dispatch recv", "combine send", "combine recv")
 # intermediate size
 SHAPES = {
     "tiny": dict(worlds=(2, 4), T=4, H=256, E=8, K=2, LE=4, I=128),
-    "dsv3": dict(worlds=(2, 4, 8), T=128, H=7168, E=256, K=8, LE=32, I=2048),
+    # EP8 first: the stage's cap (140 s) ran out before it on 2026-11-28 (each size compiles and captures its own
+    # kernels); then 2 and 4, for the fit
+    "dsv3": dict(worlds=(8, 2, 4), T=128, H=7168, E=256, K=8, LE=32, I=2048),
 }
 
 

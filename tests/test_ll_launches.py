@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -82,3 +83,40 @@ def test_each_phase_is_its_kernels_only(monkeypatch, transport):
             assert ops == {}, (phase, ops)  # no fill_, zero_, copy_ ... per call
         for r in range(R):  # (and the calls were right: every rank's token rows came back)
             assert torch.isfinite(outs[r].float()).all()
+
+
+def test_send_splits_rule():
+    from moe_ep.backends.symm_ll_layout import send_splits
+
+    assert send_splits(7, 64, 132, 0) == 5  # FP8 H 7168 (7 tiles of 8 groups), 128 tokens: 64 blocks, ~2 per SM
+    assert send_splits(4, 64, 132, 0) == 4  # BF16 (4 tiles of 2048 columns): one program per tile
+    assert send_splits(7, 16, 132, 0) == 7 and send_splits(7, 512, 132, 0) == 1
+    assert send_splits(7, 64, 132, 1) == 1 and send_splits(7, 0, 132, 0) == 1  # nvshmem; an empty batch
+
+
+@pytest.mark.parametrize("transport,fp8,want", [("symm", True, 2), ("symm", False, 2), ("nvshmem", True, 1)])
+def test_send_runs_column_splits_in_the_interpreter(monkeypatch, transport, fp8, want):
+    # The interpreter launches the send with two column splits (two payload tiles, as if on 2 SMs), so the split
+    # path is what every interpreted low-latency test checks bitwise; nvshmem stages whole messages: one.
+    from triton.runtime import interpreter
+
+    R, T, H, E, K = 2, 3, 256, 4, 2
+    paths = _virtual(R, T, H, E, K, transport, timeout_s=5, shrink=False)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(T, H, generator=g).to(torch.bfloat16) for _ in range(R)]
+    idx = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) for _ in range(R)]
+    seen = []
+    orig = interpreter.GridExecutor.__call__
+
+    def call(self, *args, **kwargs):
+        if self.fn.__name__ == "_ll_dispatch_send_kernel":
+            a = dict(zip(inspect.signature(self.fn).parameters, args))
+            seen.append((a["num_splits"], a["num_token_progs"]))
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", call)
+    st = [p.dispatch_send(x, i, T, E, use_fp8=fp8, round_scale=False, use_ue8m0=False)
+          for p, x, i in zip(paths, xs, idx)]
+    assert seen == [(want, want)] * R  # one token block of 3 tokens, `want` programs on it
+    res = [p.dispatch_recv(s) for p, s in zip(paths, st)]
+    assert all(int(r.recv_count.sum()) > 0 for r in res)

@@ -347,8 +347,12 @@ def test_processes_two_micro_batches_in_flight(transport):
 
 
 def _rank_silent(rank, world, transport="symm"):
+    # The live ranks start their sends together (the barrier, which the silent rank joins too and then calls
+    # nothing) and wait up to 5 s for each other: the interpreted send of a live rank takes well under that even on
+    # a loaded machine, so only the silent rank is named.
     T, hidden, E, K = 4, 128, 2 * world, 2
-    symm, path = _process_path(world, T, hidden, E, K, 0.5, 0, transport)
+    symm, path = _process_path(world, T, hidden, E, K, 5.0, 0, transport)
+    torch.distributed.barrier()
     if rank == world - 1:
         return "silent"
     me = _inputs(world, 3, hidden, E, K, 11)[rank]

@@ -29,6 +29,7 @@ module holds the handle and the four phases.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -47,12 +48,18 @@ from ..kernels.low_latency import (
 from ..symm import SymmBuffer
 from .base import LowLatencyDispatchResult, LowLatencyHandle
 from .symm_ll_control import _LowLatencyControl
-from .symm_ll_layout import GROUP, _hdr, _Layout, _pow2, combine_recv_columns, deepep_ll_buffer_bytes, ll_buffer_bytes
+from .symm_ll_layout import (GROUP, _hdr, _Layout, _pow2, combine_recv_columns, deepep_ll_buffer_bytes, ll_buffer_bytes,
+                             send_splits)
 # names this module defined before its layout moved out (imported from here by perf/ and tests/)
 from .symm_ll_layout import _ALIGN as _ALIGN, NUM_SLOTS as NUM_SLOTS, _align as _align, _carve as _carve
 from .symm_ll_layout import comb_row_bytes as comb_row_bytes
 
 __all__ = ["SymmLowLatency", "SymmLowLatencyHandle", "ll_buffer_bytes", "deepep_ll_buffer_bytes", "virtual_low_latency_step"]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @dataclasses.dataclass
@@ -189,14 +196,19 @@ class SymmLowLatency(_LowLatencyControl):
         interp = self._interpreted(dev)
         G = max(hidden // GROUP, 1)
         if interp:
+            # two payload tiles, so that the column splits below run in the interpreter too
             block_t = min(_pow2(n), 64)
-            chunk_t, block_e, gc, hc, warps = block_t, min(_pow2(E), 256), _pow2(G), _pow2(hidden), 4
+            chunk_t, block_e, gc, hc, warps = block_t, min(_pow2(E), 256), max(_pow2(G) // 2, 1), max(_pow2(hidden) // 2, 1), 4
         else:
             block_t = 2 if n <= 256 else 4  # (2-4 tokens a program: 14-57 KB of FP8 rows at H 7168, top-8)
             chunk_t, block_e, gc, hc, warps = 32, 64, min(_pow2(G), 8), min(_pow2(hidden), 2048), 4
         if use_ue8m0:
             gc = max(gc, 4)
-        num_token_progs = triton.cdiv(n, block_t)
+        blocks = triton.cdiv(n, block_t)
+        # (the interpreter: as if 2 SMs, so that small batches split in two)
+        sms = 2 if interp else _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        splits = send_splits(triton.cdiv(G, gc) if use_fp8 else triton.cdiv(hidden, hc), blocks, sms, self.transport)
+        num_token_progs = blocks * splits
         grid = (num_token_progs + triton.cdiv(E, block_e),)
         base = self._slot_base(slot, lay)
         s = self.sig
@@ -207,7 +219,7 @@ class SymmLowLatency(_LowLatencyControl):
         call_sig = (hidden, T, E * 256 + K, 1 | int(use_fp8) << 1 | int(round_scale) << 2 | int(use_ue8m0) << 3 | f16 << 4)
         _ll_dispatch_send_kernel[grid](
             x_arg, topk, symm.buffer_ptrs, symm.signal_ptrs, symm.status, handle.call_stamps,
-            symm.rank, n, T, L, E, R, num_token_progs, symm.timeout_ns,
+            symm.rank, n, T, L, E, R, num_token_progs, splits, symm.timeout_ns,
             base + lay.cnt_off, base + lay.msg_off, slot * s["SLOT_WORDS"],
             H=hidden, K=K, KP=_pow2(K), MSG=lay.msg, HDR=_hdr(hidden, use_fp8), BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_E=block_e,
             GC=gc, HC=hc, IS_FP8=use_fp8, ROUND_SCALE=round_scale, USE_UE8M0=use_ue8m0,

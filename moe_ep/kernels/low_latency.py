@@ -12,6 +12,8 @@ bitcode like the sends); :func:`_ll_quiet_kernel` (NVSHMEM only) completes this 
   with a header
   holding the token's top-k experts (+1; 0 = none) and, per k, its position among ``s``'s tokens of that expert
   (only ranks that hold one of its experts get the message; a receiver clears the headers it read);
+  a token block's payload is shared by ``num_splits`` programs, whole column tiles each (peer stores only; split 0
+  writes the headers: every byte has one writer, and every program waits for the slot to be free itself);
   extra "count" programs write ``s``'s per-expert token counts into each destination's count table.
 - :func:`_ll_dispatch_recv_kernel` (destination ``d``): places row ``(s, t, k)`` of local expert ``e`` at
   ``sum_{s' < s} count[s'][e] + pos`` of ``recv_x[e]`` (source rank, then token order: the masked
@@ -167,7 +169,10 @@ def _ll_dispatch_send_kernel(
     topk_ptr,  # [N, K] int64
     buffer_ptrs, signal_ptrs, status_ptr,
     stamp_ptr,  # [R + 1] int32 (the handle's call_stamps): entry R = this call's stamp (written here)
-    rank, N, T, L, E, R, num_token_progs, timeout_ns,
+    rank, N, T, L, E, R,
+    num_token_progs,  # token programs: ceil(N / BLOCK_T) token blocks x num_splits column splits
+    num_splits,  # column splits of a token block's payload (1 with NVSHMEM: one staged message per token)
+    timeout_ns,
     cnt_off, msg_off, sig_off,  # bytes / bytes / words of this slot
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MSG: tl.constexpr, HDR: tl.constexpr,
     BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_E: tl.constexpr, GC: tl.constexpr, HC: tl.constexpr,
@@ -192,8 +197,11 @@ def _ll_dispatch_send_kernel(
     kk = tl.arange(0, KP)
     k_ok = kk < K
     if pid < num_token_progs:
-        # Step 2: this block's routing.
-        offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        # Step 2: this block's routing. Program (tb, sp): token block tb, column split sp of the payload; split 0 also
+        # writes the headers. Every program writes only its own bytes (no program waits on another's work).
+        tb = pid // num_splits
+        sp = pid % num_splits
+        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = offs_t < N
         ok = _status_ok(status_ptr, offs_t)
         tk_mask = t_ok[:, None] & k_ok[None, :]
@@ -204,11 +212,11 @@ def _ll_dispatch_send_kernel(
         if tl.max(((idx >= E) & tk_mask).to(tl.int32)) > 0:
             tl.atomic_or(status_ptr + STATUS_SEQ, SEQ_BAD_EXPERT, sem="relaxed", scope="gpu")
 
-        # Step 3: pos[t, k] = earlier tokens of this rank that selected the same expert.
+        # Step 3: pos[t, k] = earlier tokens of this rank that selected the same expert (split 0 only: the header's).
         own = tl.reshape(idx, [BLOCK_T * KP])
         own_t = tl.reshape(offs_t[:, None] + kk[None, :] * 0, [BLOCK_T * KP])
         acc = tl.zeros([BLOCK_T * KP], dtype=tl.int32)
-        for c0 in range(0, pid * BLOCK_T + BLOCK_T, CHUNK_T):
+        for c0 in range(0, tl.where(sp == 0, tb * BLOCK_T + BLOCK_T, 0), CHUNK_T):
             offs_c = c0 + tl.arange(0, CHUNK_T)
             ci = tl.load(topk_ptr + offs_c[:, None] * K + kk[None, :], mask=(offs_c < N)[:, None] & k_ok[None, :],
                          other=-1).to(tl.int32)
@@ -231,7 +239,7 @@ def _ll_dispatch_send_kernel(
         send_ok = t_ok & ok
         first = _first_dests(topk_ptr, offs_t, send_ok, status_ptr, rank, L, E, R, K, TRANSPORT)
         if TRANSPORT == PEER:
-            hfirst = first
+            hfirst = tl.where(sp == 0, first, 0)
         else:
             hfirst = tl.where(send_ok & _live_like(status_ptr, rank, rank, offs_t), 1, 0)
         for k in tl.static_range(K if TRANSPORT == PEER else 1):
@@ -241,11 +249,13 @@ def _ll_dispatch_send_kernel(
             tl.store(p, idx + 1, mask=m_k[:, None] & k_ok[None, :])
             tl.store(p + K, pos, mask=m_k[:, None] & k_ok[None, :])
 
-        # Step 5: payload, once per destination rank that holds any of the token's experts (NVSHMEM: staged once).
+        # Step 5: payload, once per destination rank that holds any of the token's experts (NVSHMEM: staged once);
+        # this program's share: whole GC-group (HC-column) tiles [sp * per, (sp + 1) * per).
         if IS_FP8:
             G = H // GROUP
             offs_c = tl.arange(0, GROUP)
-            for g0 in range(0, H // GROUP, GC):
+            g_per = tl.cdiv(tl.cdiv(G, GC), num_splits) * GC
+            for g0 in range(sp * g_per, tl.minimum(G, sp * g_per + g_per), GC):
                 offs_g = g0 + tl.arange(0, GC)
                 g_ok = offs_g < G
                 cols = offs_g[:, None] * GROUP + offs_c[None, :]
@@ -274,7 +284,8 @@ def _ll_dispatch_send_kernel(
                         tl.store(s_at.to(tl.pointer_type(tl.float32), bitcast=True)[:, None] + offs_g[None, :], scale,
                                  mask=m_k[:, None] & g_ok[None, :])
         else:
-            for h0 in range(0, H, HC):
+            h_per = tl.cdiv(tl.cdiv(H, HC), num_splits) * HC
+            for h0 in range(sp * h_per, tl.minimum(H, sp * h_per + h_per), HC):
                 offs_h = h0 + tl.arange(0, HC)
                 h_ok = offs_h < H
                 v = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :],
@@ -288,7 +299,7 @@ def _ll_dispatch_send_kernel(
             # live rank that holds any of its experts.
             tl.debug_barrier()
             for i in range(BLOCK_T):
-                t = pid * BLOCK_T + i
+                t = tb * BLOCK_T + i
                 if (t < N) & (tl.load(status_ptr, volatile=True) == 0):
                     idx_i = tl.load(topk_ptr + t * K + kk, mask=k_ok, other=-1).to(tl.int32)
                     row_i = msg_off + (rank * T + t).to(tl.int64) * MSG
