@@ -96,8 +96,8 @@ def test_send_splits_rule():
 
 @pytest.mark.parametrize("transport,fp8,want", [("symm", True, 2), ("symm", False, 2), ("nvshmem", True, 1)])
 def test_send_runs_column_splits_in_the_interpreter(monkeypatch, transport, fp8, want):
-    # The interpreter launches the send with two column splits (two payload tiles, as if on 2 SMs), so the split
-    # path is what every interpreted low-latency test checks bitwise; nvshmem stages whole messages: one.
+    # The interpreter launches the dispatch and combine sends with two column splits (two tiles, as if on 2 SMs), so
+    # the split path is what every interpreted low-latency test checks bitwise; nvshmem stages whole rows: one.
     from triton.runtime import interpreter
 
     R, T, H, E, K = 2, 3, 256, 4, 2
@@ -105,13 +105,15 @@ def test_send_runs_column_splits_in_the_interpreter(monkeypatch, transport, fp8,
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(T, H, generator=g).to(torch.bfloat16) for _ in range(R)]
     idx = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) for _ in range(R)]
-    seen = []
+    seen, combine_grids = [], []
     orig = interpreter.GridExecutor.__call__
 
     def call(self, *args, **kwargs):
         if self.fn.__name__ == "_ll_dispatch_send_kernel":
             a = dict(zip(inspect.signature(self.fn).parameters, args))
             seen.append((a["num_splits"], a["num_token_progs"]))
+        if self.fn.__name__ == "_ll_combine_send_fmt_kernel":
+            combine_grids.append(tuple(self.grid))
         return orig(self, *args, **kwargs)
 
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", call)
@@ -120,3 +122,8 @@ def test_send_runs_column_splits_in_the_interpreter(monkeypatch, transport, fp8,
     assert seen == [(want, want)] * R  # one token block of 3 tokens, `want` programs on it
     res = [p.dispatch_recv(s) for p, s in zip(paths, st)]
     assert all(int(r.recv_count.sum()) > 0 for r in res)
+    # the combine send: a third grid axis over column tiles (two tiles of 128 at H 256), the same rule
+    ys = [torch.randn(r.recv_x.shape, generator=g).to(torch.bfloat16) for r in res]
+    cs = [p.combine_send(y, i, torch.ones(T, K), r.handle) for p, y, i, r in zip(paths, ys, idx, res)]
+    outs = [p.combine_recv(c) for p, c in zip(paths, cs)]
+    assert [gr[2] for gr in combine_grids] == [want] * R and all(torch.isfinite(o.float()).all() for o in outs)

@@ -62,6 +62,10 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 @dataclasses.dataclass
 class SymmLowLatencyHandle(LowLatencyHandle):
     """Low-latency handle of the ``symm`` backend (opaque to callers).
@@ -206,7 +210,7 @@ class SymmLowLatency(_LowLatencyControl):
             gc = max(gc, 4)
         blocks = triton.cdiv(n, block_t)
         # (the interpreter: as if 2 SMs, so that small batches split in two)
-        sms = 2 if interp else _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        sms = 2 if interp else _num_sms(_index(dev))
         splits = send_splits(triton.cdiv(G, gc) if use_fp8 else triton.cdiv(hidden, hc), blocks, sms, self.transport)
         num_token_progs = blocks * splits
         grid = (num_token_progs + triton.cdiv(E, block_e),)
@@ -327,15 +331,18 @@ class SymmLowLatency(_LowLatencyControl):
         if x.stride(-1) != 1:
             x = x.contiguous()
         slot = self._combine_slot
-        if self._interpreted(dev):
-            block_t, hc, warps = min(_pow2(T), 64), _pow2(hidden), 4
+        interp = self._interpreted(dev)
+        if interp:  # two column tiles, so that the splits below run in the interpreter too
+            block_t, hc, warps = min(_pow2(T), 64), max(_pow2(hidden) // 2, 128), 4
         else:
             block_t, hc, warps = 2, min(_pow2(hidden), 1024), 4
+        blocks = R * triton.cdiv(T, block_t)
+        splits = send_splits(triton.cdiv(hidden, hc), blocks, 2 if interp else _num_sms(_index(dev)), self.transport)
         base = self._slot_base(slot, lay)
         s = self.sig
         x16 = x.view(torch.int16)
         call_sig = (hidden, T, handle.num_experts * 256 + K, 16 | int(fmt) << 5 | int(in_f16) << 9)
-        _ll_combine_send_fmt_kernel[(R, triton.cdiv(T, block_t))](
+        _ll_combine_send_fmt_kernel[(R, triton.cdiv(T, block_t), splits)](
             x16, x16.stride(0), x16.stride(1), handle.slot_row, handle.recv_tokens, handle.call_stamps,
             symm.buffer_ptrs, symm.signal_ptrs, symm.status,
             symm.rank, T, R, symm.timeout_ns, base + lay.comb_off, slot * s["SLOT_WORDS"],

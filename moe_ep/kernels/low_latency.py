@@ -20,7 +20,8 @@ bitcode like the sends); :func:`_ll_quiet_kernel` (NVSHMEM only) completes this 
   layout of the torch backend), copies the scales column-major, fills ``recv_count`` and the handle's
   ``slot_row`` table (where each ``(s, t, k)`` landed) for the combine.
 - :func:`_ll_combine_send_fmt_kernel` (expert rank ``d``): copies each expert output row back to slot
-  ``(t, k)`` of its source rank's combine area `[T, K, 2H bytes]` (each slot has exactly one writer): BF16 or
+  ``(t, k)`` of its source rank's combine area `[T, K, 2H bytes]` (each slot has exactly one writer rank; its
+  columns may be shared by a few programs, each writing the slot's stamp header before its columns): BF16 or
   FP16 as it is, or encoded per channel group (``FMT``: FP8 with 1x128 scales, LogFMT-10 with 64-channel
   groups; formats in :mod:`moe_ep.kernels.logfmt`).
 - :func:`_ll_combine_recv_fmt_kernel` (source ``s``): decodes each slot to float32, then ``out[t] = sum_k w[t, k] *

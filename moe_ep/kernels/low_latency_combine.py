@@ -66,14 +66,15 @@ def _cs(H):
 
 
 @triton.jit
-def _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT,
+def _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, h_lo, h_hi,
                           H: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, HC: tl.constexpr,
                           FMT: tl.constexpr, IN_F16: tl.constexpr, NATIVE_FP8: tl.constexpr, GS: tl.constexpr,
                           STAGED: tl.constexpr):
     """Encode the rows of (t, k) selections (16-bit ``x`` as int16; ``srow``: the tokens' ``slot_row`` rows, ``t_ok``:
     the tokens to send) into slot ``(t, k)`` of ``dst8`` (``GS``: channels
     per group, 128 for FP8, 64 for LogFMT); ``STAGED``: into the staging row of the expert row instead (``2H`` bytes
-    per row of ``x``'s ``[L, R*T]`` rows)."""
+    per row of ``x``'s ``[L, R*T]`` rows). Only the channels ``[h_lo, h_hi)`` (whole ``HC`` tiles: this program's
+    column split)."""
     NG: tl.constexpr = HC // GS
     CS: tl.constexpr = (2 * H + 15) // 16 * 16 + 16
     dst32 = dst8.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -87,7 +88,7 @@ def _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8,
             sb = (e_k * RT + r_k) * CS + 16  # byte offset of the expert row's staging row (after its stamp header)
         else:
             sb = (offs_t.to(tl.int64) * K + k) * CS + 16  # byte offset of slot (t, k)'s row
-        for g0 in range(0, H // GS, NG):
+        for g0 in range(h_lo // GS, h_hi // GS, NG):
             offs_g = g0 + tl.arange(0, NG)
             g_ok = offs_g < H // GS
             cols = offs_g[:, None] * GS + offs_c[None, :]
@@ -150,6 +151,12 @@ def _comb_send_body_ll(
     CS: tl.constexpr = (2 * H + 15) // 16 * 16 + 16
     s = tl.program_id(0)
     b = tl.program_id(1)
+    # Column split (axis 2; 1 on NVSHMEM, where step 2b moves whole staged rows): this program's rows cover channels
+    # [h_lo, h_hi), whole HC tiles. Every split writes the headers of its slots itself before its bytes (the same
+    # value from each), so "header, fence, row" holds per program.
+    h_per = tl.cdiv(tl.cdiv(H, HC), tl.num_programs(2)) * HC
+    h_lo = tl.program_id(2) * h_per
+    h_hi = tl.minimum(H, h_lo + h_per)
     my_sig = _peer(signal_ptrs, rank, 0, tl.int32) + sig_off
 
     # Step 1: source s has drained its combine area (it reset our busy word).
@@ -197,7 +204,7 @@ def _comb_send_body_ll(
     if FMT < 2:
         # BF16 / FP16: the 16-bit rows as they are.
         dst16 = _peer(buffer_ptrs, dst_rank, dst_off, tl.int16)
-        for h0 in range(0, H, HC):
+        for h0 in range(h_lo, h_hi, HC):
             offs_h = h0 + tl.arange(0, HC)
             h_ok = offs_h < H
             for k in tl.static_range(K):
@@ -217,10 +224,12 @@ def _comb_send_body_ll(
         # keeps its 2H bytes, the encoded row uses the first row_bytes(FMT, H) of them.
         dst8 = _peer(buffer_ptrs, dst_rank, dst_off, tl.uint8)
         if FMT == 2:
-            _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, h_lo, h_hi, H, K, BLOCK_T, HC, FMT,
+                                  IN_F16,
                                   NATIVE_FP8, 128, TRANSPORT == NVSHMEM)
         else:
-            _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, H, K, BLOCK_T, HC, FMT, IN_F16,
+            _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, h_lo, h_hi, H, K, BLOCK_T, HC, FMT,
+                                  IN_F16,
                                   NATIVE_FP8, 64, TRANSPORT == NVSHMEM)
     if TRANSPORT == NVSHMEM:
         # Step 2b: each staged row (its wire bytes) to slot (t, k) of source s.
@@ -241,7 +250,7 @@ def _comb_send_body_ll(
     # dead peer's puts never complete): the publish tells an unmapped s how many row puts to expect, and s waits
     # until that many have landed (docs/protocols.md, "NVSHMEM: no quiet on the hot path").
     tl.debug_barrier()
-    if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1)):
+    if arrive_last(my_sig + COMB_SEND_CNT + s, tl.num_programs(1) * tl.num_programs(2)):
         # This call's signature into this rank's own entry (the same four words from each source's publishing program;
         # this rank's receive compares every expert rank's with it, the publish below copies it to s).
         sig_ss = _sig_stride(R)
