@@ -225,12 +225,10 @@ def _comb_send_body_ll(
         dst8 = _peer(buffer_ptrs, dst_rank, dst_off, tl.uint8)
         if FMT == 2:
             _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, h_lo, h_hi, H, K, BLOCK_T, HC, FMT,
-                                  IN_F16,
-                                  NATIVE_FP8, 128, TRANSPORT == NVSHMEM)
+                                  IN_F16, NATIVE_FP8, 128, TRANSPORT == NVSHMEM)
         else:
             _combine_send_encoded(x_ptr, stride_xl, stride_xr, srow, t_ok, offs_t, dst8, RT, h_lo, h_hi, H, K, BLOCK_T, HC, FMT,
-                                  IN_F16,
-                                  NATIVE_FP8, 64, TRANSPORT == NVSHMEM)
+                                  IN_F16, NATIVE_FP8, 64, TRANSPORT == NVSHMEM)
     if TRANSPORT == NVSHMEM:
         # Step 2b: each staged row (its wire bytes) to slot (t, k) of source s.
         # Mapped s: the headers first, a fence, then the rows (as PEER). Unmapped s: one put per slot (header and row;
