@@ -41,7 +41,7 @@ def _cast_kernel(v_ptr, out_ptr, n, NATIVE: tl.constexpr, BLOCK: tl.constexpr):
 def _scale_kernel(a_ptr, out_ptr, n, ROUND_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     a = tl.load(a_ptr + offs, mask=offs < n)
-    tl.store(out_ptr + offs, group_scale(a, ROUND_SCALE, False), mask=offs < n)
+    tl.store(out_ptr + offs, group_scale(a, ROUND_SCALE, False, False), mask=offs < n)
 
 
 def _e4m3_bits(v: torch.Tensor, native: bool = False) -> torch.Tensor:
