@@ -85,21 +85,18 @@ def _refuse_in_capture(what: str) -> None:
                            "before the capture) before capturing, and capture only dispatch/combine.")
 
 
-def _not_supported(name: str):
-    def method(self, *args, **kwargs):
+def _not_supported(name: str, hint_of: str = ""):
+    """V2's ``name``, out of scope here: a method, or with ``hint_of`` (its feature) a static size hint. Either raises
+    NotImplementedError naming itself."""
+    def refuse(*args, **kwargs):
+        if hint_of:
+            raise NotImplementedError(f"ElasticBuffer.{name} ({hint_of}) is out of scope in this release")
         raise NotImplementedError(f"ElasticBuffer.{name} (Engram / pipeline-parallel / AGRS) is out of scope in this "
                                   "release; only expert-parallel dispatch and combine are provided")
-    method.__name__ = name
-    method.__doc__ = f"V2's ``{name}``: out of scope in this release (raises NotImplementedError)."
-    return method
-
-
-def _hint_not_supported(name: str, what: str):
-    def hint(*args, **kwargs):
-        raise NotImplementedError(f"ElasticBuffer.{name} ({what}) is out of scope in this release")
-    hint.__name__ = name
-    hint.__doc__ = f"V2's {what} size hint ``{name}``: out of scope in this release (raises NotImplementedError)."
-    return staticmethod(hint)
+    refuse.__name__ = name
+    refuse.__doc__ = (f"V2's {hint_of + ' size hint ' if hint_of else ''}``{name}``: out of scope in this release "
+                      "(raises NotImplementedError).")
+    return staticmethod(refuse) if hint_of else refuse
 
 
 class ElasticBuffer(ElasticDispatchMixin):
@@ -311,10 +308,10 @@ class ElasticBuffer(ElasticDispatchMixin):
     engram_write = _not_supported("engram_write")
     engram_fetch = _not_supported("engram_fetch")
 
-    get_engram_storage_size_hint = _hint_not_supported("get_engram_storage_size_hint", "Engram")
-    get_pp_buffer_size_hint = _hint_not_supported("get_pp_buffer_size_hint", "pipeline-parallel")
-    get_agrs_num_max_session_bytes = _hint_not_supported("get_agrs_num_max_session_bytes", "AGRS")
-    get_agrs_buffer_size_hint = _hint_not_supported("get_agrs_buffer_size_hint", "AGRS")
+    get_engram_storage_size_hint = _not_supported("get_engram_storage_size_hint", "Engram")
+    get_pp_buffer_size_hint = _not_supported("get_pp_buffer_size_hint", "pipeline-parallel")
+    get_agrs_num_max_session_bytes = _not_supported("get_agrs_num_max_session_bytes", "AGRS")
+    get_agrs_buffer_size_hint = _not_supported("get_agrs_buffer_size_hint", "AGRS")
 
     pp_set_config = _not_supported("pp_set_config")
     pp_send = _not_supported("pp_send")
