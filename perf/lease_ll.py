@@ -1,8 +1,8 @@
 """The GPU lease kit's low-latency stage (``perf/lease_checks.py ll``): what each low-latency kernel costs per peer,
 and one decode MoE layer step captured in a CUDA graph.
 
-1. ``ll EP{R}`` for R in 8, 2, 4 (that order) virtual ranks on the one GPU (DeepSeek-V3 decode: T 128, H 7168, 256 experts,
-   top-8, FP8 dispatch, BF16 combine): each phase (dispatch send, dispatch receive, combine send, combine receive;
+1. ``ll EP{R}`` for R in 8, 2, 4 (that order) virtual ranks on the one GPU (DeepSeek-V3 decode: T 128, H 7168,
+   256 experts, top-8, FP8 dispatch, BF16 combine): each phase (dispatch send, dispatch receive, combine send, combine receive;
    every virtual rank's launch of it) is captured in its own CUDA graph and the graphs are replayed in order;
    each phase's replay runs inside its own ``torch.profiler`` session (``kernel_times``), so every kernel, fills
    included, is attributed to the phase that launched it whatever its name. The row gives per phase the kernels'

@@ -191,7 +191,7 @@ def test_eps_of_the_engines(silu):
 
 
 def test_vllm_pow2_scale_floor():
-    # vLLM's per-token-group kernels (CUDA, packed CUDA, Triton fallback) round a UE8M0 scale as
+    # vLLM's per-token-group CUDA kernels (packed and unpacked) round a UE8M0 scale as
     # exp2(ceil(log2(max(|amax / 448|, 1e-10)))), amax floored at eps = 1e-10: pow2_scale_floor=1e-10. Groups with
     # amax < 448e-10 get 2^-33 (byte 0x5E) instead of their own power of two; the bytes are x / that scale.
     gen = torch.Generator().manual_seed(6)

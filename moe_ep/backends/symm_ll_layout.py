@@ -37,10 +37,10 @@ def combine_recv_columns(hidden: int, fmt: int) -> int:
 
 
 def send_splits(tiles: int, token_blocks: int, num_sms: int, transport: int) -> int:
-    """Column splits of the low-latency dispatch send's payload: each token block's ``tiles`` payload tiles are shared
-    by this many programs, enough for about two programs per SM (``num_sms``; the send is latency-bound: one program
-    per two tokens copied its tiles one after another), at most one per tile. 1 on the ``nvshmem`` transport (a
-    token's message is staged whole, then put by one program) and for an empty batch."""
+    """Column splits of a low-latency send (dispatch or combine): each of the ``token_blocks`` blocks' ``tiles`` column
+    tiles are shared by this many programs, enough for about two programs per SM (``num_sms``; the sends are
+    latency-bound: one program per few tokens copied its tiles one after another), at most one per tile. 1 on the
+    ``nvshmem`` transport (a message or row is staged whole, then put by one program) and for an empty batch."""
     if transport or token_blocks <= 0:
         return 1
     return max(1, min(tiles, -(-2 * num_sms // token_blocks)))
